@@ -1,0 +1,142 @@
+"""The whole TOML schema of a run, as msgspec Structs (one section per Struct).
+
+Every field carries a description: the loader (`asyncrl/config.py`) quotes it in error messages so that
+each problem reads as "<toml.path>: <what is wrong> — <what the field is / how to fix>".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config section: keyword-only, unknown keys rejected."""
+
+
+def _d(text: str, **kw) -> Meta:
+    return Meta(description=text, **kw)
+
+
+class TinyModelConfig(Section):
+    """A tiny random-initialised model written to `model.path` when that folder does not exist."""
+
+    arch: Annotated[Literal["qwen2", "llama"], _d("architecture of the tiny model")] = "qwen2"
+    hidden_size: Annotated[int, _d("hidden size, e.g. 64", ge=8)] = 64
+    num_layers: Annotated[int, _d("number of transformer layers", ge=1)] = 2
+    num_heads: Annotated[int, _d("attention heads; must divide hidden_size", ge=1)] = 4
+    num_kv_heads: Annotated[int, _d("key/value heads; must divide num_heads", ge=1)] = 2
+    intermediate_size: Annotated[int, _d("MLP width", ge=8)] = 128
+    vocab: Annotated[str, _d("characters of the tiny char-level tokenizer (besides special tokens)", min_length=1)] = "0123456789+-*=?, abcdefghijklmnopqrstuvwxyz"
+    max_positions: Annotated[int, _d("max_position_embeddings", ge=8)] = 128
+    seed: Annotated[int, _d("seed of the random initialisation", ge=0)] = 0
+
+
+class ModelConfig(Section):
+    path: Annotated[str, _d("local Hugging Face model folder (config.json + safetensors + tokenizer)", min_length=1)]
+    build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], _d("parameter dtype for engine and trainer")] = "float32"
+
+
+class DataConfig(Section):
+    path: Annotated[str, _d("JSONL or Parquet file of prompt rows; or leave empty and set `source`")] = ""
+    source: Annotated[str, _d("'pkg.module:function' returning an iterable of rows, called as fn(split=..., seed=...)")] = ""
+    eval_path: Annotated[str, _d("held-out JSONL/Parquet rows for evaluation (default: `source` with split='eval')")] = ""
+    prompt_key: Annotated[str, _d("row field holding the prompt text", min_length=1)] = "prompt"
+    max_prompt_len: Annotated[int, _d("prompts longer than this many tokens are cut (and counted)", ge=1)] = 256
+    shuffle: bool = True
+
+
+class RolloutConfig(Section):
+    engine: Annotated[str, _d("rollout engine name: 'torch' (native), 'vllm' or 'sglang'", min_length=1)] = "torch"
+    num_generators: Annotated[int, _d("generator actors", ge=1)] = 1
+    concurrency: Annotated[int, _d("groups a generator keeps in flight (batched together)", ge=1)] = 16
+    group_size: Annotated[int, _d("samples per prompt (GRPO group)", ge=1)] = 8
+    temperature: Annotated[float, _d("sampling temperature for training rollouts", gt=0)] = 1.0
+    top_p: Annotated[float, _d("nucleus sampling; keep 1.0 for training", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, _d("top-k sampling; -1 = off (keep -1 for training)", ge=-1)] = -1
+    max_new_tokens: Annotated[int, _d("response length limit in tokens", ge=1)] = 64
+    stop_token_ids: list[int] = []
+
+
+class RewardConfig(Section):
+    fn: Annotated[str, _d("built-in rule name (e.g. 'exact_match') or 'pkg.module:function'", min_length=1)] = "exact_match"
+    answer_key: Annotated[str, _d("row field holding the reference answer for built-in rules", min_length=1)] = "answer"
+    timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
+    num_scorers: Annotated[int, _d("scorer actors", ge=1)] = 1
+
+
+class AlgorithmConfig(Section):
+    advantage: Annotated[str, _d("advantage estimator name, e.g. 'grpo'", min_length=1)] = "grpo"
+    policy_loss: Annotated[str, _d("policy loss name, e.g. 'ppo_clip'", min_length=1)] = "ppo_clip"
+    loss_agg: Annotated[str, _d("loss aggregation, e.g. 'token-mean'", min_length=1)] = "token-mean"
+    clip_eps: Annotated[float, _d("PPO clip range epsilon", gt=0, lt=1)] = 0.2
+    filter_zero_variance: Annotated[bool, _d("drop groups whose rewards are all equal (their slots are returned)")] = False
+
+
+class TrainerConfig(Section):
+    total_steps: Annotated[int, _d("train steps (policy versions) of the run", ge=1)] = 100
+    prompts_per_step: Annotated[int, _d("groups consumed per train step", ge=1)] = 16
+    mini_batches: Annotated[int, _d("optimizer steps per epoch over the step's samples; must divide prompts_per_step*group_size", ge=1)] = 1
+    micro_batch_size: Annotated[int, _d("samples per forward/backward (gradient accumulation)", ge=1)] = 64
+    epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
+    lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
+    weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
+    betas: Annotated[list[float], _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2)] = [0.9, 0.999]
+    grad_clip: Annotated[float, _d("max gradient norm; 0 disables clipping", ge=0)] = 1.0
+    eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 disables", ge=0)] = 10
+    eval_prompts: Annotated[int, _d("number of held-out prompts per evaluation", ge=1)] = 64
+
+
+class BufferConfig(Section):
+    rollout_capacity: Annotated[int, _d("trajectories the rollout queue holds; >= one step's samples", ge=1)] = 1024
+    train_capacity: Annotated[int, _d("groups the train queue holds; >= prompts_per_step", ge=1)] = 256
+
+
+class WeightSyncConfig(Section):
+    backend: Annotated[Literal["auto", "gloo", "nccl"], _d("collective backend: auto = nccl with CUDA else gloo")] = "auto"
+    bucket_mb: Annotated[float, _d("size of one broadcast bucket in MiB", gt=0)] = 64.0
+    timeout_s: Annotated[float, _d("timeout of every collective call", gt=0)] = 120.0
+
+
+class StalenessConfig(Section):
+    max_staleness: Annotated[int, _d("k: trainer version minus a trajectory's min_version never exceeds this; 0 = on-policy", ge=0)] = 1
+
+
+class ClusterConfig(Section):
+    address: Annotated[str, _d("existing Ray cluster address; empty = start a local one")] = ""
+    num_cpus: Annotated[float, _d("logical CPUs of the local Ray cluster", gt=0)] = 2.0
+    object_store_mb: Annotated[int, _d("object store size of the local cluster in MiB", ge=64)] = 256
+    dashboard: bool = False
+    generator_cpus: Annotated[float, _d("logical CPUs each generator actor asks for", ge=0)] = 0.5
+    scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for", ge=0)] = 0.25
+    trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
+    buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
+    torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
+
+
+class RunConfig(Section):
+    output_dir: Annotated[str, _d("run directory (config, metrics.jsonl, checkpoint)", min_length=1)] = "runs/default"
+    seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
+    log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
+    save_checkpoint: bool = True
+
+
+class Config(Section):
+    model: ModelConfig
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.trainer.prompts_per_step * self.rollout.group_size

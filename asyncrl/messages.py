@@ -1,0 +1,109 @@
+"""Wire messages: every payload that crosses an actor boundary is one of these msgspec Structs.
+
+Place in the dataflow: the engine returns `Completion`s to a Generator, which wraps them into
+`Trajectory`s (rollout queue) → the Scorer fills rewards and assembles a `Group` (train queue) →
+the Trainer consumes groups. `WeightsMeta` describes the weight broadcast from the Trainer to the
+generators. Structs live here (an importable module) because a Struct defined in `__main__` loses its
+fields through Ray's pickling.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base for all wire messages: keyword-only, unknown fields rejected on decode."""
+
+
+class SamplingParams(Message):
+    """How an engine samples. Training rollouts use top_p=1, top_k=-1 (truncation changes the
+    distribution the behaviour logprobs describe)."""
+
+    n: int = 1                      # samples per prompt; they share one prefill
+    temperature: float = 1.0        # 0 means greedy (never trained; e.g. eval, ReMax baselines)
+    top_p: float = 1.0
+    top_k: int = -1                 # -1 = whole vocabulary
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = []  # besides the model's eos token ids
+    seed: int | None = None         # per-request seed; None = the engine's own generator
+
+    def validate(self) -> None:
+        """Raise ValueError with one clear line if a parameter is out of range."""
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class Completion(Message):
+    """One sampled continuation of one prompt, as an engine returns it (token ids in, token ids out)."""
+
+    prompt_ids: list[int]           # the prompt as the engine saw it (after truncation)
+    response_ids: list[int]         # sampled tokens, including a final stop/eos token if one was sampled
+    logprobs: list[float]           # behaviour logprob per response token: log_softmax(logits / T)[token]
+    versions: list[int]             # policy version that produced each response token
+    finish_reason: str              # "stop" (eos/stop token) | "length" (hit max_new_tokens)
+    prompt_truncated: bool = False  # the prompt was cut to the engine's max prompt length
+
+
+class Trajectory(Message):
+    """One finished sample, the unit of the rollout queue. The trainer trains on exactly these tokens."""
+
+    seq_id: int                      # unique per run: every trajectory is trained once or accounted for
+    group_id: int                    # samples of one prompt share it (group advantages, admission)
+    group_size: int                  # how many samples the group holds when complete
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[bool]            # per response token; False on tokens the environment wrote
+    behavior_logprobs: list[float]   # log_softmax(logits / T) from the engine that sampled them
+    versions: list[int]              # policy version of each response token
+    min_version: int                 # staleness is measured from this one
+    max_version: int                 # differs from min_version only after an in-flight weight swap
+    finish_reason: str               # "stop" | "length" | "error"
+    truncated: bool = False          # response cut at max_new_tokens (DAPO shaping reads it)
+    prompt_truncated: bool = False
+    temperature: float = 1.0         # the trainer divides its logits by the same temperature
+    prompt_text: str = ""            # what the reward function sees as the prompt
+    row_json: bytes = b""            # the dataset row, JSON-encoded; user fields are schemaless, so only
+                                     # the scorer decodes them (to call the reward function)
+    generator_id: int = 0
+    reward: float = 0.0              # filled by the scorer
+    error: str = ""                  # why it failed, if finish_reason == "error"
+
+
+class Group(Message):
+    """All samples of one prompt after scoring: the unit of the train queue and of admission."""
+
+    group_id: int
+    min_version: int                 # min over members; the staleness gate reads it
+    trajectories: list[Trajectory]
+
+
+class TensorMeta(Message, array_like=True):
+    # array_like: sent once per sync setup with one entry per parameter; field order is fixed here.
+    name: str
+    shape: list[int]
+    dtype: str                       # torch dtype name without the "torch." prefix, e.g. "float32"
+
+
+class WeightsMeta(Message):
+    """What a weight receiver must know to take part in the bucketed broadcast."""
+
+    tensors: list[TensorMeta]        # in broadcast order
+    buckets: list[list[int]]         # indices into `tensors`, one list per bucket, in broadcast order
+    total_bytes: int
+
+
+class StepResult(Message):
+    """What the trainer reports for one train step (metrics carry their own names)."""
+
+    step: int
+    version: int                     # policy version after this step's update
+    metrics: dict[str, float]
