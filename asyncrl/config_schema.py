@@ -84,7 +84,7 @@ class TrainerConfig(Section):
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
     weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
-    betas: Annotated[list[float], _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2)] = [0.9, 0.999]
+    betas: Annotated[list[float], _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2)] = msgspec.field(default_factory=lambda: [0.9, 0.999])
     grad_clip: Annotated[float, _d("max gradient norm; 0 disables clipping", ge=0)] = 1.0
     eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 disables", ge=0)] = 10
     eval_prompts: Annotated[int, _d("number of held-out prompts per evaluation", ge=1)] = 64
