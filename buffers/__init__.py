@@ -1,0 +1,17 @@
+"""Buffers between the roles: bounded rollout queue, grouping by prompt, staleness gate, and the
+`ReplayHub` that composes them inside one async actor (plain asyncio here; no Ray)."""
+
+from buffers.gate import RELEASE_REASONS, AdmissionGate
+from buffers.grouping import GroupAssembler
+from buffers.hub import ReplayHub
+from buffers.queue import BoundedQueue, QueueClosed, Signal
+
+__all__ = [
+    "RELEASE_REASONS",
+    "AdmissionGate",
+    "BoundedQueue",
+    "GroupAssembler",
+    "QueueClosed",
+    "ReplayHub",
+    "Signal",
+]

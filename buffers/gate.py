@@ -1,0 +1,215 @@
+"""The staleness gate: admission of groups for generation, and the order in which training takes them.
+
+Place in the dataflow: a Generator asks `admit` for group ids before it starts a prompt; the Scorer
+`accept`s a finished group (it goes to training) or `release`s it ("filtered", "failed"); the Trainer
+`take_step`s the ids of the next P groups to train on and, after its update, `publish`es the new
+version. With P = prompts_per_step and k = max_staleness:
+
+Admission (AReaL's capacity rule, in groups). A generator whose engine holds version m may admit a
+group only while ``accepted + running < (m + k + 1) * P``; `accepted` counts every group accepted since
+the run began (consumed or not), `running` the admitted groups not yet accepted or released. A release
+gives the slot back (running -= 1) and is counted per reason, so filtering never deadlocks admission.
+The caller passes its OWN engine version, which may lag the published one: stricter, still correct.
+
+Training order (a deliberate, provable variant of ARCHITECTURE.md's "oldest first, wait for groups
+with min_version < s - k"): the trainer consumes the non-released groups strictly in ADMISSION order,
+P per step. `take_step(s)` waits until the P oldest unconsumed, non-released groups are all accepted
+(the wait is `trainer_wait_s`, reported as trainer idle time on the gate).
+
+Why every consumed group has 0 <= staleness = s - min_version <= k:
+  * Upper bound. When a group is admitted at version m, the non-released groups admitted so far
+    (accepted + running, itself included) number <= (m + k + 1) * P, so its 0-based rank among
+    non-released groups in admission order is < (m + k + 1) * P. Later releases of earlier groups
+    only lower that rank, later admissions do not change it, and step s consumes ranks
+    [s*P, (s+1)*P). So it is consumed at step s <= m + k.
+  * Lower bound. It is admitted at m <= published version, and `publish(v)` is refused before v
+    steps were taken (v <= steps taken), so steps 0..m-1 were already taken: s >= m.
+  `take_step` re-checks both bounds for every group it returns and raises if either were broken.
+Corollary used by the hub: admitted groups that are not released and not yet consumed never exceed
+(k + 1) * P (at admission accepted + running <= (m + k + 1) * P and consumed = steps taken * P >= m * P).
+
+All methods run on one event loop; sync methods wake waiters through `Signal` (no lock needed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import islice
+
+from buffers.queue import Signal, timed_wait
+
+log = logging.getLogger(__name__)
+
+RELEASE_REASONS = ("filtered", "failed")
+
+
+@dataclass(slots=True)
+class _Live:
+    """An admitted group that is neither released nor consumed yet."""
+
+    version: int            # the engine version it was admitted at: its min_version for the gate
+    accepted: bool = False  # False while running (generation or scoring)
+
+
+class AdmissionGate:
+    """Capacity rule for admission + admission-order consumption; see the module docstring."""
+
+    def __init__(self, *, prompts_per_step: int, max_staleness: int) -> None:
+        if prompts_per_step < 1:
+            raise ValueError(f"trainer.prompts_per_step must be >= 1, got {prompts_per_step}")
+        if max_staleness < 0:
+            raise ValueError(f"staleness.max_staleness must be >= 0, got {max_staleness}")
+        self.prompts_per_step = prompts_per_step
+        self.max_staleness = max_staleness
+        self._signal = Signal()
+        self._closed = False
+        self._published = 0
+        self._steps_taken = 0
+        self._next_id = 0
+        # Ids grow with admission and dicts keep insertion order, so iteration is admission order.
+        self._live: dict[int, _Live] = {}
+        self._running = 0
+        self._accepted = 0
+        self._consumed = 0
+        self._released = {reason: 0 for reason in RELEASE_REASONS}
+        self._max_staleness_seen = 0
+        self.admit_wait_s = 0.0    # generators blocked on the capacity rule (summed)
+        self.trainer_wait_s = 0.0  # trainer blocked in take_step: its idle time on the gate
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def published_version(self) -> int:
+        return self._published
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def steps_taken(self) -> int:
+        return self._steps_taken
+
+    def capacity(self, version: int) -> int:
+        """Groups that may be accepted + running for an engine at `version`."""
+        return (version + self.max_staleness + 1) * self.prompts_per_step
+
+    def is_running(self, group_id: int) -> bool:
+        entry = self._live.get(group_id)
+        return entry is not None and not entry.accepted
+
+    def admitted_version(self, group_id: int) -> int:
+        """The version a live (not consumed, not released) group was admitted at."""
+        if group_id not in self._live:
+            raise ValueError(f"group {group_id} is not admitted, or was already consumed or released")
+        return self._live[group_id].version
+
+    # -- generators ----------------------------------------------------------------------------
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+        """Fresh group ids (<= max_groups) admitted at `version`, waiting until at least one fits.
+
+        Returns [] without admitting on timeout, on close, or once the published version is newer
+        than `version` while no group fits (load the newer weights, then ask again).
+        """
+        if max_groups < 1:
+            raise ValueError(f"admit: max_groups must be >= 1, got {max_groups}")
+        if version > self._published:
+            raise ValueError(f"admit: version {version} is newer than the published {self._published}")
+
+        def room() -> int:
+            return self.capacity(version) - (self._accepted + self._running)
+
+        _, waited = await timed_wait(
+            self._signal, lambda: self._closed or self._published > version or room() > 0, timeout
+        )
+        self.admit_wait_s += waited
+        n = min(max_groups, room())
+        if self._closed or n <= 0:
+            return []
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        for gid in ids:
+            self._live[gid] = _Live(version)
+        self._running += n
+        return ids
+
+    # -- scorers ------------------------------------------------------------------------------
+    def accept(self, group_id: int) -> None:
+        """A running group finished scoring and goes to training."""
+        if not self.is_running(group_id):
+            raise ValueError(f"accept: group {group_id} is not running (unknown, accepted or released)")
+        self._live[group_id].accepted = True
+        self._running -= 1
+        self._accepted += 1
+        self._signal.notify_all()
+
+    def release(self, group_id: int, reason: str) -> None:
+        """A running group will not be trained ("filtered" or "failed"): its slot is returned."""
+        if reason not in RELEASE_REASONS:
+            raise ValueError(f"release: reason must be one of {RELEASE_REASONS}, got {reason!r}")
+        if not self.is_running(group_id):
+            raise ValueError(f"release: group {group_id} is not running (unknown, accepted or released)")
+        del self._live[group_id]
+        self._running -= 1
+        self._released[reason] += 1
+        self._signal.notify_all()
+
+    # -- trainer ------------------------------------------------------------------------------
+    async def take_step(self, step: int, timeout: float | None = None) -> list[int]:
+        """Ids of the P oldest live groups, in admission order, once all of them are accepted.
+
+        `step` must be the number of steps taken so far. Returns [] on timeout or close.
+        """
+        if step != self._steps_taken:
+            raise ValueError(f"take_step: expected step {self._steps_taken}, got {step}")
+        p = self.prompts_per_step
+
+        def head_ready() -> bool:
+            head = list(islice(self._live.values(), p))
+            return len(head) == p and all(g.accepted for g in head)
+
+        ok, waited = await timed_wait(self._signal, lambda: self._closed or head_ready(), timeout)
+        self.trainer_wait_s += waited
+        if self._closed or not ok:
+            return []
+        ids = list(islice(self._live, p))
+        for gid in ids:
+            staleness = step - self._live.pop(gid).version
+            if not 0 <= staleness <= self.max_staleness:  # the module docstring proves this holds
+                raise RuntimeError(f"group {gid} has staleness {staleness} at step {step}: gate invariant broken")
+            self._max_staleness_seen = max(self._max_staleness_seen, staleness)
+        self._consumed += p
+        self._steps_taken += 1
+        return ids
+
+    def publish(self, version: int) -> None:
+        """The trainer published weights `version`; wakes waiters. Re-publishing a version is a no-op."""
+        if version < self._published:
+            raise ValueError(f"publish: version {version} is older than the published {self._published}")
+        if version > self._steps_taken:
+            # The lower staleness bound needs steps 0..version-1 taken before version is published.
+            raise ValueError(f"publish: version {version} needs {version} steps taken, only {self._steps_taken} were")
+        if version > self._published:
+            self._published = version
+            self._signal.notify_all()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wake every waiter: admit and take_step return []; accept/release still account."""
+        self._closed = True
+        self._signal.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "admitted": float(self._next_id),
+            "accepted": float(self._accepted),
+            "consumed": float(self._consumed),
+            "running": float(self._running),
+            "filtered": float(self._released["filtered"]),
+            "failed": float(self._released["failed"]),
+            "published_version": float(self._published),
+            "steps_taken": float(self._steps_taken),
+            "max_staleness_seen": float(self._max_staleness_seen),
+            "admit_wait_s": self.admit_wait_s,
+            "trainer_wait_s": self.trainer_wait_s,
+        }

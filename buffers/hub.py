@@ -1,0 +1,156 @@
+"""ReplayHub: the rollout queue, the staleness gate and the train store behind one async interface.
+
+Place in the dataflow (the runtime hosts one hub inside one async actor; every role calls it):
+
+| caller    | calls                                           | waits for                                 |
+|-----------|-------------------------------------------------|-------------------------------------------|
+| Generator | `admit` → ids, `put_rollouts`                   | gate capacity; room in the rollout queue  |
+| Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
+| Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
+
+The train store is keyed by group id because the gate, not arrival order, decides training order
+(admission order): groups scored out of order wait here until the groups before them are in.
+
+Train capacity and deadlock. The gate guarantees that admitted groups that are neither released nor
+consumed never exceed (k + 1) * P (see buffers/gate.py). Stored groups are a subset of those, and a
+group being accepted is still running, so with train_capacity >= (k + 1) * P the store always has room
+when `accept_groups` runs: it never blocks, and in particular never while the group the trainer waits
+for is still running behind a store full of later groups. A smaller train_capacity could deadlock
+exactly that way, so the constructor raises it to (k + 1) * P with a logged warning (the memory bound
+is then the gate's). Below prompts_per_step it is a config error (as the config schema documents).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from asyncrl.messages import Group, Trajectory
+from buffers.gate import AdmissionGate
+from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
+
+log = logging.getLogger(__name__)
+
+
+class ReplayHub:
+    """All buffers of a run; every method is safe to call concurrently from one event loop."""
+
+    def __init__(
+        self,
+        *,
+        prompts_per_step: int,
+        group_size: int,
+        max_staleness: int,
+        rollout_capacity: int,
+        train_capacity: int,
+    ) -> None:
+        step_samples = prompts_per_step * group_size
+        if rollout_capacity < step_samples:
+            raise ValueError(
+                f"buffer.rollout_capacity = {rollout_capacity} is below one step's samples "
+                f"(prompts_per_step * group_size = {step_samples}); raise it"
+            )
+        if train_capacity < prompts_per_step:
+            raise ValueError(
+                f"buffer.train_capacity = {train_capacity} is below trainer.prompts_per_step = "
+                f"{prompts_per_step}; raise it"
+            )
+        needed = (max_staleness + 1) * prompts_per_step
+        if train_capacity < needed:
+            log.warning(
+                "buffer.train_capacity = %d raised to (max_staleness + 1) * prompts_per_step = %d: "
+                "a smaller train store can deadlock the gate's admission-order training",
+                train_capacity, needed,
+            )
+            train_capacity = needed
+        self.gate = AdmissionGate(prompts_per_step=prompts_per_step, max_staleness=max_staleness)
+        self.rollouts: BoundedQueue[Trajectory] = BoundedQueue(rollout_capacity, name="rollout queue")
+        self.train_capacity = train_capacity
+        self._train: dict[int, Group] = {}
+        self._train_room = Signal()
+        self._closed = False
+        self.train_put_wait_s = 0.0
+
+    # -- generators ----------------------------------------------------------------------------
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+        return await self.gate.admit(max_groups, version, timeout)
+
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        await self.rollouts.put_many(trajs)
+
+    # -- scorers ------------------------------------------------------------------------------
+    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+        return await self.rollouts.get_many(max_items, timeout)
+
+    async def accept_groups(self, groups: list[Group]) -> None:
+        """Store scored groups for training and accept them at the gate, in the given order.
+
+        Raises ValueError for a group that is not running at the gate, or whose min_version is
+        older than the version it was admitted at (the generator admitted with a newer version than
+        its engine held, which would void the staleness bound); QueueClosed once the hub is closed.
+        """
+        for group in groups:
+            self._check_acceptable(group)
+            _, waited = await timed_wait(
+                self._train_room, lambda: self._closed or len(self._train) < self.train_capacity, None
+            )
+            self.train_put_wait_s += waited
+            if self._closed:
+                raise QueueClosed("replay hub is closed")
+            self._check_acceptable(group)  # another caller may have accepted it while we waited
+            # No await between these two lines: take_step sees a group accepted iff it is stored.
+            self.gate.accept(group.group_id)
+            self._train[group.group_id] = group
+
+    def _check_acceptable(self, group: Group) -> None:
+        gid = group.group_id
+        if not self.gate.is_running(gid):
+            raise ValueError(f"accept_groups: group {gid} is not running (unknown, accepted or released)")
+        admitted_at = self.gate.admitted_version(gid)
+        if group.min_version < admitted_at:
+            raise ValueError(
+                f"accept_groups: group {gid} has min_version {group.min_version} but was admitted at "
+                f"version {admitted_at}; a generator must admit with its engine's own version"
+            )
+
+    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+        """Give back the slots of running groups that will not be trained ("filtered" / "failed")."""
+        for gid in group_ids:  # validate all first, so a bad id releases nothing
+            if not self.gate.is_running(gid):
+                raise ValueError(f"release_groups: group {gid} is not running (unknown, accepted or released)")
+        for gid in group_ids:
+            self.gate.release(gid, reason)
+
+    # -- trainer ------------------------------------------------------------------------------
+    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
+        """The P groups of train step `step` in admission order; [] on timeout or close."""
+        ids = await self.gate.take_step(step, timeout)
+        groups = [self._train.pop(gid) for gid in ids]
+        if groups:
+            self._train_room.notify_all()
+        return groups
+
+    async def publish(self, version: int) -> None:
+        self.gate.publish(version)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Wake every waiter: gets drain then return [], admit/take_step return [], puts raise."""
+        self._closed = True
+        self.rollouts.close()
+        self.gate.close()
+        self._train_room.notify_all()
+
+    async def stats(self) -> dict[str, float]:
+        out = {f"buffer/{key}": value for key, value in self.gate.stats().items()}
+        out.update({
+            "buffer/rollout_depth": float(self.rollouts.qsize()),
+            "buffer/rollout_capacity": float(self.rollouts.capacity),
+            "buffer/rollouts_put": float(self.rollouts.total_put),
+            "buffer/rollouts_got": float(self.rollouts.total_got),
+            "buffer/rollout_put_wait_s": self.rollouts.put_wait_s,
+            "buffer/rollout_get_wait_s": self.rollouts.get_wait_s,
+            "buffer/train_depth": float(len(self._train)),
+            "buffer/train_capacity": float(self.train_capacity),
+            "buffer/train_put_wait_s": self.train_put_wait_s,
+        })
+        return out

@@ -1,0 +1,316 @@
+"""AdmissionGate: capacity maths, slot return on release, admission-order training, staleness bound."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from buffers.gate import AdmissionGate
+
+SHORT = 0.02  # seconds
+
+
+def run(coro, timeout: float = 2.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def yield_randomly(rng: random.Random, most: int = 4) -> None:
+    """A random amount of 'work' that costs no wall time: a few trips through the event loop."""
+    for _ in range(rng.randint(0, most)):
+        await asyncio.sleep(0)
+
+
+async def finish_step(gate: AdmissionGate, step: int) -> list[int]:
+    """Accept every running group, take step `step`, publish version step + 1."""
+    for gid in list(gate._live):
+        if gate.is_running(gid):
+            gate.accept(gid)
+    ids = await gate.take_step(step, timeout=SHORT)
+    gate.publish(step + 1)
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("k", "admitted_by_version"),
+    [
+        (0, [3, 6, 9, 12]),    # P = 3: exactly one step's groups per version
+        (1, [6, 9, 12, 15]),   # one step ahead
+        (4, [15, 18, 21, 24]),
+    ],
+)
+def test_admits_exactly_up_to_v_plus_k_plus_1_steps_of_groups_at_each_version(k, admitted_by_version):
+    async def main():
+        gate = AdmissionGate(prompts_per_step=3, max_staleness=k)
+        totals = []
+        for version in range(len(admitted_by_version)):
+            await gate.admit(100, version)
+            assert await gate.admit(1, version, timeout=0) == []  # full at this version
+            totals.append(int(gate.stats()["admitted"]))
+            assert len(await finish_step(gate, version)) == 3
+            # consumed groups still count as accepted: taking a step alone frees no slot
+            assert await gate.admit(1, version, timeout=0) == []
+        return totals
+
+    assert run(main()) == admitted_by_version
+
+
+def test_admission_ids_are_fresh_and_in_admission_order():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        return await gate.admit(3, 0), await gate.admit(3, 0)
+
+    assert run(main()) == ([0, 1, 2], [3])
+
+
+def test_k0_admits_no_group_of_step_s_before_version_s_is_published():
+    stats = run(simulate(k=0, prompts_per_step=3, steps=6, generators=3, seed=7))
+    for gid, step in stats["consumed"].items():
+        engine_version, published_at_admission = stats["admitted_at"][gid]
+        assert engine_version == step
+        assert published_at_admission >= step
+
+
+def test_filtered_group_returns_its_slot_so_a_replacement_can_be_admitted():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+        first = await gate.admit(5, 0)
+        full = await gate.admit(1, 0, timeout=0)
+        gate.release(first[0], "filtered")
+        replacement = await gate.admit(5, 0, timeout=0)
+        return first, full, replacement, gate.stats()
+
+    first, full, replacement, stats = run(main())
+    assert first == [0, 1] and full == [] and replacement == [2]
+    assert stats["filtered"] == 1 and stats["running"] == 2 and stats["admitted"] == 3
+
+
+def test_release_and_accept_reject_unknown_duplicate_and_bad_reason():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=1, max_staleness=0)
+        [gid] = await gate.admit(1, 0)
+        with pytest.raises(ValueError, match="reason"):
+            gate.release(gid, "boring")
+        gate.release(gid, "failed")
+        with pytest.raises(ValueError, match="not running"):
+            gate.release(gid, "failed")
+        with pytest.raises(ValueError, match="not running"):
+            gate.accept(gid)
+        with pytest.raises(ValueError, match="not running"):
+            gate.accept(99)
+        return gate.stats()
+
+    stats = run(main())
+    assert stats["failed"] == 1 and stats["running"] == 0
+
+
+def test_no_deadlock_when_every_group_of_a_step_is_filtered_once():
+    steps, p = 4, 3
+
+    async def main():
+        gate = AdmissionGate(prompts_per_step=p, max_staleness=0)
+        retry: list[int] = []           # prompts whose first attempt was filtered
+        attempts: dict[int, int] = {}   # prompt -> attempts so far
+        prompt_of: dict[int, int] = {}  # group id -> prompt
+        next_prompt = 0
+        scoring: list[asyncio.Task] = []
+
+        async def score(gid: int) -> None:
+            await asyncio.sleep(0)
+            prompt = prompt_of[gid]
+            attempts[prompt] = attempts.get(prompt, 0) + 1
+            if attempts[prompt] == 1:
+                gate.release(gid, "filtered")
+                retry.append(prompt)
+            else:
+                gate.accept(gid)
+
+        async def generator() -> None:
+            nonlocal next_prompt
+            while not gate.closed:
+                for gid in await gate.admit(p, gate.published_version):
+                    if retry:
+                        prompt_of[gid] = retry.pop(0)
+                    else:
+                        prompt_of[gid], next_prompt = next_prompt, next_prompt + 1
+                    scoring.append(asyncio.create_task(score(gid)))
+
+        async def trainer() -> list[list[int]]:
+            taken = []
+            for step in range(steps):
+                taken.append(await gate.take_step(step))
+                gate.publish(step + 1)
+            gate.close()
+            return taken
+
+        gen = asyncio.create_task(generator())
+        taken = await trainer()
+        await gen
+        await asyncio.gather(*scoring)
+        return taken, attempts, prompt_of, gate.stats()
+
+    taken, attempts, prompt_of, stats = run(main())
+    assert [len(ids) for ids in taken] == [p] * steps
+    assert all(attempts[prompt_of[gid]] == 2 for ids in taken for gid in ids)
+    assert stats["consumed"] == steps * p
+    assert stats["filtered"] >= steps * p
+
+
+def test_admit_returns_empty_when_a_newer_version_is_published_while_waiting():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+        await gate.admit(2, 0)
+        for gid in (0, 1):
+            gate.accept(gid)
+        await gate.take_step(0)
+        waiter = asyncio.create_task(gate.admit(1, 0))  # full at version 0
+        await asyncio.sleep(SHORT)
+        waited = not waiter.done()
+        gate.publish(1)
+        result = await asyncio.wait_for(waiter, SHORT * 5)
+        return waited, result, gate.stats()["admitted"], await gate.admit(1, 1, timeout=0)
+
+    waited, result, admitted, fresh = run(main())
+    assert waited and result == [] and admitted == 2
+    assert fresh == [2]
+
+
+def test_take_step_waits_for_an_earlier_running_group_even_if_later_ones_are_accepted():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        ids = await gate.admit(4, 0)
+        for gid in ids[1:]:
+            gate.accept(gid)
+        trainer = asyncio.create_task(gate.take_step(0))
+        await asyncio.sleep(SHORT)
+        waited = not trainer.done()
+        gate.accept(ids[0])
+        first = await asyncio.wait_for(trainer, SHORT * 5)
+        second = await gate.take_step(1, timeout=0)
+        return waited, first, second, gate.stats()["trainer_wait_s"]
+
+    waited, first, second, wait_s = run(main())
+    assert waited and first == [0, 1] and second == [2, 3]
+    assert wait_s >= SHORT * 0.5
+
+
+def test_take_step_skips_a_released_head_group_and_times_out_empty():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        await gate.admit(3, 0)
+        gate.accept(1)
+        gate.accept(2)
+        gate.release(0, "failed")
+        taken = await gate.take_step(0, timeout=0)
+        empty = await gate.take_step(1, timeout=SHORT)
+        return taken, empty
+
+    assert run(main()) == ([1, 2], [])
+
+
+def test_publish_and_take_step_enforce_the_step_contract():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=1, max_staleness=0)
+        with pytest.raises(ValueError, match="steps taken"):
+            gate.publish(1)  # no step taken yet: a group admitted at 1 could be trained at step 0
+        with pytest.raises(ValueError, match="expected step 0"):
+            await gate.take_step(3)
+        with pytest.raises(ValueError, match="newer than the published"):
+            await gate.admit(1, 2)
+        await gate.admit(1, 0)
+        assert await finish_step(gate, 0) == [0]  # publishes 1
+        gate.publish(1)  # re-publishing is a no-op
+        with pytest.raises(ValueError, match="older"):
+            gate.publish(0)
+        return gate.published_version
+
+    assert run(main()) == 1
+
+
+def test_close_wakes_admit_and_take_step_waiters():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=1, max_staleness=0)
+        await gate.admit(1, 0)
+        waiters = [asyncio.create_task(gate.admit(1, 0)), asyncio.create_task(gate.take_step(0))]
+        await asyncio.sleep(SHORT)
+        gate.close()
+        return await asyncio.wait_for(asyncio.gather(*waiters), SHORT * 5)
+
+    assert run(main()) == [[], []]
+
+
+async def simulate(*, k: int, prompts_per_step: int, steps: int, generators: int, seed: int,
+                   filter_p: float = 0.2, fail_p: float = 0.1) -> dict:
+    """Generators with lagging engines, random scoring times and outcomes, one trainer."""
+    rng = random.Random(seed)
+    gate = AdmissionGate(prompts_per_step=prompts_per_step, max_staleness=k)
+    admitted_at: dict[int, tuple[int, int]] = {}  # gid -> (engine version, published version)
+    released: dict[int, str] = {}
+    accepted: set[int] = set()
+    consumed: dict[int, int] = {}                 # gid -> step
+    order: list[int] = []
+    scoring: list[asyncio.Task] = []
+
+    async def score(gid: int) -> None:
+        await yield_randomly(rng, 8)
+        r = rng.random()
+        if r < filter_p + fail_p:
+            reason = "filtered" if r < filter_p else "failed"
+            gate.release(gid, reason)
+            assert gid not in released
+            released[gid] = reason
+        else:
+            gate.accept(gid)
+            accepted.add(gid)
+
+    async def generator() -> None:
+        engine = 0
+        while not gate.closed:
+            if rng.random() < 0.5:  # the engine loads the newest weights only now and then
+                engine = gate.published_version
+            ids = await gate.admit(rng.randint(1, prompts_per_step + 1), engine)
+            if not ids:
+                engine = gate.published_version
+            for gid in ids:
+                admitted_at[gid] = (engine, gate.published_version)
+                scoring.append(asyncio.create_task(score(gid)))
+            await yield_randomly(rng)
+
+    async def trainer() -> None:
+        for step in range(steps):
+            ids = await gate.take_step(step)
+            for gid in ids:
+                assert gid not in consumed
+                consumed[gid] = step
+            order.extend(ids)
+            await yield_randomly(rng)
+            gate.publish(step + 1)
+        gate.close()
+
+    gens = [asyncio.create_task(generator()) for _ in range(generators)]
+    await trainer()
+    await asyncio.gather(*gens)
+    await asyncio.gather(*scoring)
+    return {"admitted_at": admitted_at, "released": released, "accepted": accepted,
+            "consumed": consumed, "order": order, "stats": gate.stats()}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_run_keeps_staleness_within_bound_and_accounts_every_group_once(k, seed):
+    p, steps = 3, 8
+    out = run(simulate(k=k, prompts_per_step=p, steps=steps, generators=3, seed=seed))
+    admitted_at, consumed, released = out["admitted_at"], out["consumed"], out["released"]
+    staleness = [step - admitted_at[gid][0] for gid, step in consumed.items()]
+    assert len(consumed) == steps * p
+    assert min(staleness) >= 0 and max(staleness) <= k
+    assert out["order"] == sorted(out["order"])  # admission order
+    leftover = out["accepted"] - consumed.keys()
+    assert not (consumed.keys() & released.keys())
+    assert not (leftover & released.keys())
+    assert consumed.keys() | released.keys() | leftover == admitted_at.keys()
+    stats = out["stats"]
+    assert stats["admitted"] == len(admitted_at)
+    assert stats["admitted"] == stats["consumed"] + stats["filtered"] + stats["failed"] + len(leftover)
+    assert stats["running"] == 0

@@ -1,0 +1,189 @@
+"""ReplayHub: capacity checks, train-store ordering, and a fake generator/scorer/trainer run."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import pytest
+
+from asyncrl.messages import Group, Trajectory
+from buffers.grouping import GroupAssembler
+from buffers.hub import ReplayHub
+from buffers.queue import QueueClosed
+
+SHORT = 0.02  # seconds
+
+
+def run(coro, timeout: float = 2.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def traj(seq_id: int, group_id: int, group_size: int, version: int) -> Trajectory:
+    return Trajectory(
+        seq_id=seq_id, group_id=group_id, group_size=group_size,
+        prompt_ids=[1, 2], response_ids=[3], loss_mask=[True], behavior_logprobs=[-1.0],
+        versions=[version], min_version=version, max_version=version, finish_reason="stop",
+    )
+
+
+def group(group_id: int, version: int, size: int = 2) -> Group:
+    members = [traj(group_id * size + i, group_id, size, version) for i in range(size)]
+    return Group(group_id=group_id, min_version=version, trajectories=members)
+
+
+def make_hub(**overrides) -> ReplayHub:
+    kwargs = dict(prompts_per_step=2, group_size=2, max_staleness=1, rollout_capacity=8, train_capacity=8)
+    kwargs.update(overrides)
+    return ReplayHub(**kwargs)
+
+
+def test_capacities_below_one_step_are_config_errors_naming_the_key():
+    with pytest.raises(ValueError, match=r"buffer\.rollout_capacity"):
+        make_hub(rollout_capacity=3)  # one step is 2 * 2 = 4 samples
+    with pytest.raises(ValueError, match=r"buffer\.train_capacity"):
+        make_hub(train_capacity=1)
+
+
+def test_train_capacity_below_k_plus_1_steps_is_raised_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="buffers.hub"):
+        hub = make_hub(max_staleness=3, train_capacity=2)
+    assert hub.train_capacity == 8
+    assert "buffer.train_capacity" in caplog.text
+    assert make_hub(max_staleness=3, train_capacity=20).train_capacity == 20
+
+
+def test_accept_groups_never_blocks_with_the_most_groups_the_gate_lets_live():
+    async def main():
+        hub = make_hub(max_staleness=2, train_capacity=2)  # raised to (2 + 1) * 2 = 6
+        ids = await hub.admit(100, 0)
+        # every admitted group accepted, newest first (out of admission order)
+        await asyncio.wait_for(hub.accept_groups([group(g, 0) for g in reversed(ids)]), SHORT * 5)
+        return ids, await hub.stats()
+
+    ids, stats = run(main())
+    assert len(ids) == 6
+    assert stats["buffer/train_depth"] == 6 and stats["buffer/train_put_wait_s"] == 0.0
+
+
+def test_take_step_returns_groups_in_admission_order_after_out_of_order_accepts():
+    async def main():
+        hub = make_hub()
+        ids = await hub.admit(4, 0)
+        await hub.accept_groups([group(ids[3], 0), group(ids[1], 0), group(ids[2], 0)])
+        early = await hub.take_step(0, timeout=SHORT)  # ids[0] still running
+        await hub.accept_groups([group(ids[0], 0)])
+        first = await hub.take_step(0, timeout=0)
+        await hub.publish(1)
+        second = await hub.take_step(1, timeout=0)
+        return ids, early, first, second, await hub.stats()
+
+    ids, early, first, second, stats = run(main())
+    assert early == []
+    assert [g.group_id for g in first] == ids[:2] and [g.group_id for g in second] == ids[2:]
+    assert stats["buffer/train_depth"] == 0 and stats["buffer/consumed"] == 4
+
+
+def test_accept_groups_rejects_a_group_older_than_its_admission_or_not_running():
+    async def main():
+        hub = make_hub()
+        [gid] = await hub.admit(1, 0)
+        await hub.release_groups([gid], "filtered")
+        with pytest.raises(ValueError, match="not running"):
+            await hub.accept_groups([group(gid, 0)])
+        for gid in await hub.admit(3, 0):
+            await hub.accept_groups([group(gid, 0)])
+        await hub.take_step(0)
+        await hub.publish(1)
+        [late] = await hub.admit(1, 1)
+        with pytest.raises(ValueError, match="admitted at version 1"):
+            await hub.accept_groups([group(late, 0)])
+        with pytest.raises(ValueError, match="not running"):
+            await hub.release_groups([late, 999], "failed")
+        return hub.gate.is_running(late), await hub.stats()
+
+    still_running, stats = run(main())
+    assert still_running  # the bad id in the batch released nothing
+    assert stats["buffer/filtered"] == 1 and stats["buffer/failed"] == 0
+
+
+def test_close_wakes_every_hub_waiter():
+    async def main():
+        hub = make_hub(max_staleness=0)
+        await hub.admit(2, 0)
+        waiters = [
+            asyncio.create_task(hub.admit(1, 0)),
+            asyncio.create_task(hub.get_rollouts(4)),
+            asyncio.create_task(hub.take_step(0)),
+        ]
+        await asyncio.sleep(SHORT)
+        await hub.close()
+        results = await asyncio.wait_for(asyncio.gather(*waiters), SHORT * 5)
+        with pytest.raises(QueueClosed):
+            await hub.put_rollouts([traj(0, 0, 2, 0)])
+        return results
+
+    assert run(main()) == [[], [], []]
+
+
+def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
+    p, size, k, steps = 3, 2, 1, 5
+    seq = itertools.count()
+
+    async def main():
+        hub = ReplayHub(prompts_per_step=p, group_size=size, max_staleness=k,
+                        rollout_capacity=p * size, train_capacity=p)
+        staleness: list[int] = []
+
+        async def generator() -> None:
+            try:
+                while True:
+                    version = int((await hub.stats())["buffer/published_version"])
+                    ids = await hub.admit(2, version)
+                    if not ids:
+                        if hub.gate.closed:
+                            return
+                        continue
+                    await asyncio.sleep(0)  # "decode"
+                    await hub.put_rollouts([traj(next(seq), g, size, version) for g in ids for _ in range(size)])
+            except QueueClosed:
+                return
+
+        async def scorer() -> None:
+            assembler = GroupAssembler()
+            while batch := await hub.get_rollouts(4):
+                for t in batch:
+                    done = assembler.add(t)
+                    if done is None:
+                        continue
+                    try:
+                        if done.group_id % 4 == 3:  # e.g. zero reward variance
+                            await hub.release_groups([done.group_id], "filtered")
+                        else:
+                            await hub.accept_groups([done])
+                    except QueueClosed:
+                        return
+
+        async def trainer() -> None:
+            for step in range(steps):
+                groups = await hub.take_step(step)
+                assert len(groups) == p
+                staleness.extend(step - g.min_version for g in groups)
+                await asyncio.sleep(0)  # "train"
+                await hub.publish(step + 1)
+            await hub.close()
+
+        roles = [generator(), generator(), scorer(), trainer()]
+        await asyncio.gather(*roles)
+        return staleness, await hub.stats()
+
+    staleness, stats = run(main())
+    assert len(staleness) == steps * p and 0 <= min(staleness) and max(staleness) <= k
+    assert stats["buffer/consumed"] == steps * p and stats["buffer/filtered"] >= 1
+    assert stats["buffer/admitted"] == (
+        stats["buffer/consumed"] + stats["buffer/filtered"] + stats["buffer/failed"]
+        + stats["buffer/running"] + stats["buffer/train_depth"]
+    )
+    assert stats["buffer/train_depth"] == stats["buffer/accepted"] - stats["buffer/consumed"]
+    assert stats["buffer/rollouts_put"] == stats["buffer/rollouts_got"] + stats["buffer/rollout_depth"]
