@@ -1,0 +1,202 @@
+"""Typed metrics and the run's metrics file.
+
+Place in the dataflow: each role reports `dict[str, Metric]` per step, where the metric's type says how
+values from several actors combine (tokens: `Sum`, staleness: `Max`, loss: `Mean`). The controller
+`reduce_metrics()` those reports into plain floats and appends one line per step to
+`<run_dir>/metrics.jsonl` with `MetricsWriter`; `read_metrics()` and `telemetry.plot` read it back.
+
+Keys follow `role/quantity[/reduction]` (ARCHITECTURE.md, "Metric definitions").
+
+Non-finite numbers: JSON has no NaN/Infinity, so `MetricsWriter` writes NaN and ±inf as `null`, and
+`read_metrics` returns them as `None` ("no value this step"); readers skip `None`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+Scalar = float | int | str | bool | None
+
+
+class Metric(msgspec.Struct, frozen=True, tag=True):
+    """A reported value that knows how to combine with the same key from other actors.
+
+    Tagged Structs, so a report survives msgspec encoding (decode with `type=dict[str, AnyMetric]`).
+    """
+
+    value: float
+
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        raise NotImplementedError(f"{cls.__name__} has no reduction; use Mean, Sum, Max, Min or Last")
+
+
+class Mean(Metric, frozen=True):
+    """Weighted mean across reports; `weight` is e.g. the token count behind each actor's value."""
+
+    weight: float = 1.0
+
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        total = sum(m.weight for m in metrics)  # type: ignore[attr-defined]
+        if total == 0:
+            return math.nan
+        return sum(m.value * m.weight for m in metrics) / total  # type: ignore[attr-defined]
+
+
+class Sum(Metric, frozen=True):
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        return float(sum(m.value for m in metrics))
+
+
+class Max(Metric, frozen=True):
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        return float(max(m.value for m in metrics))
+
+
+class Min(Metric, frozen=True):
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        return float(min(m.value for m in metrics))
+
+
+class Last(Metric, frozen=True):
+    """The value of the last report in the order given (e.g. learning rate, policy version)."""
+
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric]) -> float:
+        return float(metrics[-1].value)
+
+
+AnyMetric = Mean | Sum | Max | Min | Last
+
+
+def reduce_metrics(reports: Iterable[Mapping[str, Metric]]) -> dict[str, float]:
+    """Combine the reports of several actors key by key, each key by its metric's own reduction.
+
+    Raises ValueError if actors report one key with different reductions (a bug, not a choice).
+    """
+    grouped: dict[str, list[Metric]] = {}
+    for report in reports:
+        for key, metric in report.items():
+            if not isinstance(metric, Metric):
+                raise TypeError(f"metric {key!r} is a {type(metric).__name__}; wrap it in Mean/Sum/Max/Min/Last")
+            grouped.setdefault(key, []).append(metric)
+    out: dict[str, float] = {}
+    for key, metrics in grouped.items():
+        kinds = {type(m) for m in metrics}
+        if len(kinds) > 1:
+            names = sorted(k.__name__ for k in kinds)
+            raise ValueError(f"metric {key!r} reported with different reductions: {names}")
+        out[key] = type(metrics[0]).combine(metrics)
+    return out
+
+
+def staleness_stats(values: Sequence[int]) -> dict[str, float]:
+    """Mean, max and histogram of per-trajectory staleness (`v_train - min_version`).
+
+    Returns "staleness/mean", "staleness/max" and "staleness/hist/<k>" (count) for k = 0..max;
+    empty when nothing was trained.
+    """
+    if not values:
+        return {}
+    if min(values) < 0:
+        raise ValueError(f"staleness must be >= 0 (v_train - min_version), got {min(values)}")
+    top = max(values)
+    counts = [0] * (top + 1)
+    for v in values:
+        counts[int(v)] += 1
+    out: dict[str, float] = {"staleness/mean": sum(values) / len(values), "staleness/max": int(top)}
+    out.update({f"staleness/hist/{k}": n for k, n in enumerate(counts)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def _plain(key: str, value: object) -> Scalar:
+    """A JSON-ready scalar: numpy/torch scalars unwrapped, NaN/±inf -> None."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if not isinstance(value, (int, float)) and hasattr(value, "item"):
+        try:
+            value = value.item()  # numpy scalar, 0-d array, one-element torch tensor
+        except (ValueError, RuntimeError) as err:
+            raise TypeError(f"metric {key!r} is not a scalar: {err}") from None
+        if isinstance(value, bool):
+            return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    raise TypeError(f"metric {key!r} has a {type(value).__name__}; log numbers or strings only")
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to a metrics file, flushed after every write.
+
+    Appending (never truncating) lets a resumed run continue the same file. Thread-safe.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("ab")
+        self._lock = threading.Lock()
+
+    def write(self, record: Mapping[str, object]) -> None:
+        """Write one record (e.g. one train step's reduced metrics). Values must be scalars."""
+        line = msgspec.json.encode({str(k): _plain(str(k), v) for k, v in record.items()}) + b"\n"
+        with self._lock:
+            if self._file.closed:
+                raise ValueError(f"MetricsWriter for {self.path} is closed")
+            self._file.write(line)
+            self._file.flush()  # a crashed run still leaves every finished step on disk
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Scalar]]:
+    """All records of a metrics file, in order. NaN/inf were written as null and come back as None.
+
+    A malformed *last* line (a run killed mid-write) is skipped with a warning; one elsewhere raises.
+    """
+    path = Path(path)
+    lines = path.read_bytes().splitlines()
+    records: list[dict[str, Scalar]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = msgspec.json.decode(line)
+        except msgspec.DecodeError as err:
+            if number == len(lines):
+                logger.warning("%s:%d: skipping a truncated last line (%s)", path, number, err)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON object: {err}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records

@@ -1,0 +1,129 @@
+"""Typed reductions across actors, staleness statistics, and the metrics.jsonl round trip."""
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.telemetry.metrics import (
+    AnyMetric,
+    Last,
+    Max,
+    Mean,
+    MetricsWriter,
+    Min,
+    Sum,
+    read_metrics,
+    reduce_metrics,
+    staleness_stats,
+)
+
+
+def test_reduce_metrics_combines_each_key_by_its_own_reduction():
+    reports = [
+        {"generation/tokens": Sum(100), "staleness/max": Max(1), "trainer/loss": Mean(0.5),
+         "trainer/lr": Last(1e-5), "reward/min": Min(0.2)},
+        {"generation/tokens": Sum(300), "staleness/max": Max(3), "trainer/loss": Mean(1.5),
+         "trainer/lr": Last(2e-5), "reward/min": Min(-0.1)},
+    ]
+    assert reduce_metrics(reports) == pytest.approx(
+        {"generation/tokens": 400.0, "staleness/max": 3.0, "trainer/loss": 1.0,
+         "trainer/lr": 2e-5, "reward/min": -0.1}
+    )
+
+
+def test_mean_is_weighted_by_what_stands_behind_each_value():
+    assert reduce_metrics([{"loss": Mean(1.0, weight=3)}, {"loss": Mean(5.0, weight=1)}]) == {"loss": 2.0}
+
+
+def test_reduce_metrics_keeps_keys_only_some_actors_report():
+    assert reduce_metrics([{"a": Sum(1)}, {"b": Max(2)}, {"a": Sum(2)}]) == {"a": 3.0, "b": 2.0}
+
+
+def test_reduce_metrics_rejects_one_key_with_two_reductions():
+    with pytest.raises(ValueError, match="different reductions"):
+        reduce_metrics([{"x": Sum(1)}, {"x": Mean(1)}])
+
+
+def test_reduce_metrics_rejects_untyped_value():
+    with pytest.raises(TypeError, match="wrap it"):
+        reduce_metrics([{"x": 1.0}])
+
+
+def test_metric_report_survives_msgspec_encoding():
+    report = {"t": Sum(3.0), "l": Mean(0.5, weight=2.0)}
+    assert msgspec.json.decode(msgspec.json.encode(report), type=dict[str, AnyMetric]) == report
+
+
+def test_staleness_stats_mean_max_and_histogram():
+    assert staleness_stats([0, 2, 2, 0, 1, 2]) == {
+        "staleness/mean": pytest.approx(7 / 6), "staleness/max": 2,
+        "staleness/hist/0": 2, "staleness/hist/1": 1, "staleness/hist/2": 3,
+    }
+
+
+def test_staleness_stats_histogram_includes_empty_bins_below_max():
+    stats = staleness_stats([3])
+    assert [stats[f"staleness/hist/{k}"] for k in range(4)] == [0, 0, 0, 1]
+    assert staleness_stats([]) == {}
+
+
+def test_staleness_stats_rejects_negative_staleness():
+    with pytest.raises(ValueError, match=">= 0"):
+        staleness_stats([1, -1])
+
+
+def test_metrics_file_round_trips_numpy_torch_and_non_finite(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    with MetricsWriter(path) as writer:
+        writer.write({"step": np.int64(1), "reward/mean": np.float32(0.25), "trainer/loss": torch.tensor(1.5),
+                      "note": "warmup", "trainer/grad_norm": float("nan"), "x/inf": np.float64("inf")})
+        writer.write({"step": 2, "reward/mean": 0.5})
+    records = read_metrics(path)
+    assert records == [
+        {"step": 1, "reward/mean": 0.25, "trainer/loss": 1.5, "note": "warmup",
+         "trainer/grad_norm": None, "x/inf": None},
+        {"step": 2, "reward/mean": 0.5},
+    ]
+    assert type(records[0]["step"]) is int and type(records[0]["reward/mean"]) is float
+
+
+def test_metrics_writer_flushes_each_line_before_close(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"step": 0})
+    assert read_metrics(path) == [{"step": 0}]
+    writer.close()
+    with pytest.raises(ValueError, match="closed"):
+        writer.write({"step": 1})
+
+
+def test_metrics_writer_appends_to_existing_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in range(2):
+        with MetricsWriter(path) as writer:
+            writer.write({"step": step})
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
+
+
+def test_metrics_writer_rejects_non_scalar_values(tmp_path):
+    with MetricsWriter(tmp_path / "m.jsonl") as writer:
+        with pytest.raises(TypeError, match="'v'"):
+            writer.write({"v": np.array([1.0, 2.0])})
+        with pytest.raises(TypeError, match="'d'"):
+            writer.write({"d": {"nested": 1}})
+
+
+def test_read_metrics_skips_truncated_last_line_but_not_a_broken_middle(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n{"st\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        read_metrics(path)
+
+
+def test_nan_mean_when_all_weights_are_zero():
+    assert math.isnan(reduce_metrics([{"x": Mean(1.0, weight=0)}])["x"])
