@@ -1,0 +1,313 @@
+"""The collective weight-sync group: a bucketed, version-stamped broadcast from the Trainer (rank 0).
+
+Place in the dataflow: Trainer --(broadcast, this module)--> Generators. The controller owns the group's
+lifecycle; the Trainer's and Generators' actors only call into it.
+
+Why a standalone group: vLLM/SGLang workers (and a multi-GPU trainer) already own the default
+process group, so this group never calls `init_process_group` nor touches the default group. It is a
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) built directly over a `TCPStore` on 127.0.0.1
+with an OS-chosen port, behind a `PrefixStore` so several groups (or a re-formed group) can share
+one store.
+
+Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), all members calling together:
+    1. rank 0 broadcasts an int64 header [version, n_buckets, total_bytes, meta_crc]; receivers
+       learn the version and check that they hold the same `WeightsMeta` as the source;
+    2. one broadcast per bucket: the source packs the bucket into one flat buffer, receivers
+       broadcast into a preallocated staging buffer and unpack it into staging tensors (views).
+Buffers travel as their uint8 view, so any dtype (bfloat16, bool, ...) goes over any backend
+bit-identically.
+
+How the controller must drive it (blocking collectives deadlock when called one member at a time):
+    store, port = create_store(world_size, timeout_s)          # in the controller or the trainer
+    ray.get([m.join.remote(host, port, rank=r, ...) for r, m in enumerate(members)])  # all together
+    ray.get([trainer.send.remote(v)] + [g.receive.remote() for g in generators])      # all together
+Every collective has an explicit timeout, so a member that never arrives turns into a `TimeoutError`
+on the others, not a hang. After any collective error the group is marked broken: close it and form
+a new one (with a fresh `group_name`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from asyncrl.messages import WeightsMeta
+from asyncrl.weights.base import sync_stats
+from asyncrl.weights.bucketing import (
+    bucket_metas,
+    check_matches,
+    empty_bucket,
+    pack_bucket,
+    unpack_bucket,
+)
+
+if TYPE_CHECKING:  # the C++ base of ProcessGroupGloo/NCCL (not torch.distributed.Backend, a str enum)
+    from torch._C._distributed_c10d import Backend as C10dBackend
+
+logger = logging.getLogger(__name__)
+
+SOURCE_RANK = 0  # the Trainer
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(name: str) -> str:
+    """"auto" -> "nccl" when CUDA is available, else "gloo"; "nccl" without CUDA is a ValueError."""
+    if name not in BACKENDS:
+        raise ValueError(f"weight-sync backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("weight-sync backend 'nccl' needs CUDA, which is not available: use 'gloo' or 'auto'")
+    return name
+
+
+def create_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Start the rendezvous store (master side) on 127.0.0.1, port chosen by the OS.
+
+    Returns (store, port). Keep the store object alive as long as the group lives: the store dies with
+    it. `wait_for_workers=False` so creating the store never blocks.
+    """
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return store, store.port
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def join_group(
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    store: dist.Store | None = None,
+    device: torch.device | str | None = None,
+    group_name: str = "weights",
+) -> WeightSyncGroup:
+    """Join the weight-sync group as `rank` (0 = the Trainer, the broadcast source).
+
+    Blocks until all `world_size` members have joined: the controller must send the join to every
+    member together. Pass `store` where this process holds the master store (from `create_store`);
+    otherwise a client store connects to host:port. `group_name` separates groups sharing a store.
+    Raises TimeoutError if the others do not arrive within `timeout_s`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    backend = resolve_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"asyncrl/{group_name}", store)
+        if backend == "nccl":
+            dev = torch.device(device if device is not None else "cuda")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(dev)
+            pg = _make_nccl(prefixed, rank, world_size, timeout)
+        else:
+            dev = torch.device("cpu")
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    except RuntimeError as exc:
+        if _is_timeout(exc):
+            raise TimeoutError(
+                f"weight-sync join (rank {rank} of {world_size}, store {host}:{port}): not all members "
+                f"joined within {timeout_s}s; the controller must send the join to every member together"
+            ) from exc
+        raise
+    group = WeightSyncGroup(pg, rank=rank, world_size=world_size, backend=backend,
+                            timeout_s=timeout_s, device=dev, store=store)
+    if backend == "nccl":
+        group.barrier()  # NCCL communicators are lazy; connect now, while every member is joining
+    return group
+
+
+def _make_nccl(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> C10dBackend:
+    if not dist.is_nccl_available():
+        raise ValueError("weight-sync backend 'nccl': this torch build has no NCCL")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def meta_crc(meta: WeightsMeta) -> int:
+    """A fingerprint of the meta, so a receiver holding a different plan fails loudly, not silently."""
+    return zlib.crc32(msgspec.msgpack.encode(meta))
+
+
+class WeightSyncGroup:
+    """One member's handle on the weight-sync group. Calls are serialised by a lock: collectives must
+    be issued in the same order on every member."""
+
+    def __init__(self, pg: C10dBackend, *, rank: int, world_size: int, backend: str, timeout_s: float,
+                 device: torch.device, store: dist.Store | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.device = device
+        self._pg: C10dBackend | None = pg
+        self._store = store  # keeps a master store (and the connection) alive with the group
+        self._timeout = timedelta(seconds=timeout_s)
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == SOURCE_RANK
+
+    def _broadcast(self, tensor: Tensor, what: str) -> None:
+        """Broadcast `tensor` (uint8 view) from the source; any failure marks the group broken."""
+        if self._pg is None:
+            raise RuntimeError("weight-sync group is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
+        if tensor.numel() == 0:
+            return
+        try:
+            work = self._pg.broadcast(tensor.view(torch.uint8), SOURCE_RANK, self._timeout)
+            work.wait(self._timeout)
+        except Exception as exc:
+            self._broken = f"{what} failed on rank {self.rank}"
+            if _is_timeout(exc):
+                raise TimeoutError(
+                    f"weight sync: {what} not completed within {self.timeout_s}s on rank {self.rank}"
+                ) from exc
+            raise RuntimeError(f"weight sync: {what} failed on rank {self.rank}: {exc}") from exc
+
+    def barrier(self) -> None:
+        """A 1-byte broadcast every member must join (used to connect lazy NCCL communicators)."""
+        with self._lock:
+            self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), "barrier")
+
+    def broadcast_weights(
+        self, tensors: Mapping[str, Tensor] | None, meta: WeightsMeta, version: int | None
+    ) -> tuple[dict[str, Tensor] | None, int, dict[str, float]]:
+        """Broadcast one version of the weights from rank 0; every member calls it together.
+
+        Source: `tensors` (matching `meta`) and `version` are required; returns (None, version, stats).
+        Receivers: `tensors` is ignored; `version` is the expected version or None for any; returns
+        (staging tensors on this member's device, the source's version, stats).
+        """
+        with self._lock:
+            start = time.perf_counter()
+            if self.is_source:
+                if tensors is None or version is None:
+                    raise ValueError("the weight-sync source (rank 0) needs tensors and a version")
+                check_matches(tensors, meta)
+                self._send(tensors, meta, version)
+                return None, version, sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
+            received_version, staged = self._receive(meta)
+            stats = sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
+        if version is not None and received_version != version:
+            raise ValueError(f"weight sync: expected version {version}, the source sent {received_version}")
+        return staged, received_version, stats
+
+    def _header(self, version: int, meta: WeightsMeta) -> Tensor:
+        values = [version, len(meta.buckets), meta.total_bytes, meta_crc(meta)]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _send(self, tensors: Mapping[str, Tensor], meta: WeightsMeta, version: int) -> None:
+        self._broadcast(self._header(version, meta), "header")
+        for index, bucket in enumerate(meta.buckets):
+            flat = pack_bucket([tensors[meta.tensors[i].name] for i in bucket]).to(self.device)
+            self._broadcast(flat, f"bucket {index + 1}/{len(meta.buckets)}")
+
+    def _receive(self, meta: WeightsMeta) -> tuple[int, dict[str, Tensor]]:
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._broadcast(header, "header")
+        version, n_buckets, total_bytes, crc = header.tolist()
+        expected = [len(meta.buckets), meta.total_bytes, meta_crc(meta)]
+        if [n_buckets, total_bytes, crc] != expected:
+            # The source goes on sending buckets this member cannot size: the group is unusable.
+            self._broken = "weights meta mismatch"
+            raise RuntimeError(
+                f"weight sync: the source's weights meta (buckets={n_buckets}, bytes={total_bytes}) differs "
+                f"from this member's (buckets={expected[0]}, bytes={expected[1]}): hand every member the "
+                "trainer's WeightsMeta"
+            )
+        staged: dict[str, Tensor] = {}
+        for index in range(n_buckets):
+            flat = empty_bucket(meta, index, self.device)
+            self._broadcast(flat, f"bucket {index + 1}/{n_buckets}")
+            metas = bucket_metas(meta, index)
+            staged.update(zip((m.name for m in metas), unpack_bucket(flat, metas)))
+        return version, staged
+
+    def close(self) -> None:
+        """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        for method in ("abort", "shutdown"):
+            fn = getattr(pg, method, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+                break
+            except Exception:  # teardown is best effort; the group is unusable either way
+                logger.debug("weight-sync group %s() failed on rank %d", method, self.rank, exc_info=True)
+        self._store = None
+
+    def __enter__(self) -> WeightSyncGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CollectiveSender:
+    """`WeightSender` over a `WeightSyncGroup`, on rank 0 (the Trainer)."""
+
+    def __init__(self, group: WeightSyncGroup, meta: WeightsMeta) -> None:
+        if not group.is_source:
+            raise ValueError(f"CollectiveSender must run on rank {SOURCE_RANK}, this member is rank {group.rank}")
+        self.group = group
+        self.meta = meta
+
+    def send(self, tensors: Mapping[str, Tensor], version: int) -> dict[str, float]:
+        _, _, stats = self.group.broadcast_weights(tensors, self.meta, version)
+        return stats
+
+
+class CollectiveReceiver:
+    """`WeightReceiver` over a `WeightSyncGroup`, on ranks >= 1 (the generators). `receive()` blocks
+    until the source sends (or the group timeout passes)."""
+
+    def __init__(self, group: WeightSyncGroup, meta: WeightsMeta) -> None:
+        if group.is_source:
+            raise ValueError(f"CollectiveReceiver cannot run on rank {SOURCE_RANK}, the broadcast source")
+        self.group = group
+        self.meta = meta
+        self.last_version: int | None = None
+
+    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        staged, version, stats = self.group.broadcast_weights(None, self.meta, None)
+        assert staged is not None  # receivers always get tensors
+        if self.last_version is not None and version < self.last_version:
+            logger.warning("weight sync: version went back from %d to %d", self.last_version, version)
+        self.last_version = version
+        return staged, version, stats

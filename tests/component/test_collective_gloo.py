@@ -1,0 +1,197 @@
+"""The collective weight-sync group on gloo: members are threads of this process (gloo is fine with
+that; each thread holds its own ProcessGroupGloo over one shared TCPStore on 127.0.0.1:0)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncrl.weights import (
+    CollectiveReceiver,
+    CollectiveSender,
+    LocalWeightChannel,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncGroup,
+    create_store,
+    join_group,
+    plan_buckets,
+    resolve_backend,
+)
+
+torch.set_num_threads(1)
+
+
+def _together(*fns: Callable[[], Any], limit_s: float = 30.0) -> list[Any]:
+    """Run fns concurrently (as the controller's ray.get([...]) would) and return their results."""
+    with ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=limit_s) for f in futures]
+
+
+def _form_group(world_size: int, timeout_s: float, backend: str = "gloo",
+                devices: list[str] | None = None) -> list[WeightSyncGroup]:
+    store, port = create_store(world_size, timeout_s)
+
+    def join(rank: int) -> WeightSyncGroup:
+        return join_group(host="127.0.0.1", port=port, rank=rank, world_size=world_size, backend=backend,
+                          timeout_s=timeout_s, store=store if rank == 0 else None,
+                          device=devices[rank] if devices else None)
+
+    return _together(*(lambda r=r: join(r) for r in range(world_size)))
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(16, 8, generator=g),
+        "layers.0.attn.qkv": torch.randn(8, 24, generator=g).to(torch.bfloat16),
+        "layers.0.norm": torch.randn(8, generator=g),
+        "layers.0.mlp.up": torch.randn(8, 32, generator=g),
+        "step_count": torch.randint(0, 1 << 40, (3,), generator=g, dtype=torch.int64),
+        "lm_head.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_three_ranks_receive_bit_identical_weights_and_the_group_is_reusable():
+    groups = _form_group(3, timeout_s=10.0)
+    try:
+        meta = plan_buckets(_state(0), bucket_bytes=512)
+        assert len(meta.buckets) > 2
+        sender = CollectiveSender(groups[0], meta)
+        receivers = [CollectiveReceiver(g, meta) for g in groups[1:]]
+        assert isinstance(sender, WeightSender) and isinstance(receivers[0], WeightReceiver)
+        for version, seed in ((7, 0), (8, 1)):
+            state = _state(seed)
+            results = _together(lambda: sender.send(state, version), *(r.receive for r in receivers))
+            send_stats = results[0]
+            for staged, got_version, stats in results[1:]:
+                assert got_version == version
+                assert list(staged) == list(state)
+                for name, t in state.items():
+                    assert staged[name].dtype == t.dtype and staged[name].shape == t.shape
+                    assert torch.equal(_bits(staged[name]), _bits(t)), name
+                assert stats["sync/buckets"] == len(meta.buckets)
+            for stats in [send_stats] + [r[2] for r in results[1:]]:
+                assert stats["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+                assert stats["sync/seconds"] > 0
+                assert stats["sync/gbps"] == pytest.approx(stats["sync/bytes"] / stats["sync/seconds"] / 1e9)
+        assert not dist.is_initialized()  # the default group is never touched
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_receiver_times_out_when_the_source_never_sends():
+    groups = _form_group(2, timeout_s=2.0)
+    try:
+        receiver = CollectiveReceiver(groups[1], plan_buckets(_state(0), 512))
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match="header"):
+            receiver.receive()
+        assert time.perf_counter() - start < 2.0 + 1.5
+        with pytest.raises(RuntimeError, match="broken"):  # a failed group is not silently reused
+            receiver.receive()
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_receiver_holding_a_different_meta_fails_loudly_instead_of_misreading():
+    groups = _form_group(2, timeout_s=1.0)
+    try:
+        state = _state(0)
+        sender = CollectiveSender(groups[0], plan_buckets(state, 512))
+        receiver = CollectiveReceiver(groups[1], plan_buckets(state, 4096))  # another plan
+        with ThreadPoolExecutor(2) as pool:
+            sent = pool.submit(sender.send, state, 1)
+            with pytest.raises(RuntimeError, match="meta"):
+                pool.submit(receiver.receive).result(timeout=10)
+            with pytest.raises((TimeoutError, RuntimeError)):  # nobody takes the buckets
+                sent.result(timeout=10)
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_join_times_out_when_a_member_never_joins():
+    store, port = create_store(2, timeout_s=1.0)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="join"):
+        join_group(host="127.0.0.1", port=port, rank=0, world_size=2, backend="gloo", timeout_s=1.0, store=store)
+    assert time.perf_counter() - start < 1.0 + 1.5
+
+
+def test_source_rejects_tensors_that_do_not_match_the_meta_before_sending():
+    (group,) = _form_group(1, timeout_s=5.0)
+    try:
+        state = _state(0)
+        sender = CollectiveSender(group, plan_buckets(state, 512))
+        state["embed.weight"] = torch.zeros(3)
+        with pytest.raises(ValueError, match="embed.weight"):
+            sender.send(state, 1)
+        with pytest.raises(ValueError, match="rank 0"):
+            CollectiveReceiver(group, sender.meta)
+    finally:
+        group.close()
+
+
+def test_resolve_backend():
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert resolve_backend("gloo") == "gloo"
+    with pytest.raises(ValueError):
+        resolve_backend("mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_backend("nccl")
+
+
+def test_local_channel_hands_out_copies_of_the_latest_version():
+    channel = LocalWeightChannel(timeout_s=0.05)
+    assert isinstance(channel, WeightSender) and isinstance(channel, WeightReceiver)
+    with pytest.raises(TimeoutError):
+        channel.receive()
+    state = _state(0)
+    expected = {k: v.clone() for k, v in state.items()}
+    send_stats = channel.send(state, 3)
+    state["embed.weight"].add_(1.0)  # the trainer keeps training in place
+    got = [channel.receive() for _ in range(2)]
+    for staged, version, stats in got:
+        assert version == 3
+        for name, t in expected.items():
+            assert torch.equal(_bits(staged[name]), _bits(t)), name
+        assert stats["sync/bytes"] == send_stats["sync/bytes"] == sum(t.nbytes for t in expected.values())
+        assert stats["sync/seconds"] > 0
+    got[0][0]["embed.weight"].zero_()  # receivers own their copies
+    assert torch.equal(got[1][0]["embed.weight"], expected["embed.weight"])
+    channel.send(_state(1), 4)
+    assert channel.receive()[1] == 4 and channel.version == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (two NCCL ranks cannot share one)")
+def test_nccl_two_ranks_receive_bit_identical_weights():
+    groups = _form_group(2, timeout_s=60.0, backend="nccl", devices=["cuda:0", "cuda:1"])
+    try:
+        meta = plan_buckets(_state(0), bucket_bytes=512)
+        state = {k: v.to("cuda:0") for k, v in _state(0).items()}
+        _, (staged, version, _) = _together(
+            lambda: CollectiveSender(groups[0], meta).send(state, 5), CollectiveReceiver(groups[1], meta).receive
+        )
+        assert version == 5
+        for name, t in state.items():
+            assert staged[name].device == torch.device("cuda:1")
+            assert torch.equal(_bits(staged[name].cpu()), _bits(t.cpu())), name
+    finally:
+        for g in groups:
+            g.close()
