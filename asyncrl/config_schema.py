@@ -32,6 +32,7 @@ class TinyModelConfig(Section):
     vocab: Annotated[str, _d("characters of the tiny char-level tokenizer (besides special tokens)", min_length=1)] = "0123456789+-*=?, abcdefghijklmnopqrstuvwxyz"
     max_positions: Annotated[int, _d("max_position_embeddings", ge=8)] = 128
     seed: Annotated[int, _d("seed of the random initialisation", ge=0)] = 0
+    init_std: Annotated[float, _d("std of the random weight init (initializer_range); larger gives peakier logits", gt=0)] = 0.02
 
 
 class ModelConfig(Section):
@@ -46,7 +47,7 @@ class DataConfig(Section):
     eval_path: Annotated[str, _d("held-out JSONL/Parquet rows for evaluation (default: `source` with split='eval')")] = ""
     prompt_key: Annotated[str, _d("row field holding the prompt text", min_length=1)] = "prompt"
     max_prompt_len: Annotated[int, _d("prompts longer than this many tokens are cut (and counted)", ge=1)] = 256
-    shuffle: bool = True
+    shuffle: Annotated[bool, _d("reshuffle the prompt order every epoch (seeded by run.seed)")] = True
 
 
 class RolloutConfig(Section):
@@ -58,7 +59,7 @@ class RolloutConfig(Section):
     top_p: Annotated[float, _d("nucleus sampling; keep 1.0 for training", gt=0, le=1)] = 1.0
     top_k: Annotated[int, _d("top-k sampling; -1 = off (keep -1 for training)", ge=-1)] = -1
     max_new_tokens: Annotated[int, _d("response length limit in tokens", ge=1)] = 64
-    stop_token_ids: list[int] = []
+    stop_token_ids: Annotated[list[int], _d("token ids that end a response besides the model's eos, e.g. [2, 3]")] = []
 
 
 class RewardConfig(Section):
@@ -109,7 +110,7 @@ class ClusterConfig(Section):
     address: Annotated[str, _d("existing Ray cluster address; empty = start a local one")] = ""
     num_cpus: Annotated[float, _d("logical CPUs of the local Ray cluster", gt=0)] = 2.0
     object_store_mb: Annotated[int, _d("object store size of the local cluster in MiB", ge=64)] = 256
-    dashboard: bool = False
+    dashboard: Annotated[bool, _d("start the Ray dashboard with the local cluster")] = False
     generator_cpus: Annotated[float, _d("logical CPUs each generator actor asks for", ge=0)] = 0.5
     scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for", ge=0)] = 0.25
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
@@ -121,7 +122,7 @@ class RunConfig(Section):
     output_dir: Annotated[str, _d("run directory (config, metrics.jsonl, checkpoint)", min_length=1)] = "runs/default"
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
-    save_checkpoint: bool = True
+    save_checkpoint: Annotated[bool, _d("write a checkpoint into the run directory")] = True
 
 
 class Config(Section):

@@ -1,0 +1,11 @@
+"""Rewards: verifiers that score a completion, called by Scorer actors.
+
+A reward function is called as `fn(prompt, completion, **fields) -> float`, where `fields` are the dataset
+row's other fields. `reward.fn` names a built-in rule (`rules.py`: exact_match, prefix_match, contains) or
+a user function 'pkg.module:function' (`loader.py` checks its signature).
+"""
+
+from asyncrl.rewards.loader import call_reward, check_reward, resolve_reward
+from asyncrl.rewards.rules import RULES, RewardFn
+
+__all__ = ["RULES", "RewardFn", "call_reward", "check_reward", "resolve_reward"]

@@ -1,0 +1,474 @@
+"""Load, validate and describe a run's config (the schema itself lives in `config_schema.py`).
+
+Place in the dataflow: the CLI calls `load_config(path, overrides)` before anything else starts; the
+Controller builds every role from the returned `Config`, places actors with `plan_resources`, and writes
+`config_to_toml(cfg)` into the run directory. `asyncrl launch --dry-run` prints `derived(cfg)`.
+
+Validation reports every problem at once, one line each, naming the TOML path and the fix:
+1. TOML syntax (one line, `file:line`), then `--set section.key=value` overrides (values parsed as TOML,
+   falling back to a plain string);
+2. field by field: unknown keys (with a did-you-mean), missing required keys, and each value converted
+   alone with `msgspec.convert` against its annotated type (msgspec stops at the first error, so a whole
+   struct is never converted in one go); the field's `Meta(description=...)` is quoted as the hint;
+3. cross-field checks (batch divisibility, queue capacities, data/reward/engine/algorithm names, CPU
+   placement, ...). A check is skipped when a field it reads already failed in step 2, so one mistake
+   gives one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import math
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from asyncrl.config_schema import Config
+
+log = logging.getLogger(__name__)
+
+ENGINE_FALLBACK = ["torch", "vllm", "sglang"]
+ALGORITHM_FALLBACK = {"advantage": ["grpo"], "policy_loss": ["ppo_clip"], "loss_agg": ["token-mean"]}
+
+
+class ConfigError(Exception):
+    """A config with problems; `errors` holds one line per problem."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+class ActorPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """How many actors of one role to start and the logical CPUs each asks Ray for."""
+
+    role: str
+    count: int
+    cpus: float  # per actor
+
+    @property
+    def total_cpus(self) -> float:
+        return self.count * self.cpus
+
+
+def format_errors(errors: Sequence[str]) -> str:
+    """The block `asyncrl validate` prints: a count, then one indented line per problem."""
+    head = f"{len(errors)} problem{'s' if len(errors) != 1 else ''} in the config:"
+    return "\n".join([head, *(f"  {line}" for line in errors)])
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML config, apply `section.key=value` overrides, validate everything; raise ConfigError."""
+    raw = _read_toml(Path(path))
+    errors = apply_overrides(raw, overrides)
+    try:
+        cfg = config_from_dict(raw)
+    except ConfigError as exc:
+        errors += exc.errors
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a TOML-shaped dict (field by field, then cross-field); raise ConfigError listing all."""
+    errors: list[str] = []
+    broken: set[str] = set()
+    cfg = _convert_struct(Config, raw, "", errors, broken)
+    errors += cross_check(cfg, broken)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[str]:
+    """Set each `a.b.c=value` in `raw` (in place); return one error line per malformed override."""
+    errors: list[str] = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            errors.append(f"--set {item}: expected section.key=value, e.g. trainer.lr=1e-4")
+            continue
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                errors.append(f"--set {item}: {'.'.join(parts[: depth + 1])} is a value, not a table")
+                break
+        else:
+            node[parts[-1]] = _parse_value(text.strip())
+    return errors
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text; `load_config` of it gives back an equal Config."""
+    return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg))).decode()
+
+
+def plan_resources(cfg: Config) -> list[ActorPlan]:
+    """The actors a run starts, with the logical CPUs each asks for (cluster.*_cpus)."""
+    c = cfg.cluster
+    return [
+        ActorPlan(role="generator", count=cfg.rollout.num_generators, cpus=c.generator_cpus),
+        ActorPlan(role="scorer", count=cfg.reward.num_scorers, cpus=c.scorer_cpus),
+        ActorPlan(role="trainer", count=1, cpus=c.trainer_cpus),
+        ActorPlan(role="buffer", count=1, cpus=c.buffer_cpus),
+    ]
+
+
+def derived(cfg: Config) -> dict[str, object]:
+    """Numbers that follow from the config, for `asyncrl launch --dry-run`."""
+    sps = cfg.samples_per_step
+    mini = sps // cfg.trainer.mini_batches
+    in_flight = (cfg.staleness.max_staleness + 1) * cfg.trainer.prompts_per_step
+    plans = plan_resources(cfg)
+    backend = cfg.weight_sync.backend
+    if backend == "auto":
+        backend = "nccl" if cuda_available() else "gloo"
+    return {
+        "samples_per_step": sps,
+        "optimizer_steps_per_train_step": cfg.trainer.epochs * cfg.trainer.mini_batches,
+        "samples_per_mini_batch": mini,
+        "micro_batches_per_mini_batch": math.ceil(mini / cfg.trainer.micro_batch_size),
+        "max_groups_in_flight": in_flight,
+        "max_samples_in_flight": in_flight * cfg.rollout.group_size,
+        "rollout_queue_capacity_samples": cfg.buffer.rollout_capacity,
+        "train_queue_capacity_groups": cfg.buffer.train_capacity,
+        "actors": [{"role": p.role, "count": p.count, "cpus_each": p.cpus} for p in plans],
+        "cpus_requested": sum(p.total_cpus for p in plans),
+        "cpus_available": cfg.cluster.num_cpus if not cfg.cluster.address else None,
+        "weight_sync_backend": backend,
+    }
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a GPU (imports torch lazily; no torch means no CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# -- reading --------------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: config file not found"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read the config ({exc})"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        at = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        line = at.group(1) if at else str(text.count("\n") + 1)
+        reason = re.sub(r"\s*\(at [^)]*\)$", "", msg)
+        col = f" at column {at.group(2)}" if at else " at the end of the file"
+        raise ConfigError([f"{path}:{line}: TOML syntax error: {reason}{col}"]) from None
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # e.g. run.output_dir=runs/x
+
+
+def _drop_none(obj: Any) -> Any:
+    """TOML has no null: an unset optional table (e.g. model.build_tiny) is simply left out."""
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    return obj
+
+
+# -- field-by-field validation --------------------------------------------------------------------------
+
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "array": "a list", "object": "a table", "null": "nothing"}
+
+
+def _convert_struct(cls: type, raw: Any, path: str, errors: list[str], broken: set[str]) -> Any:
+    """Build `cls` from a TOML table one field at a time, appending one line per problem."""
+    fields = msgspec.structs.fields(cls)
+    known = [f.encode_name for f in fields]
+    for key in raw:
+        if key not in known:
+            what = "unknown key" if path else "unknown section"
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+            errors.append(f"{_join(path, key)}: {what} — {hint}")
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        fpath = _join(path, f.name)
+        sub = _struct_type(f.type)
+        if f.encode_name not in raw:
+            if f.required:
+                broken.add(fpath)
+                kwargs[f.name] = None  # placeholder: checks reading this path are skipped
+                what = f"missing required section — add a [{fpath}] table" if sub else "missing required key"
+                errors.append(_line(fpath, what, f.type))
+            continue
+        value = raw[f.encode_name]
+        if sub is not None:
+            if isinstance(value, dict):
+                kwargs[f.name] = _convert_struct(sub, value, fpath, errors, broken)
+                continue
+            errors.append(_line(fpath, f"expected a table [{fpath}], got {_show(value)}", f.type))
+        else:
+            try:
+                kwargs[f.name] = msgspec.convert(value, f.type)
+                continue
+            except msgspec.ValidationError as exc:
+                suffix, text = _rephrase(str(exc), value, f.type)
+                errors.append(_line(fpath + suffix, text, f.type))
+        broken.add(fpath)
+        if f.required:
+            kwargs[f.name] = None
+    return cls(**kwargs)
+
+
+def _rephrase(msg: str, value: Any, tp: Any) -> tuple[str, str]:
+    """msgspec's 'Expected `float` > 0.0 - at `$[1]`' -> ('[1]', 'expected a number > 0, got -1')."""
+    body, _, loc = msg.partition(" - at `$")
+    loc = loc.rstrip("`")
+    for index, key in re.findall(r"\[(\d+)\]|\.(\w+)", loc):
+        try:
+            value = value[int(index)] if index else value[key]
+        except (LookupError, TypeError):
+            break
+    m = re.fullmatch(r"Expected `(\w+)`(.*?)(?:, got `\w+`)?", body)
+    if m:
+        kind, constraint = _KINDS.get(m.group(1), m.group(1)), re.sub(r"(\d)\.0\b", r"\1", m.group(2))
+        if not constraint and not loc:  # a type mismatch: still say which range is allowed
+            constraint = _bounds(tp)
+        if m.group(1) == "str" and constraint == " of length >= 1":
+            kind, constraint = "a non-empty string", ""
+        text = f"expected {kind}{constraint}"
+    elif body.startswith("Invalid enum value"):
+        choices = typing.get_args(_unwrap(tp))
+        text = "expected one of " + ", ".join(repr(c) for c in choices)
+    else:
+        text = body[:1].lower() + body[1:]
+    return loc, f"{text}, got {_show(value)}"
+
+
+def _bounds(tp: Any) -> str:
+    """' > 0 and <= 1' from a field's Meta(gt=0, le=1); '' when it has no numeric bounds."""
+    ops = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+    parts = [f"{op} {getattr(meta, key):g}" for meta in getattr(tp, "__metadata__", ())
+             if isinstance(meta, msgspec.Meta) for key, op in ops if getattr(meta, key) is not None]
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def _unwrap(tp: Any) -> Any:
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
+
+
+def _struct_type(tp: Any) -> type | None:
+    """The Struct class of a field typed `SomeStruct` or `SomeStruct | None`, else None."""
+    for t in (_unwrap(tp), *typing.get_args(_unwrap(tp))):
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            return t
+    return None
+
+
+def _description(tp: Any) -> str:
+    for meta in getattr(tp, "__metadata__", ()):
+        if isinstance(meta, msgspec.Meta) and meta.description:
+            return meta.description
+    return ""
+
+
+def _line(path: str, problem: str, tp: Any) -> str:
+    hint = _description(tp)
+    return f"{path}: {problem}" + (f" — {hint}" if hint else "")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a table"
+    return repr(value)
+
+
+# -- cross-field checks ---------------------------------------------------------------------------------
+
+
+def cross_check(cfg: Config, broken: set[str] | None = None) -> list[str]:
+    """Run every cross-field check whose fields converted cleanly; one line per problem.
+
+    `broken` holds TOML paths that already failed field validation; a check reading any of them (or a
+    table above or below them) is skipped rather than reporting a consequence of the same mistake.
+    """
+    broken = broken or set()
+    errors: list[str] = []
+    for paths, check in _CHECKS:
+        if any(b == p or b.startswith(p + ".") or p.startswith(b + ".") for b in broken for p in paths):
+            continue
+        try:
+            errors += check(cfg)
+        except Exception as exc:  # a user module raising on import must not become a traceback
+            errors.append(f"{paths[0]}: check failed: {type(exc).__name__}: {exc}")
+    return errors
+
+
+def _available(module: str, attr: str, fallback: list[str]) -> list[str]:
+    """Names from a registry module that may not exist yet (or may not import here)."""
+    try:
+        return list(getattr(importlib.import_module(module), attr)())
+    except Exception as exc:  # noqa: BLE001 — any failure means "use the known defaults"
+        log.debug("cannot list names from %s.%s (%s); using %s", module, attr, exc, fallback)
+        return list(fallback)
+
+
+def _unknown(path: str, what: str, name: str, known: list[str]) -> list[str]:
+    if name in known:
+        return []
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return [f"{path}: unknown {what} {name!r} — {hint}available: {', '.join(sorted(known))}"]
+
+
+def _check_data(cfg: Config) -> list[str]:
+    from asyncrl.data import check_data
+
+    return check_data(cfg.data)
+
+
+def _check_reward(cfg: Config) -> list[str]:
+    from asyncrl.rewards import check_reward
+
+    return check_reward(cfg.reward.fn, cfg.reward.answer_key)
+
+
+def _check_engine(cfg: Config) -> list[str]:
+    known = _available("engines.base", "available_engines", ENGINE_FALLBACK)
+    return _unknown("rollout.engine", "engine", cfg.rollout.engine, known)
+
+
+def _check_algorithm(cfg: Config) -> list[str]:
+    module = "asyncrl.algorithms.registry"
+    errors = _unknown("algorithm.advantage", "advantage estimator", cfg.algorithm.advantage,
+                      _available(module, "available_advantages", ALGORITHM_FALLBACK["advantage"]))
+    errors += _unknown("algorithm.policy_loss", "policy loss", cfg.algorithm.policy_loss,
+                       _available(module, "available_policy_losses", ALGORITHM_FALLBACK["policy_loss"]))
+    errors += _unknown("algorithm.loss_agg", "loss aggregation", cfg.algorithm.loss_agg,
+                       _available(module, "available_loss_aggs", ALGORITHM_FALLBACK["loss_agg"]))
+    return errors
+
+
+def _check_batches(cfg: Config) -> list[str]:
+    sps, n = cfg.samples_per_step, cfg.trainer.mini_batches
+    if sps % n == 0:
+        return []
+    fit = max(d for d in range(1, n + 1) if sps % d == 0)
+    return [f"trainer.mini_batches: {n} does not divide samples_per_step = trainer.prompts_per_step x "
+            f"rollout.group_size = {cfg.trainer.prompts_per_step} x {cfg.rollout.group_size} = {sps} "
+            f"— use a divisor of {sps}, e.g. {fit}"]
+
+
+def _check_buffers(cfg: Config) -> list[str]:
+    errors: list[str] = []
+    sps, pps = cfg.samples_per_step, cfg.trainer.prompts_per_step
+    if cfg.buffer.rollout_capacity < sps:
+        errors.append(f"buffer.rollout_capacity: {cfg.buffer.rollout_capacity} trajectories is less than one step "
+                      f"(trainer.prompts_per_step x rollout.group_size = {sps}) — raise it to at least {sps}")
+    if cfg.buffer.train_capacity < pps:
+        errors.append(f"buffer.train_capacity: {cfg.buffer.train_capacity} groups is less than one step "
+                      f"(trainer.prompts_per_step = {pps}) — raise it to at least {pps}")
+    return errors
+
+
+def _check_model(cfg: Config) -> list[str]:
+    errors: list[str] = []
+    m, tiny = cfg.model, cfg.model.build_tiny
+    folder = Path(m.path)
+    if tiny is None and not folder.exists():
+        errors.append(f"model.path: folder {m.path!r} does not exist — point it at a local Hugging Face model "
+                      f"folder, or add a [model.build_tiny] table to write a tiny model there")
+    elif tiny is None and not (folder / "config.json").is_file():
+        errors.append(f"model.path: {m.path!r} has no config.json — it must be a Hugging Face model folder")
+    if tiny is not None:
+        if tiny.hidden_size % tiny.num_heads:
+            errors.append(f"model.build_tiny.num_heads: {tiny.num_heads} does not divide "
+                          f"model.build_tiny.hidden_size = {tiny.hidden_size}")
+        elif (tiny.hidden_size // tiny.num_heads) % 2:
+            errors.append(f"model.build_tiny.num_heads: head size hidden_size / num_heads = "
+                          f"{tiny.hidden_size // tiny.num_heads} must be even (rotary embeddings)")
+        if tiny.num_heads % tiny.num_kv_heads:
+            errors.append(f"model.build_tiny.num_kv_heads: {tiny.num_kv_heads} does not divide "
+                          f"model.build_tiny.num_heads = {tiny.num_heads}")
+    return errors
+
+
+def _check_backend(cfg: Config) -> list[str]:
+    if cfg.weight_sync.backend == "nccl" and not cuda_available():
+        return ["weight_sync.backend: 'nccl' needs CUDA and torch sees no GPU here — use 'gloo' or 'auto'"]
+    return []
+
+
+def _check_top_k(cfg: Config) -> list[str]:
+    if cfg.rollout.top_k == 0:
+        return ["rollout.top_k: 0 is not a valid top-k — use -1 (off, right for training) or a value >= 1"]
+    return []
+
+
+def _check_sampling(cfg: Config) -> list[str]:
+    r = cfg.rollout
+    if r.top_p < 1 or r.top_k > 0:
+        log.warning("rollout.top_p = %s, rollout.top_k = %s: truncated sampling changes the distribution the "
+                    "behaviour logprobs describe; keep top_p = 1 and top_k = -1 for training", r.top_p, r.top_k)
+    return []
+
+
+def _check_betas(cfg: Config) -> list[str]:
+    if all(0 <= b < 1 for b in cfg.trainer.betas):
+        return []
+    return [f"trainer.betas: {cfg.trainer.betas} — each of AdamW's [b1, b2] must be in [0, 1), e.g. [0.9, 0.999]"]
+
+
+def _check_placement(cfg: Config) -> list[str]:
+    if cfg.cluster.address:
+        return []  # an existing cluster: Ray knows its size, we do not
+    plans = plan_resources(cfg)
+    need = sum(p.total_cpus for p in plans)
+    if need <= cfg.cluster.num_cpus + 1e-9:
+        return []
+    parts = ", ".join(f"{p.count} {p.role}{'s' if p.count != 1 else ''} x {p.cpus:g}" for p in plans)
+    return [f"cluster.num_cpus: the plan needs {need:g} CPUs ({parts}) but the local cluster has "
+            f"{cfg.cluster.num_cpus:g} — lower cluster.generator_cpus (or another cluster.*_cpus) "
+            f"or raise cluster.num_cpus"]
+
+
+_Check = Callable[[Config], list[str]]
+# (paths the check reads, check): a path that failed field validation skips the checks reading it.
+_CHECKS: list[tuple[tuple[str, ...], _Check]] = [
+    (("data",), _check_data),
+    (("reward.fn", "reward.answer_key"), _check_reward),
+    (("rollout.engine",), _check_engine),
+    (("algorithm",), _check_algorithm),
+    (("trainer.mini_batches", "trainer.prompts_per_step", "rollout.group_size"), _check_batches),
+    (("buffer", "trainer.prompts_per_step", "rollout.group_size"), _check_buffers),
+    (("model",), _check_model),
+    (("weight_sync.backend",), _check_backend),
+    (("rollout.top_k",), _check_top_k),
+    (("rollout.top_p", "rollout.top_k"), _check_sampling),
+    (("trainer.betas",), _check_betas),
+    (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
+]

@@ -1,0 +1,124 @@
+"""Resolve `reward.fn` into a callable and call it safely.
+
+Place in the dataflow: the Scorer calls `resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once, then
+`call_reward(fn, prompt, completion, row)` for every trajectory; `asyncrl validate` calls `check_reward`.
+
+The calling convention of a reward function is
+
+    fn(prompt: str, completion: str, **fields) -> float
+
+where `fields` are the dataset row's fields (minus any named `prompt` or `completion`, which would clash
+with the two positional arguments). A user function given as 'pkg.module:function' must name its first two
+parameters `prompt` and `completion` (or take `*args`). If it takes `**kwargs` it receives every row field;
+otherwise it receives only the row fields it names as parameters, so `def f(prompt, completion, answer)`
+works on rows with many more fields. A named parameter without a default that the row lacks is a
+ValueError at call time (the scorer catches and counts it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+from typing import Any, Callable
+
+from asyncrl.registry import import_path
+from asyncrl.rewards.rules import RULES, RewardFn
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_RESERVED = ("prompt", "completion")
+
+
+def resolve_reward(spec: str, answer_key: str) -> RewardFn:
+    """A built-in rule name or 'pkg.module:function' -> fn(prompt, completion, **fields) -> float.
+
+    Raises ValueError with one line starting 'reward.fn:' when the spec does not resolve or the function's
+    signature cannot be called that way.
+    """
+    if ":" not in spec:
+        if spec not in RULES:
+            close = difflib.get_close_matches(spec, RULES.names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"reward.fn: unknown reward rule {spec!r} — {hint}built-in rules: {', '.join(RULES.names())}; "
+                f"or give an import path 'pkg.module:function'"
+            )
+        return RULES.get(spec)(answer_key)
+    try:
+        fn = import_path(spec)
+    except ValueError as exc:
+        raise ValueError(f"reward.fn: {exc} — is its package installed or on PYTHONPATH?") from None
+    return _adapt(spec, fn)
+
+
+def check_reward(spec: str, answer_key: str) -> list[str]:
+    """Error lines for `asyncrl validate`; empty when `reward.fn` resolves to a usable function."""
+    try:
+        resolve_reward(spec, answer_key)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> float:
+    """Call a resolved reward function on one sample and return its result as a finite float.
+
+    A result that is not a real number (None, a string, a list) or is NaN/inf raises ValueError naming the
+    function and the value; exceptions raised by the function itself propagate unchanged.
+    """
+    fields = {k: v for k, v in row.items() if k not in _RESERVED}
+    result = fn(prompt, completion, **fields)
+    name = getattr(fn, "__name__", repr(fn))
+    value: float | None = None
+    if not isinstance(result, (str, bytes)) and result is not None:
+        try:
+            value = float(result)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(
+            f"reward function {name!r} returned {result!r} ({type(result).__name__}); "
+            f"it must return a finite number"
+        )
+    return value
+
+
+def _adapt(spec: str, fn: Any) -> RewardFn:
+    """Check a user function's signature and wrap it into the fn(prompt, completion, **fields) convention."""
+    if not callable(fn):
+        raise ValueError(f"reward.fn: {spec!r} is not callable (got {type(fn).__name__})")
+    if inspect.iscoroutinefunction(fn):
+        raise ValueError(f"reward.fn: {spec!r} is an async function — make it a plain def (scorers call it in a thread)")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # uninspectable (some builtins): trust the documented convention
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    has_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    head = tuple(p.name for p in positional[:2])
+    ok_head = head == _RESERVED or (has_varargs and _RESERVED[: len(head)] == head)
+    rest = positional[2:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    stuck = [p.name for p in rest if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is p.empty]
+    if not ok_head or stuck:
+        raise ValueError(
+            f"reward.fn: {spec!r} has signature {sig}; it must accept (prompt, completion, **fields) "
+            f"— name its first two parameters prompt and completion and take row fields as keywords"
+        )
+    if takes_all:
+        return fn
+    names = frozenset(p.name for p in rest)
+    required = frozenset(p.name for p in rest if p.default is p.empty)
+
+    @functools.wraps(fn)
+    def reward(prompt: str, completion: str, **fields: Any) -> float:
+        missing = sorted(required - fields.keys())
+        if missing:
+            raise ValueError(
+                f"reward function {spec!r} needs row field(s) {', '.join(missing)} that this row lacks"
+            )
+        return fn(prompt, completion, **{k: v for k, v in fields.items() if k in names})
+
+    return reward

@@ -1,0 +1,54 @@
+"""Built-in reward rules: string checks of a completion against the row's reference answer.
+
+Place in the dataflow: a Scorer resolves `reward.fn` once (see `loader.resolve_reward`) and calls the
+result for every trajectory as `fn(prompt, completion, **fields)`, where `fields` are the dataset row's
+other fields. A rule is registered by name as a *factory* taking `answer_key` (the row field holding the
+reference answer, `reward.answer_key`) and returning such a function.
+
+Every rule returns 1.0 or 0.0. Comparisons strip surrounding whitespace on both sides; the answer is
+converted with `str()`, so numeric answers in JSON (`"answer": 4`) work. An empty reference answer is
+matched by every completion under `prefix_match` and `contains` (that is what the string test says);
+keep answers non-empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from asyncrl.registry import Registry
+
+RewardFn = Callable[..., float]
+"""fn(prompt: str, completion: str, **fields) -> float"""
+
+RULES: Registry[Callable[[str], RewardFn]] = Registry("reward rule")
+
+
+def _answer(rule: str, answer_key: str, fields: dict[str, Any]) -> str:
+    """The reference answer of a row, or one clear line naming the missing field."""
+    try:
+        return str(fields[answer_key]).strip()
+    except KeyError:
+        known = ", ".join(sorted(fields)) or "none"
+        raise ValueError(
+            f"reward rule {rule!r}: the row has no field {answer_key!r} (fields: {known}) "
+            f"— set reward.answer_key to the field holding the reference answer"
+        ) from None
+
+
+def _rule(name: str, test: Callable[[str, str], bool]) -> Callable[[str], RewardFn]:
+    """Make a factory for a rule that compares the stripped completion with the stripped answer."""
+
+    def factory(answer_key: str) -> RewardFn:
+        def reward(prompt: str, completion: str, **fields: Any) -> float:
+            return 1.0 if test(completion.strip(), _answer(name, answer_key, fields)) else 0.0
+
+        reward.__name__ = reward.__qualname__ = name
+        return reward
+
+    factory.__name__ = f"{name}_factory"
+    return factory
+
+
+RULES.register("exact_match")(_rule("exact_match", lambda completion, answer: completion == answer))
+RULES.register("prefix_match")(_rule("prefix_match", lambda completion, answer: completion.startswith(answer)))
+RULES.register("contains")(_rule("contains", lambda completion, answer: answer in completion))

@@ -1,0 +1,69 @@
+"""Importable functions for unit tests that resolve 'module:function' specs (data sources, rewards).
+
+The test modules put this folder on sys.path; nothing here is part of asyncrl.
+"""
+
+from __future__ import annotations
+
+NOT_A_FUNCTION = 3
+
+
+# -- data sources: fn(split=..., seed=...) -> iterable of rows ------------------------------------------
+
+
+def rows(split, seed):
+    return ({"prompt": f"{split}-{i}", "answer": str(i), "seed": seed} for i in range(5))
+
+
+def rows_kwargs(**kwargs):
+    return [{"prompt": f"{kwargs['split']}-kw", "seed": kwargs["seed"]}]
+
+
+def rows_without_seed(split):
+    return [{"prompt": split}]
+
+
+def rows_missing_prompt(split, seed):
+    return [{"prompt": "ok"}, {"question": "no prompt"}, "not a dict"]
+
+
+# -- reward functions: fn(prompt, completion, **fields) -> float ----------------------------------------
+
+
+def reward_all_fields(prompt, completion, **fields):
+    """Scores 1.0 when the completion equals the row's answer; echoes the fields it saw via `seen`."""
+    reward_all_fields.seen = dict(fields)
+    return 1.0 if completion == fields["answer"] else 0.0
+
+
+def reward_named(prompt, completion, answer, bonus=0.0):
+    return (1.0 if completion == answer else 0.0) + bonus
+
+
+def reward_varargs(*args, **kwargs):
+    return float(len(args))
+
+
+def reward_one_arg(text):
+    return 0.0
+
+
+def reward_swapped(completion, prompt, **fields):
+    return 0.0
+
+
+def reward_positional_only_extra(prompt, completion, answer, /):
+    return 0.0
+
+
+async def reward_async(prompt, completion, **fields):
+    return 0.0
+
+
+def reward_returns(value):
+    """A reward function returning `value` whatever it is asked."""
+
+    def reward(prompt, completion, **fields):
+        return value
+
+    return reward
