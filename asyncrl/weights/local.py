@@ -47,14 +47,35 @@ class LocalWeightChannel:
             self._cond.notify_all()
         return sync_stats(nbytes, time.perf_counter() - start, 1)
 
-    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+    def receive(self, after_version: int = -1) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        """The latest weights, waiting (up to `timeout_s`) until their version is > `after_version`."""
         start = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: self._tensors is not None, timeout=self.timeout_s):
-                raise TimeoutError(f"local weight channel: nothing was sent within {self.timeout_s}s")
+            if not self._cond.wait_for(lambda: self._tensors is not None and self._version > after_version,
+                                       timeout=self.timeout_s):
+                raise TimeoutError(f"local weight channel: no version > {after_version} was sent "
+                                   f"within {self.timeout_s}s")
             latest, version = self._tensors, self._version
         assert latest is not None
         # Clone outside the lock: `send` swaps in a new dict, it never mutates `latest`.
         copies = {name: t.clone() for name, t in latest.items()}
         nbytes = sum(t.numel() * t.element_size() for t in copies.values())
         return copies, version, sync_stats(nbytes, time.perf_counter() - start, 1)
+
+
+    def receiver(self) -> "LocalReceiver":
+        """A receiver that, like a collective member, waits for the broadcast after the one it had."""
+        return LocalReceiver(self)
+
+
+class LocalReceiver:
+    """A `WeightReceiver` view of a LocalWeightChannel that remembers the last version it took."""
+
+    def __init__(self, channel: LocalWeightChannel) -> None:
+        self.channel = channel
+        self.last_version = -1
+
+    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        tensors, version, stats = self.channel.receive(after_version=self.last_version)
+        self.last_version = version
+        return tensors, version, stats

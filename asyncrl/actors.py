@@ -1,0 +1,106 @@
+"""Thin Ray wrappers around the roles: one async actor class hosts any role and adds only lifecycle
+(construction in the actor's process, thread settings, joining the weight-sync group).
+
+Roles never import Ray: they receive collaborators as objects with async methods. `RayProxy` turns an
+actor handle into such an object, so `await hub.admit(...)` in a role becomes an actor call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import Any, Callable
+
+import ray
+
+from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, set_torch_threads
+from asyncrl.config_schema import Config
+from asyncrl.messages import WeightsMeta
+from asyncrl.weights.bucketing import plan_buckets
+from asyncrl.weights.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
+
+log = logging.getLogger(__name__)
+
+
+class RayProxy:
+    """`await proxy.method(*args)` → `await handle.call.remote("method", *args)` on a RoleActor."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        handle = self._handle
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await handle.call.remote(name, *args, **kwargs)
+
+        return call
+
+    def __reduce__(self):  # travels to other actors as the handle it wraps
+        return (RayProxy, (self._handle,))
+
+
+def _build(kind: str, cfg: Config, index: int, hub: Any) -> Any:
+    builders: dict[str, Callable[[], Any]] = {
+        "hub": lambda: build_hub(cfg),
+        "generator": lambda: build_generator(cfg, index, hub),
+        "scorer": lambda: build_scorer(cfg, index, hub),
+        "trainer": lambda: build_trainer(cfg, hub),
+    }
+    return builders[kind]()
+
+
+class RoleActor:
+    """Hosts one role ("hub", "generator", "scorer" or "trainer") in its own process."""
+
+    def __init__(self, kind: str, cfg: Config, index: int = 0, hub_handle: Any = None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        set_torch_threads(cfg.cluster.torch_threads)
+        self.kind = kind
+        self.cfg = cfg
+        self.role = _build(kind, cfg, index, RayProxy(hub_handle) if hub_handle is not None else None)
+        self._store = None  # keeps the TCPStore master alive on the trainer
+        self._group = None
+
+    def ready(self) -> str:
+        return self.kind
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.role, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    # -- weight-sync lifecycle (trainer is rank 0, generators 1..N) -------------------------------
+    def weights_meta(self) -> WeightsMeta:
+        tensors = self.role.learner.state_dict_for_sync()
+        return plan_buckets(tensors, int(self.cfg.weight_sync.bucket_mb * 2**20))
+
+    def open_weight_store(self, world_size: int) -> tuple[str, int]:
+        """Trainer only: start the TCPStore master; return (host, port) for the other members."""
+        self._store, port = create_store(world_size, self.cfg.weight_sync.timeout_s)
+        # A local cluster keeps everything on loopback; on a multi-node cluster peers need our node IP.
+        host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
+        return host, port
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, meta: WeightsMeta) -> None:
+        """Blocks until every member has joined: the controller calls all members together."""
+        self._group = await asyncio.to_thread(
+            join_group, host=host, port=port, rank=rank, world_size=world_size, backend=backend,
+            timeout_s=self.cfg.weight_sync.timeout_s, store=self._store)
+        if rank == 0:
+            self.role.sender = CollectiveSender(self._group, meta)
+        else:
+            self.role.receiver = CollectiveReceiver(self._group, meta)
+
+    def save_checkpoint(self, path: str) -> str:
+        from engines.hf import load_tokenizer
+
+        return self.role.save_checkpoint(path, load_tokenizer(self.cfg.model.path))
+
+
+RemoteRoleActor = ray.remote(RoleActor)

@@ -1,0 +1,111 @@
+"""Builds each role from the run's Config, inside whatever process will host it.
+
+The same builders serve the in-process runtime (tests, debugging) and the Ray actors, so a role is
+constructed identically in both; only how collaborators are reached differs (direct object vs proxy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch
+
+from asyncrl.config_schema import Config
+from asyncrl.data import PromptStream, load_rows
+from asyncrl.messages import SamplingParams
+from asyncrl.rewards.loader import resolve_reward
+from asyncrl.roles.evaluator import Evaluator
+from asyncrl.roles.generator import Generator
+from asyncrl.roles.learner import Learner
+from asyncrl.roles.scorer import Scorer
+from asyncrl.roles.trainer import Trainer
+from buffers.hub import ReplayHub
+from engines.base import create_engine
+from engines.hf import load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def derive_seed(base: int, *keys: object) -> int:
+    """A stable 31-bit seed per (base, keys): each generator and role gets its own stream."""
+    digest = hashlib.sha256(repr((base, *keys)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def set_torch_threads(n: int) -> None:
+    """One actor, `n` intra-op threads, one inter-op thread: two roles really share two cores."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (inter-op pool started); harmless
+        pass
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def tokenizer_fns(model_path: str) -> tuple[Any, Any, Any]:
+    tok = load_tokenizer(model_path)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return tok, encode, decode
+
+
+def training_sampling(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids))
+
+
+def build_hub(cfg: Config) -> ReplayHub:
+    return ReplayHub(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
+                     max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
+                     train_capacity=cfg.buffer.train_capacity)
+
+
+def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
+    seed = derive_seed(cfg.run.seed, "generator", generator_id)
+    engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
+                           max_prompt_len=cfg.data.max_prompt_len, seed=seed)
+    _, encode, _ = tokenizer_fns(cfg.model.path)
+    stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
+    return Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
+                     encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
+                     concurrency=cfg.rollout.concurrency)
+
+
+def build_scorer(cfg: Config, scorer_id: int, hub: Any) -> Scorer:
+    _, _, decode = tokenizer_fns(cfg.model.path)
+    reward_fn = resolve_reward(cfg.reward.fn, cfg.reward.answer_key)
+    return Scorer(scorer_id=scorer_id, hub=hub, reward_fn=reward_fn, decode=decode,
+                  timeout_s=cfg.reward.timeout_s, filter_zero_variance=cfg.algorithm.filter_zero_variance)
+
+
+def build_trainer(cfg: Config, hub: Any) -> Trainer:
+    torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype)
+    tok, encode, decode = tokenizer_fns(cfg.model.path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    learner = Learner(model, algorithm=cfg.algorithm, trainer=cfg.trainer, pad_token_id=pad_id)
+    evaluator = None
+    if cfg.trainer.eval_every > 0:
+        from engines.hf import eos_token_ids
+        from engines.torch_engine import TorchEngine
+
+        rows = load_rows(cfg.data, "eval", cfg.run.seed)[: cfg.trainer.eval_prompts]
+        engine = TorchEngine.from_model(model, eos_token_ids=eos_token_ids(model),
+                                        max_prompt_len=cfg.data.max_prompt_len,
+                                        seed=derive_seed(cfg.run.seed, "eval"))
+        evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
+                              reward_fn=resolve_reward(cfg.reward.fn, cfg.reward.answer_key),
+                              prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
+                              temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"))
+    return Trainer(learner=learner, hub=hub, evaluator=evaluator)

@@ -1,0 +1,133 @@
+"""`asyncrl launch`: start (or join) a Ray cluster, place the role actors, run the Controller, clean up.
+
+A local cluster listens on 127.0.0.1 only, starts no dashboard unless `cluster.dashboard = true`, and is
+shut down at the end of the run (also on Ctrl-C). With `cluster.address` the run joins an existing
+cluster and leaves it running. The Controller's own event loop is uvloop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from asyncrl.actors import RayProxy, RemoteRoleActor
+from asyncrl.config import plan_resources
+from asyncrl.config_schema import Config
+from asyncrl.runtime import Controller
+from asyncrl.weights.collective import resolve_backend
+from engines.hf import ensure_model
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 180.0
+
+
+def start_ray(cfg: Config) -> bool:
+    """Connect to `cluster.address` or start a local cluster; True if we started (and must stop) it."""
+    if ray.is_initialized():
+        return False
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, log_to_driver=True)
+        return False
+    ray.init(
+        num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
+        num_gpus=0 if resolve_backend(cfg.weight_sync.backend) == "gloo" else None,
+        include_dashboard=cfg.cluster.dashboard,
+        dashboard_host="127.0.0.1",
+        object_store_memory=cfg.cluster.object_store_mb * 2**20,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+    return True
+
+
+class RayDeployment:
+    """The roles as Ray actors; attributes are RayProxy objects the Controller awaits."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        cpus = {p.role: p.cpus for p in plan_resources(cfg)}
+        actor = lambda role: RemoteRoleActor.options(num_cpus=cpus[role], max_concurrency=1000)  # noqa: E731
+        self.hub_actor = actor("buffer").remote("hub", cfg)
+        self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.hub_actor)
+        self.generator_actors = [actor("generator").remote("generator", cfg, i, self.hub_actor)
+                                 for i in range(cfg.rollout.num_generators)]
+        self.scorer_actors = [actor("scorer").remote("scorer", cfg, i, self.hub_actor)
+                              for i in range(cfg.reward.num_scorers)]
+        self.hub = RayProxy(self.hub_actor)
+        self.trainer = RayProxy(self.trainer_actor)
+        self.generators = [RayProxy(a) for a in self.generator_actors]
+        self.scorers = [RayProxy(a) for a in self.scorer_actors]
+
+    @property
+    def actors(self) -> list[Any]:
+        return [self.hub_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        refs = [a.ready.remote() for a in self.actors]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            raise RuntimeError(f"{len(pending)} of {len(refs)} actors were not placed or did not start within "
+                               f"{timeout_s:.0f}s; check cluster.*_cpus against the cluster's resources")
+        ray.get(ready)  # surfaces a constructor error (e.g. a model folder that does not load)
+
+    async def setup_weight_sync(self) -> None:
+        world = 1 + len(self.generator_actors)
+        backend = resolve_backend(self.cfg.weight_sync.backend)
+        meta = await self.trainer_actor.weights_meta.remote()
+        host, port = await self.trainer_actor.open_weight_store.remote(world)
+        members = [self.trainer_actor, *self.generator_actors]
+        # Every member joins at once: the group's rendezvous blocks until all ranks arrive.
+        await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta)
+                               for rank, a in enumerate(members)])
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self.trainer_actor.save_checkpoint.remote(path)
+
+    async def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception as exc:  # already dead
+                log.debug("kill failed: %s", exc)
+
+
+def run_with_ray(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
+    """Run `cfg` on Ray; returns the metrics rows. Stops the cluster if this call started it."""
+    ensure_model(cfg.model)
+    started = start_ray(cfg)
+    try:
+        deployment = RayDeployment(cfg)
+        try:
+            deployment.wait_ready()
+        except BaseException:
+            asyncio.run(deployment.shutdown())
+            raise
+        controller = Controller(cfg, deployment, config_text=config_text)
+        return run_loop(controller.run())
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_local(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
+    """Run `cfg` with every role in this process (no Ray): for tests and debugging."""
+    from asyncrl.local import LocalDeployment
+
+    ensure_model(cfg.model)
+    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text).run())
+
+
+def run_loop(coro: Any) -> Any:
+    """Run a coroutine on a fresh uvloop event loop (asyncio's own where uvloop is absent)."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux/macOS
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)

@@ -1,0 +1,64 @@
+"""In-process deployment: every role in one event loop (engine and trainer compute on worker threads).
+
+Same roles, same Controller as the Ray deployment; weights travel through a LocalWeightChannel instead of
+a collective group. Used by tests and for debugging a config without a cluster
+(`asyncrl launch --local`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, set_torch_threads
+from asyncrl.config_schema import Config
+from asyncrl.weights.local import LocalWeightChannel
+
+
+class AsyncFacade:
+    """Exposes every method of `obj` as an async method (sync ones are simply called)."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._obj, name)
+        if not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+        return call
+
+
+class LocalDeployment:
+    def __init__(self, cfg: Config) -> None:
+        set_torch_threads(cfg.cluster.torch_threads)
+        self.cfg = cfg
+        self.hub_obj = build_hub(cfg)
+        self.trainer_obj = build_trainer(cfg, self.hub_obj)
+        self.generator_objs = [build_generator(cfg, i, self.hub_obj) for i in range(cfg.rollout.num_generators)]
+        self.scorer_objs = [build_scorer(cfg, i, self.hub_obj) for i in range(cfg.reward.num_scorers)]
+        self.hub = AsyncFacade(self.hub_obj)
+        self.trainer = AsyncFacade(self.trainer_obj)
+        self.generators = [AsyncFacade(g) for g in self.generator_objs]
+        self.scorers = [AsyncFacade(s) for s in self.scorer_objs]
+
+    async def setup_weight_sync(self) -> None:
+        channel = LocalWeightChannel()
+        self.trainer_obj.sender = channel
+        for g in self.generator_objs:
+            g.receiver = channel.receiver()
+
+    async def save_checkpoint(self, path: str) -> None:
+        from engines.hf import load_tokenizer
+
+        self.trainer_obj.save_checkpoint(path, load_tokenizer(self.cfg.model.path))
+
+    async def shutdown(self) -> None:
+        for g in self.generator_objs:
+            await g.engine.close()

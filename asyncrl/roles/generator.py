@@ -1,0 +1,167 @@
+"""Generator role: admits prompt groups through the staleness gate, samples them with the rollout engine,
+and puts the finished trajectories on the rollout queue.
+
+Place in the dataflow: PromptStream ──► **Generator** (engine) ──► rollout queue (ReplayHub) ──► Scorer.
+Weights arrive from the Trainer through a WeightReceiver into a staging copy while generation goes on;
+the swap happens between two engine calls (`_apply_pending_weights`), never inside one.
+
+A plain async class: no Ray here. The Ray actor in `asyncrl/actors.py` only adds lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+import torch
+
+from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.telemetry.spans import SpanRecorder
+from engines.base import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+
+class GroupSource(Protocol):
+    """The part of the ReplayHub a generator talks to."""
+
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
+    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    def receive(self) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]: ...
+
+
+class Generator:
+    def __init__(
+        self,
+        *,
+        generator_id: int,
+        engine: RolloutEngine,
+        hub: GroupSource,
+        next_row: Callable[[], dict[str, Any]],
+        encode: Callable[[str], list[int]],
+        sampling: SamplingParams,
+        prompt_key: str = "prompt",
+        concurrency: int = 16,
+        recorder: SpanRecorder | None = None,
+    ) -> None:
+        self.generator_id = generator_id
+        self.engine = engine
+        self.hub = hub
+        self.next_row = next_row
+        self.encode = encode
+        self.sampling = sampling
+        self.prompt_key = prompt_key
+        self.concurrency = concurrency
+        self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
+        self.receiver: WeightReceiver | None = None
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._stopped = asyncio.Event()
+        self.tokens_generated = 0
+        self.groups_generated = 0
+        self.groups_failed = 0
+        self.swap_s_total = 0.0
+
+    # -- weights ---------------------------------------------------------------------------------
+    async def receive_weights(self) -> dict[str, float]:
+        """Take part in one broadcast: receive into staging off the event loop; swap later."""
+        if self.receiver is None:
+            raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
+        t0 = time.time()
+        tensors, version, stats = await asyncio.to_thread(self.receiver.receive)
+        self.recorder.record("weights_recv", t0, time.time(), version)
+        self._pending = (tensors, version)
+        return stats
+
+    def _apply_pending_weights(self) -> None:
+        if self._pending is None:
+            return
+        tensors, version = self._pending
+        self._pending = None
+        t0 = time.time()
+        self.engine.load_weights(tensors, version)
+        t1 = time.time()
+        self.swap_s_total += t1 - t0
+        self.recorder.record("weights_swap", t0, t1, version)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample outside the training loop (inspection, checks, agent loops) on the newest weights."""
+        self._apply_pending_weights()
+        return await self.engine.generate(prompts, params)
+
+    # -- main loop -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Generate until stop(): admit up to `concurrency` groups, sample them in one batch, emit."""
+        while not self._stopped.is_set():
+            self._apply_pending_weights()
+            version = self.engine.version
+            t0 = time.time()
+            group_ids = await self.hub.admit(self.concurrency, version, timeout=0.5)
+            self.recorder.record("wait_gate", t0, time.time(), version)
+            if not group_ids:
+                continue  # timeout, a newer version was published, or the gate closed
+            await self._generate_groups(group_ids, version)
+
+    async def _generate_groups(self, group_ids: list[int], version: int) -> None:
+        rows = [self.next_row() for _ in group_ids]
+        try:
+            prompts = [self.encode(row[self.prompt_key]) for row in rows]
+            t0 = time.time()
+            completions = await self.engine.generate(prompts, self.sampling)
+            self.recorder.record("generate", t0, time.time(), version)
+        except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
+            log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
+            self.groups_failed += len(group_ids)
+            await self.hub.release_groups(group_ids, "failed")
+            return
+        trajs: list[Trajectory] = []
+        for gid, row, group in zip(group_ids, rows, completions):
+            row_json = json.dumps(row).encode()
+            for j, c in enumerate(group):
+                trajs.append(self._trajectory(gid, j, row, row_json, c))
+        self.groups_generated += len(group_ids)
+        self.tokens_generated += sum(len(t.response_ids) for t in trajs)
+        t0 = time.time()
+        await self.hub.put_rollouts(trajs)
+        self.recorder.record("wait_queue", t0, time.time(), version)
+
+    def _trajectory(self, group_id: int, j: int, row: dict, row_json: bytes, c: Completion) -> Trajectory:
+        n = self.sampling.n
+        return Trajectory(
+            seq_id=group_id * n + j,  # group ids are unique per run (the gate hands them out)
+            group_id=group_id,
+            group_size=n,
+            prompt_ids=c.prompt_ids,
+            response_ids=c.response_ids,
+            loss_mask=[True] * len(c.response_ids),
+            behavior_logprobs=c.logprobs,
+            versions=c.versions,
+            min_version=min(c.versions) if c.versions else self.engine.version,
+            max_version=max(c.versions) if c.versions else self.engine.version,
+            finish_reason=c.finish_reason,
+            truncated=c.finish_reason == "length",
+            prompt_truncated=c.prompt_truncated,
+            temperature=self.sampling.temperature,
+            prompt_text=str(row[self.prompt_key]),
+            row_json=row_json,
+            generator_id=self.generator_id,
+        )
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens_generated,
+            "groups": self.groups_generated,
+            "groups_failed": self.groups_failed,
+            "version": self.engine.version,
+            "swap_s_total": self.swap_s_total,
+            "spans": self.recorder.drain(),
+        }

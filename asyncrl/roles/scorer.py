@@ -1,0 +1,125 @@
+"""Scorer role: takes trajectories off the rollout queue, computes rewards, assembles complete groups and
+hands them to training — or returns their admission slots when they are filtered or failed.
+
+Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train queue ──► Trainer.
+A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
+belongs to completes as a failed group (slots returned to the gate, counted) and the run goes on.
+
+A plain async class: no Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from asyncrl.messages import Group, Trajectory
+from asyncrl.rewards.loader import call_reward
+from asyncrl.telemetry.spans import SpanRecorder
+from buffers.grouping import GroupAssembler
+
+log = logging.getLogger(__name__)
+
+
+class ScoreSink(Protocol):
+    """The part of the ReplayHub a scorer talks to."""
+
+    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]: ...
+    async def accept_groups(self, groups: list[Group]) -> None: ...
+    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+
+
+class Scorer:
+    def __init__(
+        self,
+        *,
+        scorer_id: int,
+        hub: ScoreSink,
+        reward_fn: Callable[..., float],
+        decode: Callable[[list[int]], str],
+        timeout_s: float = 30.0,
+        filter_zero_variance: bool = False,
+        batch: int = 256,
+        recorder: SpanRecorder | None = None,
+    ) -> None:
+        self.scorer_id = scorer_id
+        self.hub = hub
+        self.reward_fn = reward_fn
+        self.decode = decode
+        self.timeout_s = timeout_s
+        self.filter_zero_variance = filter_zero_variance
+        self.batch = batch
+        self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
+        self.assembler = GroupAssembler()
+        # Reward functions are user code: run them on our own threads so a hung one cannot starve the
+        # default executor that the rest of the role uses.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self._stopped = asyncio.Event()
+        self.counts = {"scored": 0, "reward_errors": 0, "groups_accepted": 0,
+                       "groups_filtered": 0, "groups_failed": 0}
+
+    async def run(self) -> None:
+        while not self._stopped.is_set():
+            t0 = time.time()
+            trajs = await self.hub.get_rollouts(self.batch, timeout=0.5)
+            self.recorder.record("wait_queue", t0, time.time())
+            if trajs:
+                await self.score_batch(trajs)
+
+    async def score_batch(self, trajs: list[Trajectory]) -> None:
+        t0 = time.time()
+        done: list[Group] = []
+        for traj in trajs:
+            await self._score_one(traj)
+            group = self.assembler.add(traj)
+            if group is not None:
+                done.append(group)
+        self.recorder.record("score", t0, time.time())
+        accepted, filtered, failed = [], [], []
+        for g in done:
+            if any(t.finish_reason == "error" for t in g.trajectories):
+                failed.append(g.group_id)
+            elif self.filter_zero_variance and len({t.reward for t in g.trajectories}) == 1:
+                filtered.append(g.group_id)
+            else:
+                accepted.append(g)
+        self.counts["groups_accepted"] += len(accepted)
+        self.counts["groups_filtered"] += len(filtered)
+        self.counts["groups_failed"] += len(failed)
+        t0 = time.time()
+        if failed:
+            await self.hub.release_groups(failed, "failed")
+        if filtered:
+            await self.hub.release_groups(filtered, "filtered")
+        if accepted:
+            await self.hub.accept_groups(accepted)
+        self.recorder.record("wait_queue", t0, time.time())
+
+    async def _score_one(self, traj: Trajectory) -> None:
+        self.counts["scored"] += 1
+        if traj.finish_reason == "error":
+            return
+        row = json.loads(traj.row_json) if traj.row_json else {}
+        completion = self.decode(traj.response_ids)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, call_reward, self.reward_fn, traj.prompt_text, completion, row)
+        try:
+            traj.reward = float(await asyncio.wait_for(fut, self.timeout_s))
+        except Exception as exc:  # user code: contain, count, fail the group
+            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+            self.counts["reward_errors"] += 1
+            if self.counts["reward_errors"] <= 5:
+                log.warning("scorer %d: reward failed for seq %d (%s)", self.scorer_id, traj.seq_id, reason)
+            traj.finish_reason = "error"
+            traj.error = f"reward: {reason}"
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "pending_groups": self.assembler.pending(), "spans": self.recorder.drain()}

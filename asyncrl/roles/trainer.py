@@ -1,0 +1,113 @@
+"""Trainer role: takes one step's groups from the train queue (in admission order, through the staleness
+gate), runs the update, and sends the new weights to the generators.
+
+Place in the dataflow: train queue (ReplayHub) ──► **Trainer** (Learner) ──► weight broadcast ──► Generators.
+Waiting on `take_step` is the trainer's idle time on the gate; the update itself runs on a worker thread
+so the actor can still answer `stats()` while it trains.
+
+A plain async class: no Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from asyncrl.messages import Group
+from asyncrl.roles.evaluator import Evaluator
+from asyncrl.roles.learner import Learner
+from asyncrl.telemetry.metrics import staleness_stats
+from asyncrl.telemetry.spans import SpanRecorder
+
+log = logging.getLogger(__name__)
+
+
+class StepSource(Protocol):
+    """The part of the ReplayHub the trainer talks to."""
+
+    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
+
+
+class WeightSender(Protocol):
+    def send(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]: ...
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        learner: Learner,
+        hub: StepSource,
+        evaluator: Evaluator | None = None,
+        recorder: SpanRecorder | None = None,
+    ) -> None:
+        self.learner = learner
+        self.hub = hub
+        self.evaluator = evaluator
+        self.sender: WeightSender | None = None
+        self.recorder = recorder or SpanRecorder("trainer")
+        self.trained_tokens = 0
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    async def train_step(self, step: int) -> dict[str, float]:
+        """Train step `step` (the learner holds version `step`); afterwards the version is step + 1."""
+        if step != self.learner.version:
+            raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
+        t0 = time.time()
+        groups = await self.hub.take_step(step)
+        t1 = time.time()
+        self.recorder.record("wait_gate", t0, t1, step)
+        metrics = await asyncio.to_thread(self.learner.update, groups)
+        t2 = time.time()
+        self.recorder.record("train", t1, t2, step)
+        staleness = [step - t.min_version for g in groups for t in g.trajectories]
+        metrics.update(staleness_stats(staleness))
+        metrics["trainer/gate_wait_s"] = t1 - t0
+        metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(t2 - t1, 1e-9)
+        metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
+        self.trained_tokens += int(metrics.get("trainer/tokens", 0))
+        return metrics
+
+    async def send_weights(self) -> dict[str, float]:
+        """Broadcast the current weights (stamped with the current version) to every generator."""
+        if self.sender is None:
+            raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
+        version = self.learner.version
+        t0 = time.time()
+        stats = await asyncio.to_thread(self.sender.send, self.learner.state_dict_for_sync(), version)
+        self.recorder.record("weights_send", t0, time.time(), version)
+        return stats
+
+    async def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        t0 = time.time()
+        out = await self.evaluator.evaluate()
+        self.recorder.record("eval", t0, time.time(), self.learner.version)
+        return out
+
+    def teacher_forced_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                                temperature: float = 1.0) -> list[float]:
+        """The trainer's logprobs of a fixed sequence (the reference an engine's logprobs must match)."""
+        return self.learner.teacher_forced_logprobs(prompt_ids, response_ids, temperature)
+
+    def save_checkpoint(self, path: str, tokenizer: Any = None) -> str:
+        """Write an HF-loadable folder (config + safetensors [+ tokenizer])."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.learner.model.save_pretrained(out, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        return str(out)
+
+    def stats(self) -> dict[str, Any]:
+        return {"version": self.learner.version, "trained_tokens": self.trained_tokens,
+                "spans": self.recorder.drain()}

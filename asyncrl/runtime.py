@@ -1,0 +1,189 @@
+"""The Controller: runs the dataflow built from one Config until `trainer.total_steps`, then stops it.
+
+```
+ loop        consumes                    produces                 waits for                 unblocked by
+ ─────────── ─────────────────────────── ──────────────────────── ───────────────────────── ──────────────────────────
+ Generator   prompt rows, gate slots     trajectories → rollout q  gate capacity (staleness) publish(v), returned slots
+ Scorer      rollout queue               groups → train store      trajectories              generators
+ Trainer     P oldest groups (take_step) new weights, version v+1  the P oldest groups done  scorers accepting groups
+ Controller  step results                broadcast, publish(v+1),  the trainer's step        train_step returning
+                                         metrics.jsonl row
+```
+
+Each train step: `train_step(s)` → broadcast of version s+1 to every generator (all members of the
+collective are called together) → `publish(s+1)` on the gate → (every `eval_every` steps) held-out
+evaluation → one metrics row. Generators and scorers run their own loops the whole time, so generation
+of later versions overlaps training up to the staleness bound.
+
+The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
+actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Protocol
+
+from asyncrl.config_schema import Config
+from asyncrl.telemetry.metrics import MetricsWriter
+from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
+
+log = logging.getLogger(__name__)
+
+
+class Deployment(Protocol):
+    """Where the roles live. Each attribute exposes the role's async methods."""
+
+    hub: Any
+    trainer: Any
+    generators: list[Any]
+    scorers: list[Any]
+
+    async def setup_weight_sync(self) -> None: ...
+    async def save_checkpoint(self, path: str) -> None: ...
+    async def shutdown(self) -> None: ...
+
+
+class RoleFailed(RuntimeError):
+    pass
+
+
+class Controller:
+    def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
+                 config_text: str | None = None) -> None:
+        self.cfg = cfg
+        self.d = deployment
+        self.run_dir = Path(run_dir or cfg.run.output_dir)
+        self.config_text = config_text
+        self._loops: list[asyncio.Future] = []
+        self._spans: list[Span] = []
+        self._tokens_seen: dict[int, int] = {}
+        self.rows: list[dict[str, Any]] = []
+
+    async def run(self) -> list[dict[str, Any]]:
+        cfg, d = self.cfg, self.d
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config_text is not None:
+            (self.run_dir / "config.toml").write_text(self.config_text)
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+        t_start = time.time()
+        try:
+            await d.setup_weight_sync()
+            self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            if cfg.trainer.eval_every > 0:
+                first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
+                first.update(await self._guard(d.trainer.evaluate()))
+                writer.write(first)
+                self.rows.append(first)
+            t_prev = time.time()
+            for step in range(cfg.trainer.total_steps):
+                row = await self._one_step(step, t_start, t_prev)
+                t_prev = time.time()
+                writer.write(row)
+                self.rows.append(row)
+                if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps:
+                    log.info(_progress_line(row, cfg.trainer.total_steps))
+            summary = self._summary(t_start)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if cfg.run.save_checkpoint:
+                await d.save_checkpoint(str(self.run_dir / "checkpoint"))
+            return self.rows
+        finally:
+            writer.close()
+            await self._stop_loops()
+            await d.shutdown()
+
+    async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
+        d = self.d
+        metrics = await self._guard(d.trainer.train_step(step))
+        version = step + 1
+        results = await self._guard(asyncio.gather(d.trainer.send_weights(),
+                                                   *[g.receive_weights() for g in d.generators]))
+        await d.hub.publish(version)
+        row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
+        row.update(metrics)
+        row.update({k: v for k, v in results[0].items()})
+        every = self.cfg.trainer.eval_every
+        if every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps):
+            row.update(await self._guard(d.trainer.evaluate()))
+        row.update(await self._role_metrics(t_prev, time.time()))
+        return row
+
+    async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
+        d = self.d
+        gen_stats, scorer_stats, trainer_stats, hub_stats = await asyncio.gather(
+            asyncio.gather(*[g.stats() for g in d.generators]),
+            asyncio.gather(*[s.stats() for s in d.scorers]),
+            d.trainer.stats(), d.hub.stats())
+        out: dict[str, float] = dict(hub_stats)
+        new_tokens = 0
+        stall = 0.0
+        for i, st in enumerate(gen_stats):
+            new_tokens += st["tokens"] - self._tokens_seen.get(i, 0)
+            self._tokens_seen[i] = st["tokens"]
+            stall += st["swap_s_total"]
+            self._spans.extend(st["spans"])
+        for st in [*scorer_stats, trainer_stats]:
+            self._spans.extend(st["spans"])
+        out["generation/tokens_per_s"] = new_tokens / max(t1 - t0, 1e-9)
+        out["generation/stall_s_total"] = stall
+        out["scorer/reward_errors"] = float(sum(s["reward_errors"] for s in scorer_stats))
+        # Keep spans that can still overlap the next window (a long generate started two windows ago).
+        self._spans = [s for s in self._spans if s.end >= t0 - 60.0]
+        out.update(busy_shares(self._spans, (t0, t1)))
+        out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
+        return out
+
+    async def _guard(self, aw: Awaitable[Any]) -> Any:
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
+        fut = asyncio.ensure_future(aw)
+        while True:
+            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+            if fut in done:
+                return fut.result()
+            for loop_fut in done:
+                exc = loop_fut.exception() if not loop_fut.cancelled() else None
+                fut.cancel()
+                raise RoleFailed(f"a generator or scorer stopped unexpectedly: {exc!r}")
+
+    async def _stop_loops(self) -> None:
+        d = self.d
+        for r in [*d.generators, *d.scorers]:
+            try:
+                await asyncio.wait_for(r.stop(), 10)
+            except Exception as exc:  # a dead actor must not block shutdown
+                log.debug("stop failed: %s", exc)
+        try:
+            await asyncio.wait_for(d.hub.close(), 10)
+        except Exception as exc:
+            log.debug("hub close failed: %s", exc)
+        if self._loops:
+            _, pending = await asyncio.wait(self._loops, timeout=15)
+            for f in pending:
+                f.cancel()
+
+    def _summary(self, t_start: float) -> dict[str, Any]:
+        rows = [r for r in self.rows if "reward/mean" in r]
+        evals = [r for r in self.rows if "eval/greedy_reward" in r]
+        out: dict[str, Any] = {"steps": len(rows), "wall_s": time.time() - t_start}
+        if rows:
+            out["reward_first"] = rows[0]["reward/mean"]
+            out["reward_last"] = rows[-1]["reward/mean"]
+            out["staleness_max"] = max(r.get("staleness/max", 0) for r in rows)
+        if evals:
+            out["eval_greedy_first"] = evals[0]["eval/greedy_reward"]
+            out["eval_greedy_last"] = evals[-1]["eval/greedy_reward"]
+        return out
+
+
+def _progress_line(row: dict[str, Any], total: int) -> str:
+    parts = [f"step {row['step']}/{total}", f"reward {row.get('reward/mean', float('nan')):.3f}"]
+    if "eval/greedy_reward" in row:
+        parts.append(f"eval greedy {row['eval/greedy_reward']:.3f}")
+    parts.append(f"staleness max {row.get('staleness/max', 0):.0f}")
+    parts.append(f"{row['time/elapsed_s']:.1f}s")
+    return " | ".join(parts)

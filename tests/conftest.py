@@ -1,0 +1,97 @@
+"""Shared fixtures: one tiny model folder and one local Ray cluster for the whole test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TINY_TOML = """
+[model]
+path = "{model_dir}"
+[model.build_tiny]
+hidden_size = 32
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+intermediate_size = 64
+vocab = "0123456789+="
+
+[data]
+source = "asyncrl.tasks.digits:first_digit"
+max_prompt_len = 16
+
+[rollout]
+num_generators = 1
+concurrency = 4
+group_size = 4
+max_new_tokens = 2
+
+[reward]
+fn = "prefix_match"
+
+[trainer]
+total_steps = 3
+prompts_per_step = 4
+micro_batch_size = 8
+lr = 1e-2
+eval_every = 2
+eval_prompts = 20
+
+[staleness]
+max_staleness = 1
+
+[cluster]
+num_cpus = 4
+generator_cpus = 0.25
+scorer_cpus = 0.25
+trainer_cpus = 0.25
+buffer_cpus = 0.25
+
+[run]
+output_dir = "{run_dir}"
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from asyncrl.config_schema import TinyModelConfig
+    from engines.hf import build_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    build_tiny_model(path, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                           intermediate_size=64, vocab="0123456789+="))
+    return path
+
+
+@pytest.fixture
+def tiny_config_file(tmp_path, tiny_model_dir) -> Path:
+    """A valid tiny run config (model already built) writing into tmp_path/run."""
+    path = tmp_path / "config.toml"
+    path.write_text(TINY_TOML.format(model_dir=tiny_model_dir, run_dir=tmp_path / "run"))
+    return path
+
+
+@pytest.fixture
+def make_config(tiny_config_file):
+    """make_config("trainer.lr=0.1", ...) -> a validated Config from the tiny TOML plus overrides."""
+    from asyncrl.config import load_config
+
+    return lambda *overrides: load_config(tiny_config_file, list(overrides))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every test that needs one; stopped at the end of the session."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 * 2**20,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
