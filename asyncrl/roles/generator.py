@@ -79,27 +79,28 @@ class Generator:
         self._pending = (tensors, version)
         return stats
 
-    def _apply_pending_weights(self) -> None:
+    async def _apply_pending_weights(self) -> None:
         if self._pending is None:
             return
         tensors, version = self._pending
         self._pending = None
         t0 = time.time()
-        self.engine.load_weights(tensors, version)
+        # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
+        await asyncio.to_thread(self.engine.load_weights, tensors, version)
         t1 = time.time()
         self.swap_s_total += t1 - t0
         self.recorder.record("weights_swap", t0, t1, version)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample outside the training loop (inspection, checks, agent loops) on the newest weights."""
-        self._apply_pending_weights()
+        await self._apply_pending_weights()
         return await self.engine.generate(prompts, params)
 
     # -- main loop -------------------------------------------------------------------------------
     async def run(self) -> None:
         """Generate until stop(): admit up to `concurrency` groups, sample them in one batch, emit."""
         while not self._stopped.is_set():
-            self._apply_pending_weights()
+            await self._apply_pending_weights()
             version = self.engine.version
             t0 = time.time()
             group_ids = await self.hub.admit(self.concurrency, version, timeout=0.5)

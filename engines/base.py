@@ -1,0 +1,62 @@
+"""The rollout-engine contract and the lazy name → engine registry.
+
+Place in the dataflow: a Generator role holds one `RolloutEngine`. It sends token-id prompts and
+`SamplingParams` to `generate` and wraps the returned `Completion`s into Trajectories; the weight
+receiver calls `load_weights` after each broadcast from the Trainer, which bumps `version` so that
+every later token is stamped with the new policy version.
+
+Engines are chosen by name from config (`rollout.engine`). vLLM and SGLang are registered as lazy
+import paths, so importing this module never imports them; only `create_engine("vllm", ...)` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+
+from asyncrl.messages import Completion, SamplingParams
+from asyncrl.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates token ids from token ids with one policy version loaded at a time."""
+
+    version: int
+    """Policy version of the weights currently loaded; 0 = initial weights."""
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt, `params.n` completions (the n samples share one prefill).
+
+        Each completion's `logprobs` are log_softmax(logits / T) over the full vocabulary at the sampled
+        token, and its `versions` the engine version that sampled each token.
+        """
+        ...
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy `tensors` (named as in the model's state_dict; a subset is allowed) into the model and set
+        `version`. Takes the engine's lock, so a swap never lands inside a decode step."""
+        ...
+
+    async def close(self) -> None:
+        """Release the engine's resources; generate() fails afterwards."""
+        ...
+
+
+ENGINES: Registry[type] = Registry("rollout engine")
+ENGINES.register_lazy("torch", "engines.torch_engine:TorchEngine")
+ENGINES.register_lazy("vllm", "engines.vllm_engine:VLLMEngine")
+ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
+
+
+def available_engines() -> list[str]:
+    """Names `create_engine` accepts (registered; an optional one may still fail to import)."""
+    return ENGINES.names()
+
+
+def create_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine registered as `name` with `kwargs`. Unknown name: KeyError listing known names."""
+    cls = ENGINES.get(name)
+    return cls(**kwargs)
