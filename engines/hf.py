@@ -120,8 +120,16 @@ def _build_model(cfg: TinyModelConfig, vocab_size: int):
     return model
 
 
+def _quiet_transformers() -> None:
+    """Progress bars for loading a 75k-parameter model only clutter the run's log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def build_tiny_model(path: str | Path, cfg: TinyModelConfig) -> None:
     """Write a tiny random-initialised HF causal LM + char tokenizer into `path` (deterministic in cfg.seed)."""
+    _quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(cfg.vocab)
@@ -144,6 +152,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     """The HF causal LM in `path` (local files only), on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), local_files_only=True)
     return model.to(device).eval()
 
