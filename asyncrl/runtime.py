@@ -162,9 +162,12 @@ class Controller:
         except Exception as exc:
             log.debug("hub close failed: %s", exc)
         if self._loops:
-            _, pending = await asyncio.wait(self._loops, timeout=15)
+            done, pending = await asyncio.wait(self._loops, timeout=15)
             for f in pending:
                 f.cancel()
+            for f in done:  # retrieve: a loop that died has already been reported by _guard
+                if not f.cancelled() and f.exception() is not None:
+                    log.debug("role loop ended with %r", f.exception())
 
     def _summary(self, t_start: float) -> dict[str, Any]:
         rows = [r for r in self.rows if "reward/mean" in r]

@@ -22,8 +22,9 @@ Why every consumed group has 0 <= staleness = s - min_version <= k:
     non-released groups in admission order is < (m + k + 1) * P. Later releases of earlier groups
     only lower that rank, later admissions do not change it, and step s consumes ranks
     [s*P, (s+1)*P). So it is consumed at step s <= m + k.
-  * Lower bound. It is admitted at m <= published version, and `publish(v)` is refused before v
-    steps were taken (v <= steps taken), so steps 0..m-1 were already taken: s >= m.
+  * Lower bound. `admit` refuses a version m greater than the steps taken (weights of version m
+    only exist after m steps; a generator may hold them just before `publish(m)` arrives), so steps
+    0..m-1 were already taken when the group was admitted: s >= m.
   `take_step` re-checks both bounds for every group it returns and raises if either were broken.
 Corollary used by the hub: admitted groups that are not released and not yet consumed never exceed
 (k + 1) * P (at admission accepted + running <= (m + k + 1) * P and consumed = steps taken * P >= m * P).
@@ -113,8 +114,11 @@ class AdmissionGate:
         """
         if max_groups < 1:
             raise ValueError(f"admit: max_groups must be >= 1, got {max_groups}")
-        if version > self._published:
-            raise ValueError(f"admit: version {version} is newer than the published {self._published}")
+        # Weights of version m exist once m steps were taken. A generator may load them before the
+        # controller's publish(m) reaches the gate (publish follows the broadcast), so the check is
+        # against steps taken, which is all the lower bound of the staleness proof needs.
+        if version > self._steps_taken:
+            raise ValueError(f"admit: version {version} needs {version} steps taken, only {self._steps_taken} were")
 
         def room() -> int:
             return self.capacity(version) - (self._accepted + self._running)

@@ -216,7 +216,7 @@ def test_publish_and_take_step_enforce_the_step_contract():
             gate.publish(1)  # no step taken yet: a group admitted at 1 could be trained at step 0
         with pytest.raises(ValueError, match="expected step 0"):
             await gate.take_step(3)
-        with pytest.raises(ValueError, match="newer than the published"):
+        with pytest.raises(ValueError, match="needs 2 steps taken"):
             await gate.admit(1, 2)
         await gate.admit(1, 0)
         assert await finish_step(gate, 0) == [0]  # publishes 1
@@ -314,3 +314,20 @@ def test_randomized_run_keeps_staleness_within_bound_and_accounts_every_group_on
     assert stats["admitted"] == len(admitted_at)
     assert stats["admitted"] == stats["consumed"] + stats["filtered"] + stats["failed"] + len(leftover)
     assert stats["running"] == 0
+
+
+def test_admit_accepts_weights_loaded_before_their_publish_arrives():
+    """Under Ray a generator can load version s+1 (broadcast done) before publish(s+1) reaches the
+    gate; once step s was taken that admission is legitimate and must not raise."""
+
+    async def main():
+        gate = AdmissionGate(prompts_per_step=1, max_staleness=0)
+        [g0] = await gate.admit(1, 0)
+        gate.accept(g0)
+        assert await gate.take_step(0) == [g0]
+        ids = await gate.admit(1, 1, timeout=SHORT)  # publish(1) not called yet
+        gate.publish(1)
+        return ids, gate.admitted_version(ids[0])
+
+    ids, version = run(main())
+    assert len(ids) == 1 and version == 1
