@@ -11,9 +11,9 @@ A plain async class: no Ray here.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
+import threading
 import time
 from typing import Any, Callable, Protocol
 
@@ -55,9 +55,6 @@ class Scorer:
         self.batch = batch
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
-        # Reward functions are user code: run them on our own threads so a hung one cannot starve the
-        # default executor that the rest of the role uses.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
         self._stopped = asyncio.Event()
         self.counts = {"scored": 0, "reward_errors": 0, "groups_accepted": 0,
                        "groups_filtered": 0, "groups_failed": 0}
@@ -105,10 +102,8 @@ class Scorer:
             return
         row = json.loads(traj.row_json) if traj.row_json else {}
         completion = self.decode(traj.response_ids)
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, call_reward, self.reward_fn, traj.prompt_text, completion, row)
         try:
-            traj.reward = float(await asyncio.wait_for(fut, self.timeout_s))
+            traj.reward = float(await self._call_reward(traj.prompt_text, completion, row))
         except Exception as exc:  # user code: contain, count, fail the group
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
             self.counts["reward_errors"] += 1
@@ -117,9 +112,41 @@ class Scorer:
             traj.finish_reason = "error"
             traj.error = f"reward: {reason}"
 
+    async def _call_reward(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
+        """Run the user's reward function on a daemon thread of its own, bounded by `timeout_s`.
+
+        Not a thread pool: a call that hangs cannot be killed, and in a pool each hung call would hold a
+        worker for good — after `max_workers` of them every later call times out waiting in the queue,
+        every group fails and training starves; the pool's threads would also block interpreter exit.
+        A hung daemon thread holds only itself.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[float] = loop.create_future()
+
+        def settle(value: float | None, exc: Exception | None) -> None:
+            if fut.done():  # timed out (cancelled) meanwhile
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+        def work() -> None:
+            value, exc = None, None
+            try:
+                value = call_reward(self.reward_fn, prompt, completion, row)
+            except Exception as e:  # noqa: BLE001 - user code; reported by _score_one
+                exc = e
+            try:
+                loop.call_soon_threadsafe(settle, value, exc)
+            except RuntimeError:  # the loop closed while the call hung
+                pass
+
+        threading.Thread(target=work, name=f"reward-{self.scorer_id}", daemon=True).start()
+        return await asyncio.wait_for(fut, self.timeout_s)
+
     def stop(self) -> None:
         self._stopped.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "pending_groups": self.assembler.pending(), "spans": self.recorder.drain()}

@@ -1,0 +1,317 @@
+"""Roles in-process with fakes: a Scorer or Generator talks to a fake hub (records every call) and, for the
+generator, a fake RolloutEngine. Bad input — a reward function that raises, hangs or returns garbage, an
+engine that raises — is contained: its group is released and counted, the rest of the run goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import pytest
+import torch
+
+from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
+from asyncrl.roles.generator import Generator
+from asyncrl.roles.scorer import Scorer
+from engines.base import RolloutEngine
+
+torch.set_num_threads(1)
+
+
+def run(coro: Any, timeout: float = 5.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class FakeHub:
+    """The async methods a Generator and a Scorer call on the ReplayHub; records every call."""
+
+    def __init__(self, batches: list[list[Trajectory]] | None = None, admit_ids: int = 1_000) -> None:
+        self.batches = list(batches or [])
+        self.accepted: list[Group] = []
+        self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
+        self.admits: list[tuple[int, int]] = []  # (max_groups, version) per call
+        self.rollouts: list[Trajectory] = []
+        self._next_id = 0
+        self._admit_ids = admit_ids
+
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+        self.admits.append((max_groups, version))
+        n = min(max_groups, self._admit_ids - self._next_id)
+        if n <= 0:
+            await asyncio.sleep(min(timeout or 0.01, 0.01))
+            return []
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        return ids
+
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        self.rollouts.extend(trajs)
+
+    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+        if self.batches:
+            return self.batches.pop(0)
+        await asyncio.sleep(0.01)
+        return []
+
+    async def accept_groups(self, groups: list[Group]) -> None:
+        self.accepted.extend(groups)
+
+    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+        self.released[reason].extend(group_ids)
+
+
+def traj(group_id: int, j: int, text: str, group_size: int = 2) -> Trajectory:
+    """One scored-to-be trajectory whose decoded completion is `text` (see `decode` below)."""
+    return Trajectory(seq_id=group_id * group_size + j, group_id=group_id, group_size=group_size,
+                      prompt_ids=[1], response_ids=[ord(c) for c in text], loss_mask=[True] * len(text),
+                      behavior_logprobs=[0.0] * len(text), versions=[0] * len(text), min_version=0,
+                      max_version=0, finish_reason="stop", prompt_text=f"p{group_id}",
+                      row_json=json.dumps({"answer": "a"}).encode())
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def make_scorer(hub: FakeHub, reward_fn: Callable[..., Any], **kw: Any) -> Scorer:
+    return Scorer(scorer_id=0, hub=hub, reward_fn=reward_fn, decode=decode, **kw)
+
+
+def by_text(prompt: str, completion: str, **fields: Any) -> Any:
+    """Reward from the completion text: 'boom' raises, 'nan' / 'str' return garbage, else 1 if 'a'."""
+    if completion == "boom":
+        raise RuntimeError("user reward bug")
+    if completion == "nan":
+        return float("nan")
+    if completion == "str":
+        return "1.0"
+    return 1.0 if completion == fields["answer"] else 0.0
+
+
+# -- Scorer ----------------------------------------------------------------------------------------
+def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others():
+    hub = FakeHub()
+    scorer = make_scorer(hub, by_text)
+    batch = [traj(0, 0, "a"), traj(0, 1, "b"), traj(1, 0, "a"), traj(1, 1, "boom"), traj(2, 0, "b"),
+             traj(2, 1, "b")]
+    run(scorer.score_batch(batch))
+    assert hub.released["failed"] == [1]
+    assert [g.group_id for g in hub.accepted] == [0, 2]
+    assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
+    assert [t.reward for t in hub.accepted[1].trajectories] == [0.0, 0.0]
+    assert scorer.counts["groups_failed"] == 1 and scorer.counts["groups_accepted"] == 2
+    assert scorer.counts["reward_errors"] == 1 and scorer.counts["scored"] == 6
+    failed = batch[3]
+    assert failed.finish_reason == "error" and "RuntimeError: user reward bug" in failed.error
+    scorer.stop()
+
+
+@pytest.mark.parametrize("garbage", ["nan", "str"])
+def test_scorer_fails_a_group_whose_reward_is_not_a_finite_number(garbage):
+    hub = FakeHub()
+    scorer = make_scorer(hub, by_text)
+    run(scorer.score_batch([traj(0, 0, garbage), traj(0, 1, "a"), traj(1, 0, "a"), traj(1, 1, "a")]))
+    assert hub.released["failed"] == [0]
+    assert [g.group_id for g in hub.accepted] == [1]
+    assert scorer.counts["reward_errors"] == 1
+    scorer.stop()
+
+
+def test_scorer_times_out_a_hanging_reward_and_fails_its_group_without_hanging():
+    hub = FakeHub()
+    release = threading.Event()
+
+    def hangs(prompt: str, completion: str, **fields: Any) -> float:
+        if completion == "hang":
+            release.wait(10)  # far past timeout_s; released at the end so no thread outlives the test
+        return 1.0
+
+    scorer = make_scorer(hub, hangs, timeout_s=0.2)
+    batch = [traj(0, 0, "a"), traj(0, 1, "hang"), traj(1, 0, "a"), traj(1, 1, "b")]
+    t0 = time.monotonic()
+    try:
+        run(scorer.score_batch(batch))
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+        scorer.stop()
+    assert 0.15 <= elapsed < 1.5
+    assert hub.released["failed"] == [0]
+    assert [g.group_id for g in hub.accepted] == [1]
+    assert scorer.counts["reward_errors"] == 1
+    assert batch[1].finish_reason == "error" and batch[1].error == "reward: timed out"
+    assert all(t.error == "" for t in hub.accepted[0].trajectories)
+
+
+def test_scorer_filters_a_zero_variance_group_and_accepts_a_mixed_one():
+    hub = FakeHub()
+    scorer = make_scorer(hub, by_text, filter_zero_variance=True)
+    run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "a"), traj(1, 0, "a"), traj(1, 1, "b")]))
+    assert hub.released == {"filtered": [0], "failed": []}
+    assert [g.group_id for g in hub.accepted] == [1]
+    assert scorer.counts["groups_filtered"] == 1 and scorer.counts["groups_accepted"] == 1
+    scorer.stop()
+
+
+def test_scorer_assembles_a_group_whose_members_arrive_in_separate_batches():
+    hub = FakeHub(batches=[[traj(0, 0, "a", group_size=3), traj(1, 0, "b")],
+                           [traj(1, 1, "a"), traj(0, 2, "b", group_size=3)],
+                           [traj(0, 1, "a", group_size=3)]])
+    scorer = make_scorer(hub, by_text)
+
+    async def main() -> None:
+        task = asyncio.create_task(scorer.run())
+        while len(hub.accepted) < 2:
+            await asyncio.sleep(0.005)
+        scorer.stop()
+        await asyncio.wait_for(task, 2)
+
+    run(main())
+    assert [g.group_id for g in hub.accepted] == [1, 0]
+    g0 = hub.accepted[1]
+    assert [t.seq_id for t in g0.trajectories] == [0, 1, 2]  # members sorted by seq_id
+    assert [t.reward for t in g0.trajectories] == [1.0, 1.0, 0.0]
+    assert scorer.stats()["pending_groups"] == 0
+
+
+# -- Generator -------------------------------------------------------------------------------------
+class FakeEngine:
+    """A RolloutEngine that answers each prompt with n one-token completions stamped with its version."""
+
+    def __init__(self, fail_calls: set[int] = frozenset()) -> None:
+        self.version = 0
+        self.calls = 0
+        self.fail_calls = set(fail_calls)  # 0-based indices of generate calls that raise
+        self.loads: list[int] = []
+        self.closed = False
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        call, self.calls = self.calls, self.calls + 1
+        await asyncio.sleep(0)
+        if call in self.fail_calls:
+            raise RuntimeError("engine blew up")
+        return [[Completion(prompt_ids=p, response_ids=[7], logprobs=[-0.5], versions=[self.version],
+                            finish_reason="stop") for _ in range(params.n)] for p in prompts]
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.loads.append(version)
+        self.version = version
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeReceiver:
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def receive(self) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        return {"w": torch.zeros(1)}, self.version, {"sync/bytes": 4.0}
+
+
+def make_generator(hub: FakeHub, engine: FakeEngine, concurrency: int = 2, rows: Any = None) -> Generator:
+    counter = iter(range(10**6))
+    next_row = rows or (lambda: {"prompt": f"q{next(counter)}", "answer": "a"})
+    return Generator(generator_id=0, engine=engine, hub=hub, next_row=next_row,
+                     encode=lambda s: [ord(c) for c in s], sampling=SamplingParams(n=2, max_new_tokens=1),
+                     concurrency=concurrency)
+
+
+def test_fake_engine_satisfies_the_rollout_engine_protocol():
+    assert isinstance(FakeEngine(), RolloutEngine)
+
+
+async def _run_until(gen: Generator, done: Callable[[], bool], timeout: float = 2.0) -> None:
+    task = asyncio.create_task(gen.run())
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        assert not task.done(), f"generator loop died: {task.exception()!r}"
+        await asyncio.sleep(0.005)
+    gen.stop()
+    await asyncio.wait_for(task, 1.0)
+
+
+def test_generator_releases_groups_as_failed_when_the_engine_raises_and_keeps_going():
+    hub = FakeHub()
+    engine = FakeEngine(fail_calls={0})
+    gen = make_generator(hub, engine)
+    run(_run_until(gen, lambda: len(hub.rollouts) >= 4))
+    assert hub.released["failed"] == [0, 1]
+    assert gen.groups_failed == 2 and gen.stats()["groups_failed"] == 2
+    # the next admission worked: groups 2 and 3 were generated, 2 samples each
+    assert {t.group_id for t in hub.rollouts[:4]} == {2, 3}
+    assert [t.seq_id for t in hub.rollouts[:4]] == [4, 5, 6, 7]
+
+
+def test_generator_applies_received_weights_before_its_next_admission():
+    hub = FakeHub()
+    engine = FakeEngine()
+    gen = make_generator(hub, engine, concurrency=1)
+    gen.receiver = FakeReceiver(version=3)
+
+    async def main() -> None:
+        stats = await gen.receive_weights()
+        assert stats == {"sync/bytes": 4.0}
+        assert engine.loads == []  # staged, not yet swapped
+        await _run_until(gen, lambda: len(hub.rollouts) >= 2)
+
+    run(main())
+    assert engine.loads == [3]
+    assert hub.admits[0][1] == 3  # admitted with the new version
+    assert all(t.min_version == 3 and t.versions == [3] for t in hub.rollouts)
+
+
+def test_generator_stop_ends_run_promptly_while_the_gate_is_closed():
+    hub = FakeHub(admit_ids=0)  # the gate never has room
+    gen = make_generator(hub, FakeEngine())
+
+    async def main() -> float:
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        t0 = time.monotonic()
+        gen.stop()
+        await asyncio.wait_for(task, 1.0)
+        return time.monotonic() - t0
+
+    assert run(main()) < 0.5
+
+
+def test_generator_fails_groups_whose_rows_lack_the_prompt_key():
+    hub = FakeHub()
+    rows = iter([{"question": "no prompt key"}, {"question": "neither"}])
+
+    def next_row() -> dict[str, str]:
+        return next(rows, {"prompt": "ok"})
+
+    gen = make_generator(hub, FakeEngine(), rows=next_row)
+    run(_run_until(gen, lambda: len(hub.rollouts) >= 2))
+    assert hub.released["failed"] == [0, 1]
+    assert hub.rollouts[0].group_id == 2 and hub.rollouts[0].prompt_text == "ok"
+
+
+def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
+    # A hung call cannot be killed; it must not hold a slot that later calls need (a 4-thread pool
+    # once failed every later sample after four hangs, so no group was ever accepted again).
+    hub = FakeHub()
+    release = threading.Event()
+
+    def hangs(prompt: str, completion: str, **fields: Any) -> float:
+        if completion == "hang":
+            release.wait(10)
+        return 1.0 if completion == "a" else 0.0
+
+    scorer = make_scorer(hub, hangs, timeout_s=0.05)
+    try:
+        run(scorer.score_batch([traj(g, j, "hang") for g in range(3) for j in range(2)]))
+        run(scorer.score_batch([traj(10, 0, "a"), traj(10, 1, "b")]))
+    finally:
+        release.set()
+        scorer.stop()
+    assert hub.released["failed"] == [0, 1, 2]
+    assert [g.group_id for g in hub.accepted] == [10]
+    assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]

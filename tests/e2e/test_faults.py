@@ -1,0 +1,164 @@
+"""Faults end to end on a tiny model: a reward function that raises is contained and every admitted group
+is accounted for; a dead actor ends the run with an error instead of a hang; Ctrl-C on `asyncrl launch`
+stops the run with exit code 130 and leaves no actor of it behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.telemetry.metrics import read_metrics
+
+torch.set_num_threads(1)
+
+FLAKY_REWARD = '''
+import itertools
+import zlib
+
+_calls = itertools.count()
+
+
+def reward(prompt, completion, answer):
+    """prefix_match, but raises on ~30% of calls (which ones: a hash of the call counter)."""
+    n = next(_calls)
+    if zlib.crc32(str(n).encode()) % 10 < 3:
+        raise RuntimeError(f"flaky reward failed on call {n}")
+    return 1.0 if completion.startswith(answer) else 0.0
+'''
+
+
+def _train_rows(rows):
+    return [r for r in rows if "reward/mean" in r]
+
+
+@pytest.mark.timeout(180)  # a hang fails the test instead of the suite
+def test_raising_reward_is_contained_and_every_admitted_group_is_accounted_for(make_config, tmp_path,
+                                                                               monkeypatch):
+    from asyncrl.launch import run_local
+
+    (tmp_path / "flaky_reward_mod.py").write_text(FLAKY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # group_size 2 so that about half the groups survive a 30% per-sample failure rate
+    cfg = make_config('reward.fn="flaky_reward_mod:reward"', "rollout.group_size=2", "trainer.total_steps=4",
+                      "trainer.eval_every=0", f'run.output_dir="{tmp_path / "flaky"}"')
+    rows = run_local(cfg)
+    assert [r["step"] for r in _train_rows(rows)] == [1, 2, 3, 4]
+    on_disk = read_metrics(tmp_path / "flaky" / "metrics.jsonl")
+    assert len(on_disk) == len(rows)
+    last = on_disk[-1]
+    assert last["buffer/failed"] > 0
+    assert last["scorer/reward_errors"] > 0
+    assert last["buffer/consumed"] == 4 * cfg.trainer.prompts_per_step
+    for row in on_disk:  # every snapshot, not only the last: no admitted group is ever unaccounted for
+        stored = row["buffer/accepted"] - row["buffer/consumed"]
+        assert stored == row["buffer/train_depth"], row
+        assert row["buffer/admitted"] == (row["buffer/consumed"] + row["buffer/failed"] + row["buffer/filtered"]
+                                          + row["buffer/running"] + stored), row
+
+
+# -- Ray ----------------------------------------------------------------------------------------------
+def _alive_role_actors() -> set[str]:
+    """Ids of ALIVE RoleActor actors in the cluster (GCS table; the dashboard's state API is off here)."""
+    import ray._private.state as ray_state
+
+    return {aid for aid, info in ray_state.actors().items()
+            if info.get("State") == "ALIVE" and "RoleActor" in str(info.get("ActorClassName", ""))}
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_killed_generator_actor_fails_the_run_fast_and_shuts_the_deployment_down(ray_cluster, make_config,
+                                                                                 tmp_path):
+    import ray
+
+    from asyncrl.launch import RayDeployment
+    from asyncrl.runtime import Controller, RoleFailed
+
+    cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
+                      f'run.output_dir="{tmp_path / "dead"}"')
+    deployment = RayDeployment(cfg)
+    deployment.wait_ready()
+    controller = Controller(cfg, deployment)
+
+    async def main() -> tuple[BaseException | None, float]:
+        task = asyncio.create_task(controller.run())
+        t0 = time.monotonic()
+        while len(controller.rows) < 2:
+            assert not task.done(), f"run ended before the kill: {task.exception()!r}"
+            assert time.monotonic() - t0 < 120, "no two steps within 120 s"
+            await asyncio.sleep(0.1)
+        ray.kill(deployment.generator_actors[0])
+        t_kill = time.monotonic()
+        try:
+            await asyncio.wait_for(task, 45)
+        except asyncio.TimeoutError:
+            raise AssertionError("controller hung after its generator died") from None
+        except Exception as exc:  # the failure we want
+            return exc, time.monotonic() - t_kill
+        return None, time.monotonic() - t_kill
+
+    exc, elapsed = asyncio.run(main())
+    assert exc is not None, "run finished 200 steps although its only generator was killed"
+    assert isinstance(exc, (RoleFailed, ray.exceptions.RayActorError)), repr(exc)
+    assert elapsed < 30, f"took {elapsed:.1f}s to fail"
+    assert len(controller.rows) < 200
+    for actor in deployment.actors:  # shutdown killed every actor of the run
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ready.remote(), timeout=30)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_config_file, tmp_path):
+    run_dir = tmp_path / "sigint"
+    before = _alive_role_actors()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.cli", "launch", str(tiny_config_file), "--address", ray_cluster,
+             "--set", "trainer.total_steps=500", "--set", "trainer.eval_every=0",
+             "--set", f'run.output_dir="{run_dir}"'],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            metrics = run_dir / "metrics.jsonl"
+
+            def two_rows() -> bool:
+                assert proc.poll() is None, f"launch exited early:\n{log_path.read_text()[-3000:]}"
+                return metrics.is_file() and len(metrics.read_text().splitlines()) >= 2
+
+            _wait_for(two_rows, 150, "two metrics rows")
+            assert len(_alive_role_actors() - before) == 4  # hub, trainer, generator, scorer
+            proc.send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"launch did not exit within 30 s of SIGINT:\n"
+                                     f"{log_path.read_text()[-3000:]}") from None
+            elapsed = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = log_path.read_text()
+    assert rc == 130, out[-3000:]
+    assert "interrupted" in out
+    assert elapsed < 30
+    _wait_for(lambda: not (_alive_role_actors() - before), 15, "the run's actors to die")
+    assert len(read_metrics(run_dir / "metrics.jsonl")) < 500
