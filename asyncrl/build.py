@@ -107,5 +107,6 @@ def build_trainer(cfg: Config, hub: Any) -> Trainer:
         evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
                               reward_fn=resolve_reward(cfg.reward.fn, cfg.reward.answer_key),
                               prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
-                              temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"))
+                              temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
+                              reward_timeout_s=cfg.reward.timeout_s)
     return Trainer(learner=learner, hub=hub, evaluator=evaluator)

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a failed run ends with one line, the traceback goes to the log
         logging.getLogger("asyncrl").debug("run failed", exc_info=True)
-        print(f"run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"run failed: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
     print(f"run directory: {cfg.run.output_dir} ({len(rows)} metric rows)")
     return 0

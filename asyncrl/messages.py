@@ -26,6 +26,7 @@ class SamplingParams(Message):
     top_k: int = -1                 # -1 = whole vocabulary
     max_new_tokens: int = 16
     stop_token_ids: list[int] = []  # besides the model's eos token ids
+    stop: list[str] = []            # stop strings: a sequence ends once its decoded response contains one
     seed: int | None = None         # per-request seed; None = the engine's own generator
 
     def validate(self) -> None:
@@ -40,6 +41,8 @@ class SamplingParams(Message):
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain an empty string (it would stop at once)")
 
 
 class Completion(Message):
@@ -49,8 +52,11 @@ class Completion(Message):
     response_ids: list[int]         # sampled tokens, including a final stop/eos token if one was sampled
     logprobs: list[float]           # behaviour logprob per response token: log_softmax(logits / T)[token]
     versions: list[int]             # policy version that produced each response token
-    finish_reason: str              # "stop" (eos/stop token) | "length" (hit max_new_tokens)
+    finish_reason: str              # "stop" (eos/stop token/stop string) | "length" (hit max_new_tokens)
+                                    # | "abort" (interrupted: a partial rollout to carry over)
     prompt_truncated: bool = False  # the prompt was cut to the engine's max prompt length
+    kv_reused: bool = False         # KV computed under older weights was kept across an in-flight swap, so
+                                    # later logprobs belong to a mixture of versions (opt-in; see engine)
 
 
 class Trajectory(Message):

@@ -103,7 +103,7 @@ class Controller:
         version = step + 1
         results = await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                    *[g.receive_weights() for g in d.generators]))
-        await d.hub.publish(version)
+        await self._guard(d.hub.publish(version))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
         row.update({k: v for k, v in results[0].items()})
@@ -115,10 +115,10 @@ class Controller:
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
         d = self.d
-        gen_stats, scorer_stats, trainer_stats, hub_stats = await asyncio.gather(
+        gen_stats, scorer_stats, trainer_stats, hub_stats = await self._guard(asyncio.gather(
             asyncio.gather(*[g.stats() for g in d.generators]),
             asyncio.gather(*[s.stats() for s in d.scorers]),
-            d.trainer.stats(), d.hub.stats())
+            d.trainer.stats(), d.hub.stats()))
         out: dict[str, float] = dict(hub_stats)
         new_tokens = 0
         stall = 0.0
@@ -141,14 +141,18 @@ class Controller:
     async def _guard(self, aw: Awaitable[Any]) -> Any:
         """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
         fut = asyncio.ensure_future(aw)
-        while True:
-            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
-            if fut in done:
-                return fut.result()
-            for loop_fut in done:
-                exc = loop_fut.exception() if not loop_fut.cancelled() else None
-                fut.cancel()
-                raise RoleFailed(f"a generator or scorer stopped unexpectedly: {exc!r}")
+        done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+        if fut not in done:
+            fut.cancel()
+            dead = next(iter(done))
+            exc = dead.exception() if not dead.cancelled() else None
+            raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
+        try:
+            return fut.result()
+        except Exception as exc:  # e.g. an actor died mid-call: one line, the cause stays chained
+            if _is_actor_death(exc):
+                raise RoleFailed(f"an actor died: {_first_line(exc)}") from exc
+            raise
 
     async def _stop_loops(self) -> None:
         d = self.d
@@ -181,6 +185,19 @@ class Controller:
             out["eval_greedy_first"] = evals[0]["eval/greedy_reward"]
             out["eval_greedy_last"] = evals[-1]["eval/greedy_reward"]
         return out
+
+
+def _first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "cancelled"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
+    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+               for c in type(exc).__mro__)
 
 
 def _progress_line(row: dict[str, Any], total: int) -> str:

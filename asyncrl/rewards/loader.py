@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import asyncio
 import inspect
+import threading
 import math
 from typing import Any, Callable
 
@@ -82,6 +84,41 @@ def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any])
             f"it must return a finite number"
         )
     return value
+
+
+async def call_reward_async(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any],
+                            timeout_s: float) -> float:
+    """`call_reward` on a daemon thread of its own, bounded by `timeout_s` (asyncio.TimeoutError).
+
+    Not a thread pool: a call that hangs cannot be killed, and in a pool each hung call would hold a
+    worker for good — after `max_workers` of them every later call times out waiting in the queue, every
+    group fails and training starves; pool threads would also block interpreter exit. A hung daemon
+    thread holds only itself.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[float] = loop.create_future()
+
+    def settle(value: float | None, exc: BaseException | None) -> None:
+        if fut.done():  # timed out (cancelled) meanwhile
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)  # type: ignore[arg-type]
+
+    def work() -> None:
+        value, exc = None, None
+        try:
+            value = call_reward(fn, prompt, completion, row)
+        except Exception as e:  # noqa: BLE001 - user code; the caller reports it
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop closed while the call hung
+            pass
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return await asyncio.wait_for(fut, timeout_s)
 
 
 def _adapt(spec: str, fn: Any) -> RewardFn:

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
-from asyncrl.rewards.loader import call_reward
+from asyncrl.rewards.loader import call_reward_async
 from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class Evaluator:
         max_new_tokens: int,
         temperature: float,
         seed: int = 0,
+        reward_timeout_s: float = 30.0,
     ) -> None:
         self.engine = engine
         self.rows = rows
@@ -40,6 +41,7 @@ class Evaluator:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
+        self.reward_timeout_s = reward_timeout_s
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
@@ -52,8 +54,9 @@ class Evaluator:
             for row, group in zip(self.rows, groups):
                 text = self.decode(group[0].response_ids)
                 try:
-                    rewards.append(call_reward(self.reward_fn, str(row[self.prompt_key]), text, row))
-                except Exception as exc:  # a failing reward counts as 0 and is reported
+                    rewards.append(await call_reward_async(self.reward_fn, str(row[self.prompt_key]), text,
+                                                           row, self.reward_timeout_s))
+                except Exception as exc:  # a failing or hung reward counts as 0 and is reported
                     errors += 1
                     rewards.append(0.0)
                     log.debug("eval reward failed: %s", exc)

@@ -110,8 +110,9 @@ class Generator:
             await self._generate_groups(group_ids, version)
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
-        rows = [self.next_row() for _ in group_ids]
-        try:
+        try:  # a bad row, a failing encode or engine error fails these groups, never the loop
+            rows = [self.next_row() for _ in group_ids]
+            row_jsons = [json.dumps(row).encode() for row in rows]
             prompts = [self.encode(row[self.prompt_key]) for row in rows]
             t0 = time.time()
             completions = await self.engine.generate(prompts, self.sampling)
@@ -122,8 +123,7 @@ class Generator:
             await self.hub.release_groups(group_ids, "failed")
             return
         trajs: list[Trajectory] = []
-        for gid, row, group in zip(group_ids, rows, completions):
-            row_json = json.dumps(row).encode()
+        for gid, row, row_json, group in zip(group_ids, rows, row_jsons, completions):
             for j, c in enumerate(group):
                 trajs.append(self._trajectory(gid, j, row, row_json, c))
         self.groups_generated += len(group_ids)

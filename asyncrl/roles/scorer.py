@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.loader import call_reward
+from asyncrl.rewards.loader import call_reward_async
 from asyncrl.telemetry.spans import SpanRecorder
 from buffers.grouping import GroupAssembler
 
@@ -103,7 +102,7 @@ class Scorer:
         row = json.loads(traj.row_json) if traj.row_json else {}
         completion = self.decode(traj.response_ids)
         try:
-            traj.reward = float(await self._call_reward(traj.prompt_text, completion, row))
+            traj.reward = await call_reward_async(self.reward_fn, traj.prompt_text, completion, row, self.timeout_s)
         except Exception as exc:  # user code: contain, count, fail the group
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
             self.counts["reward_errors"] += 1
@@ -111,39 +110,6 @@ class Scorer:
                 log.warning("scorer %d: reward failed for seq %d (%s)", self.scorer_id, traj.seq_id, reason)
             traj.finish_reason = "error"
             traj.error = f"reward: {reason}"
-
-    async def _call_reward(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
-        """Run the user's reward function on a daemon thread of its own, bounded by `timeout_s`.
-
-        Not a thread pool: a call that hangs cannot be killed, and in a pool each hung call would hold a
-        worker for good — after `max_workers` of them every later call times out waiting in the queue,
-        every group fails and training starves; the pool's threads would also block interpreter exit.
-        A hung daemon thread holds only itself.
-        """
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[float] = loop.create_future()
-
-        def settle(value: float | None, exc: Exception | None) -> None:
-            if fut.done():  # timed out (cancelled) meanwhile
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(value)
-
-        def work() -> None:
-            value, exc = None, None
-            try:
-                value = call_reward(self.reward_fn, prompt, completion, row)
-            except Exception as e:  # noqa: BLE001 - user code; reported by _score_one
-                exc = e
-            try:
-                loop.call_soon_threadsafe(settle, value, exc)
-            except RuntimeError:  # the loop closed while the call hung
-                pass
-
-        threading.Thread(target=work, name=f"reward-{self.scorer_id}", daemon=True).start()
-        return await asyncio.wait_for(fut, self.timeout_s)
 
     def stop(self) -> None:
         self._stopped.set()
