@@ -62,7 +62,8 @@ def tokenizer_fns(model_path: str) -> tuple[Any, Any, Any]:
 def training_sampling(cfg: Config) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids))
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
+                          stop=list(r.stop))
 
 
 def build_hub(cfg: Config) -> ReplayHub:
@@ -73,13 +74,14 @@ def build_hub(cfg: Config) -> ReplayHub:
 
 def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
+    _, encode, decode = tokenizer_fns(cfg.model.path)
     engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
-                           max_prompt_len=cfg.data.max_prompt_len, seed=seed)
-    _, encode, _ = tokenizer_fns(cfg.model.path)
+                           max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
+                           kv_on_update=cfg.rollout.kv_on_update)
     stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
     return Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
                      encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
-                     concurrency=cfg.rollout.concurrency)
+                     concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update)
 
 
 def build_scorer(cfg: Config, scorer_id: int, hub: Any) -> Scorer:

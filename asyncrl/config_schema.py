@@ -59,7 +59,10 @@ class RolloutConfig(Section):
     top_p: Annotated[float, _d("nucleus sampling; keep 1.0 for training", gt=0, le=1)] = 1.0
     top_k: Annotated[int, _d("top-k sampling; -1 = off (keep -1 for training)", ge=-1)] = -1
     max_new_tokens: Annotated[int, _d("response length limit in tokens", ge=1)] = 64
+    weight_update: Annotated[Literal["in_flight", "between_requests"], _d("in_flight: new weights land at the next decode step, sequences carry on across versions; between_requests: finish the groups in flight first")] = "in_flight"
+    kv_on_update: Annotated[Literal["recompute", "keep"], _d("after an in-flight swap, recompute the KV cache of unfinished sequences (exact) or keep it (a mixture of versions, recorded on the trajectory)")] = "recompute"
     stop_token_ids: Annotated[list[int], _d("token ids that end a response besides the model's eos, e.g. [2, 3]")] = []
+    stop: Annotated[list[str], _d("strings that end a response once the decoded text contains them, e.g. [\"\\n\"]")] = []
 
 
 class RewardConfig(Section):

@@ -79,6 +79,7 @@ class Trajectory(Message):
     prompt_text: str = ""            # what the reward function sees as the prompt
     row_json: bytes = b""            # the dataset row, JSON-encoded; user fields are schemaless, so only
                                      # the scorer decodes them (to call the reward function)
+    kv_reused: bool = False          # KV computed under older weights was kept across an in-flight swap
     generator_id: int = 0
     reward: float = 0.0              # filled by the scorer
     error: str = ""                  # why it failed, if finish_reason == "error"

@@ -62,6 +62,7 @@ class Controller:
         self._loops: list[asyncio.Future] = []
         self._spans: list[Span] = []
         self._tokens_seen: dict[int, int] = {}
+        self._stall_seen: dict[int, float] = {}
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -121,16 +122,24 @@ class Controller:
             d.trainer.stats(), d.hub.stats()))
         out: dict[str, float] = dict(hub_stats)
         new_tokens = 0
-        stall = 0.0
+        stall = stall_total = 0.0
+        batch_means = []
         for i, st in enumerate(gen_stats):
             new_tokens += st["tokens"] - self._tokens_seen.get(i, 0)
             self._tokens_seen[i] = st["tokens"]
-            stall += st["swap_s_total"]
+            stall += st["stall_s_total"] - self._stall_seen.get(i, 0.0)
+            self._stall_seen[i] = st["stall_s_total"]
+            stall_total += st["stall_s_total"]
+            if "engine/decode_batch/mean" in st["engine"]:
+                batch_means.append(st["engine"]["engine/decode_batch/mean"])
             self._spans.extend(st["spans"])
         for st in [*scorer_stats, trainer_stats]:
             self._spans.extend(st["spans"])
         out["generation/tokens_per_s"] = new_tokens / max(t1 - t0, 1e-9)
-        out["generation/stall_s_total"] = stall
+        out["generation/stall_s"] = stall
+        out["generation/stall_s_total"] = stall_total
+        if batch_means:
+            out["generation/decode_batch_mean"] = sum(batch_means) / len(batch_means)
         out["scorer/reward_errors"] = float(sum(s["reward_errors"] for s in scorer_stats))
         # Keep spans that can still overlap the next window (a long generate started two windows ago).
         self._spans = [s for s in self._spans if s.end >= t0 - 60.0]

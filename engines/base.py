@@ -37,11 +37,24 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `tensors` (named as in the model's state_dict; a subset is allowed) into the model and set
-        `version`. Takes the engine's lock, so a swap never lands inside a decode step."""
+        `version`. A swap never lands inside a decode step: an engine either waits for running calls or,
+        with in-flight updates (the torch engine), applies it at the next decode-step boundary so that
+        running sequences go on under the new version. Blocks the calling thread until it has landed."""
         ...
 
     async def close(self) -> None:
         """Release the engine's resources; generate() fails afterwards."""
+        ...
+
+
+@runtime_checkable
+class InterruptibleEngine(RolloutEngine, Protocol):
+    """An engine whose in-flight requests can be cut short (optional; check with isinstance)."""
+
+    async def interrupt(self) -> int:
+        """Make every in-flight generate() return now: unfinished sequences come back with
+        finish_reason "abort" and their partial tokens, logprobs and versions (resubmit prompt + partial
+        to carry them over). Returns how many sequences were aborted."""
         ...
 
 

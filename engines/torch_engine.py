@@ -1,71 +1,90 @@
-"""Native rollout engine: batched sampling with a KV cache on any HF causal LM (CPU or GPU).
+"""Native rollout engine: continuous batching over a slot KV cache, on any HF causal LM (CPU or GPU).
 
-Place in the dataflow: a Generator role calls `generate(prompts, params)` and wraps the returned
-`Completion`s into Trajectories; the weight receiver calls `load_weights` after each broadcast from the
-Trainer. The Trainer also wraps its own module with `TorchEngine.from_model` for held-out evaluation.
+Place in the dataflow: a Generator role calls `generate(prompts, params)` (from as many concurrent
+episodes as it likes) and wraps the returned `Completion`s into Trajectories; the weight receiver calls
+`load_weights` after each broadcast from the Trainer. The Trainer also wraps its own module with
+`TorchEngine.from_model` for held-out evaluation (weights shared, never copied).
 
-One `generate` call is one batch: the prompts are left-padded and prefilled together (each prompt once;
-the cache and the last logits are then repeated `n` times, so the n samples share that prefill), after
-which every decode step is one forward over all prompts×n rows. A row that sampled a stop token keeps
-riding along, fed padding, and emits nothing more. Behaviour logprobs follow the one definition in
-ARCHITECTURE.md: log_softmax(logits / T) over the full vocabulary at the sampled token; top-k / top-p
-only restrict what may be sampled. Compute runs on a worker thread under a lock that `load_weights`
-also takes, so a weight swap lands between generate calls, never inside one.
+Pieces: `engines.torch_model` (the fast Llama/Qwen2 forward over a preallocated slot KV cache) or
+`engines.hf_fallback` (any other model; a warning says which and why), `engines.scheduler` (the loop on
+its own thread that admits, prefills, decodes, retires and swaps weights at step boundaries),
+`engines.requests` (per-request/sequence state), `engines.sampling` (per-row temperature / top-k /
+top-p / seed). This module validates inputs and turns calls into scheduler commands.
+
+Semantics callers rely on:
+* Behaviour logprob = log_softmax(logits / T) over the full vocabulary at the sampled token; greedy
+  (T = 0) reports log_softmax(logits). Every token carries the version that sampled it.
+* `load_weights` is an *in-flight* update: it blocks only its calling thread (run it with
+  `asyncio.to_thread`) until the scheduler has copied the tensors at the next decode-step boundary (at once
+  when idle). Unfinished sequences then continue under the new version; with `kv_on_update="recompute"`
+  (default) their K/V is recomputed first, so every later logprob is exactly the new policy's; with
+  `"keep"` the old K/V is reused (a mixture of versions; the Completion says `kv_reused=True`).
+* `interrupt()` ends every in-flight sequence at the next boundary with finish_reason "abort" and its
+  partial tokens, logprobs and versions: resubmit `prompt_ids + response_ids` to carry it over.
+* Stop strings need a detokenizer: pass `detokenize`, or (engines built from a path) the model folder's
+  tokenizer is loaded on first use. A sequence stops once its decoded response contains a stop string;
+  the tokens up to and including the one that completed it are returned, finish_reason "stop".
+* A seeded request gives each sample its own random stream, so its tokens do not depend on what else is
+  in the batch; unseeded requests share the engine's stream (seeded by `seed`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import threading
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from asyncrl.messages import Completion, SamplingParams
 from engines import hf
+from engines.hf_fallback import HFDecoder
+from engines.requests import Request, Swap
+from engines.scheduler import Scheduler
+from engines.torch_model import SlotDecoder, unsupported_reason
 
 log = logging.getLogger(__name__)
 
 
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """scaled [B, V] -> [B, V] with tokens outside top-k / the top-p nucleus set to -inf."""
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return scaled
+@dataclass(frozen=True)
+class EngineOptions:
+    """Keyword options of `TorchEngine` beyond the RolloutEngine basics."""
+
+    max_batch: int = 256               # most sequences decoded together (KV slots); more wait, FIFO
+    kv_on_update: str = "recompute"    # "recompute" | "keep": what in-flight swaps do with existing K/V
+    fast: bool | None = None           # None: fast path when supported; False: force the HF fallback
+    admit_window_s: float = 0.001      # idle -> busy: wait until no request came for this long (at most
+                                       # 10x), so that a burst of concurrent calls is prefilled together
+    max_prefill_tokens: int = 8192     # padded tokens per prefill forward (bounds prefill memory)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"TorchEngine max_batch must be >= 1, got {self.max_batch}")
+        if self.kv_on_update not in ("recompute", "keep"):
+            raise ValueError(f"TorchEngine kv_on_update must be 'recompute' or 'keep', got {self.kv_on_update!r}")
+        if self.max_prefill_tokens < 1 or self.admit_window_s < 0:
+            raise ValueError("TorchEngine max_prefill_tokens must be >= 1 and admit_window_s >= 0")
 
 
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B], behaviour logprobs [B]); temperature 0 is greedy."""
-    logits = logits.float()
-    if params.temperature == 0:
-        tokens = logits.argmax(-1)
-        logprobs = logits.log_softmax(-1)
-    else:
-        scaled = logits / params.temperature
-        logprobs = scaled.log_softmax(-1)
-        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+def _options(options: dict[str, Any]) -> EngineOptions:
+    known = set(EngineOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"TorchEngine: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return EngineOptions(**options)
 
 
 class TorchEngine:
-    """RolloutEngine over a HF causal LM; see the module docstring for the batching scheme.
+    """RolloutEngine over a HF causal LM; see the module docstring.
 
-    Counters for tests and benchmarks: `num_forwards` (prefill + decode forwards executed) and
-    `tokens_generated` (response tokens returned, padding excluded).
+    Built from a path the engine owns its module and stores each layer's q/k/v and gate/up weights in one
+    fused buffer (the module's Parameters become views of it: same names, shapes and values, one matmul
+    instead of three). `from_model` touches nothing of the module it shares.
+
+    Counters (read-only): `num_forwards` = `num_prefill_forwards` + `num_decode_forwards`,
+    `tokens_generated`; `scheduler` holds the per-step records (`decode_batch_sizes`, `step_times_s`,
+    `swap_pauses_s`) and the `on_step` hook; `stats()` summarises them.
     """
 
     def __init__(
@@ -77,10 +96,14 @@ class TorchEngine:
         max_prompt_len: int = 256,
         seed: int = 0,
         eos_token_ids: list[int] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        **options: Any,
     ) -> None:
+        opts = _options(options)
         model = hf.load_model(model_path, dtype=dtype, device=device)
         eos = hf.eos_token_ids(model) if eos_token_ids is None else eos_token_ids
-        self._setup(model, eos, max_prompt_len, seed, torch.device(device))
+        self._model_path = str(model_path)
+        self._setup(model, eos, max_prompt_len, seed, torch.device(device), detokenize, opts)
 
     @classmethod
     def from_model(
@@ -91,84 +114,141 @@ class TorchEngine:
         max_prompt_len: int = 256,
         seed: int = 0,
         device: str | torch.device | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        **options: Any,
     ) -> "TorchEngine":
         """Wrap an existing module without copying its weights (e.g. the trainer's, for evaluation)."""
         self = cls.__new__(cls)
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        self._setup(model, eos_token_ids, max_prompt_len, seed, dev)
+        self._model_path = None
+        self._setup(model, eos_token_ids, max_prompt_len, seed, dev, detokenize, _options(options))
         return self
 
-    def _setup(
-        self, model: torch.nn.Module, eos: list[int], max_prompt_len: int, seed: int, device: torch.device
-    ) -> None:
+    def _setup(self, model, eos, max_prompt_len, seed, device, detokenize, options: EngineOptions) -> None:
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
         self.model = model
         self.device = device
         self.eos_token_ids = [int(i) for i in eos]
         self.max_prompt_len = max_prompt_len
-        self.version = 0
-        self.num_forwards = 0
-        self.tokens_generated = 0
+        self.options = options
+        self._detokenize = detokenize
         self._vocab_size = model.get_input_embeddings().num_embeddings
-        pad = getattr(model.config, "pad_token_id", None)
-        self._pad_id = int(pad) if pad is not None else 0  # any valid id: padded positions are masked
-        self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._lock = threading.Lock()
+        reason = unsupported_reason(model) if options.fast is not False else "fast=False"
+        if reason is None:
+            backend = SlotDecoder(model, device, fuse=self._model_path is not None)
+        else:
+            log.warning("TorchEngine: HF fallback path (one forward per sequence and step): %s", reason)
+            backend = HFDecoder(model, device)
+        self.fast = reason is None
+        self.scheduler = Scheduler(
+            backend, vocab_size=self._vocab_size, device=device, seed=seed, max_batch=options.max_batch,
+            max_prompt_len=max_prompt_len, kv_on_update=options.kv_on_update, admit_window_s=options.admit_window_s,
+            max_prefill_tokens=options.max_prefill_tokens,
+        )
         self._closed = False
-        forward_args = inspect.signature(model.forward).parameters
-        # transformers 5.x renamed past_key_values -> cache (the old name is deprecated).
-        self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
-        self._logits_to_keep = "logits_to_keep" in forward_args
+
+    # ---- counters ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.scheduler.version
+
+    @property
+    def num_prefill_forwards(self) -> int:
+        return self.scheduler.num_prefill_forwards
+
+    @property
+    def num_decode_forwards(self) -> int:
+        return self.scheduler.num_decode_forwards
+
+    @property
+    def num_forwards(self) -> int:
+        return self.scheduler.num_prefill_forwards + self.scheduler.num_decode_forwards
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.scheduler.tokens_generated
+
+    @property
+    def swap_pauses_s(self) -> list[float]:
+        return self.scheduler.swap_pauses_s
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        steps = s.num_decode_forwards
+        times = list(s.step_times_s)
+        return {
+            "engine/prefill_forwards": float(s.num_prefill_forwards),
+            "engine/decode_forwards": float(steps),
+            "engine/tokens": float(s.tokens_generated),
+            "engine/decode_batch/mean": s.decode_tokens_total / steps if steps else 0.0,
+            "engine/step_s/mean": sum(times) / len(times) if times else 0.0,
+            "engine/swap_pause_s/max": max(s.swap_pauses_s, default=0.0),
+            "engine/swap_pause_s/sum": sum(s.swap_pauses_s),
+        }
 
     # ---- public API -------------------------------------------------------------------------------
-
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         params.validate()
         self._check_prompts(prompts)
+        if params.n > self.options.max_batch:
+            raise ValueError(f"SamplingParams.n ({params.n}) exceeds the engine's max_batch ({self.options.max_batch})")
+        if self._closed:
+            raise RuntimeError("TorchEngine.generate called after close()")
+        detokenize = self._stop_decoder() if params.stop else None
         if not prompts:
             return []
-        return await asyncio.to_thread(self._generate_locked, prompts, params)
+        kept = [list(p[-self.max_prompt_len :]) for p in prompts]
+        loop = asyncio.get_running_loop()
+        req = Request(
+            prompts=kept, truncated=[len(k) < len(p) for k, p in zip(kept, prompts)], params=params,
+            stop_ids=frozenset((*self.eos_token_ids, *params.stop_token_ids)), detokenize=detokenize,
+            loop=loop, future=loop.create_future(),
+        )
+        self.scheduler.submit(req)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self.scheduler.cancel(req)
+            raise
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `tensors` into the model in place and set `version`; a subset of names is allowed.
 
         Names are those of `state_dict()`; for tied weights either name (or both, if equal) works.
-        Raises ValueError on an unknown name or a shape mismatch, before anything is copied. Blocks
-        until a running generate call finishes (call it off the event loop if that matters).
+        Raises ValueError on an unknown name, a shape mismatch or tied names sent with different
+        values, before anything is copied. Blocks the calling thread until the swap has landed at the
+        next decode-step boundary (at once when the engine is idle); generation is paused only for the
+        copy (and the K/V recompute with kv_on_update="recompute"). `tensors` must stay untouched until
+        it returns (they are the caller's staging copy).
         """
         if self._closed:
             raise RuntimeError("TorchEngine.load_weights called after close()")
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(self.model.named_buffers(remove_duplicate=False))
-        for name, src in tensors.items():
-            if name not in targets:
-                raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter or buffer of the model)")
-            want = tuple(targets[name].shape)
-            if tuple(src.shape) != want:
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(src.shape)}, the model expects {want}")
-        with self._lock, torch.no_grad():
-            written: dict[int, str] = {}  # storage -> first name written, to catch tied names that disagree
-            for name, src in tensors.items():
-                dst = targets[name].data
-                first = written.setdefault(dst.data_ptr(), name)
-                if first != name:
-                    if not torch.equal(src.to(dst.device, dst.dtype), dst):
-                        raise ValueError(
-                            f"load_weights: tied tensors {first!r} and {name!r} were sent with different values"
-                        )
-                    continue
+        pairs = self._validated_targets(tensors)
+
+        def copy() -> None:
+            for dst, src in pairs:
                 dst.copy_(src)
-            self.version = int(version)
+
+        self.scheduler.swap(Swap(copy=copy, version=int(version)))
         log.debug("loaded %d tensors, version %d", len(tensors), version)
 
+    async def interrupt(self) -> int:
+        """Make every in-flight request return now: running and waiting sequences finish with
+        finish_reason "abort" and what they have so far. Returns how many sequences were aborted."""
+        if self._closed:
+            return 0
+        return await asyncio.wrap_future(self.scheduler.interrupt())
+
     async def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self.model = None  # drop our reference only; a wrapped trainer module lives on
+        """Stop the scheduler thread; requests still in flight fail with RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self.scheduler.close)
+        self.model = None  # drop our reference only; a wrapped trainer module lives on
 
     # ---- internals ----------------------------------------------------------------------------------
-
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -176,106 +256,31 @@ class TorchEngine:
             if min(prompt) < 0 or max(prompt) >= self._vocab_size:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
 
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers: no config argument
-            return DynamicCache()
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        """One forward over the batch; returns the last position's logits [B, V]."""
-        kwargs = {self._cache_kw: cache}
-        if self._logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
-        self.num_forwards += 1
-        return out.logits[:, -1]
-
-    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        with self._lock, torch.inference_mode():
-            if self._closed:
-                raise RuntimeError("TorchEngine.generate called after close()")
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                return self._generate(prompts, params)
-            finally:
-                self.model.train(was_training)
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        version, n, dev = self.version, params.n, self.device
-        kept = [p[-self.max_prompt_len :] for p in prompts]
-        width = max(len(p) for p in kept)
-        ids = torch.full((len(kept), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(kept), width), dtype=torch.long)
-        for row, p in enumerate(kept):  # left padding: every prompt ends at the last column
-            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        cache = self._new_cache()
-        logits = self._forward(ids, mask, pos, cache)
-        if n > 1:  # the n samples of a prompt share its prefill
-            cache.batch_repeat_interleave(n)
-            logits, mask, pos = (t.repeat_interleave(n, dim=0) for t in (logits, mask, pos))
-        next_pos = pos[:, -1:] + 1  # [R, 1], R = prompts × n
-
-        gen = self._generator
-        if params.seed is not None:
-            gen = torch.Generator(device=dev).manual_seed(params.seed)
-        stop_ids = torch.tensor(sorted({*self.eos_token_ids, *params.stop_token_ids}), dtype=torch.long, device=dev)
-        rows = logits.shape[0]
-        finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(rows, dtype=torch.long, device=dev)
-        tokens, logprobs = [], []
-        for step in range(params.max_new_tokens):
-            tok, lp = sample_tokens(logits, params, gen)
-            tok = tok.masked_fill(finished, self._pad_id)  # finished rows emit nothing more
-            tokens.append(tok)
-            logprobs.append(lp)
-            lengths += (~finished).long()
-            finished |= torch.isin(tok, stop_ids)
-            if step == params.max_new_tokens - 1 or bool(finished.all()):
-                break
-            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=dev)], dim=1)
-            logits = self._forward(tok[:, None], mask, next_pos, cache)
-            next_pos = next_pos + 1
-
-        self.tokens_generated += int(lengths.sum())
-        return _completions(prompts, kept, n, version, tokens, logprobs, lengths, finished)
-
-
-def _completions(
-    prompts: list[list[int]],
-    kept: list[list[int]],
-    n: int,
-    version: int,
-    tokens: list[torch.Tensor],
-    logprobs: list[torch.Tensor],
-    lengths: torch.Tensor,
-    finished: torch.Tensor,
-) -> list[list[Completion]]:
-    """Per-step [R] tensors (R = prompts × n, prompt-major) -> one list of n Completions per prompt."""
-    out_tokens = torch.stack(tokens, dim=1).tolist()
-    out_logprobs = torch.stack(logprobs, dim=1).tolist()
-    out_lengths, out_finished = lengths.tolist(), finished.tolist()
-    results: list[list[Completion]] = []
-    for i, prompt in enumerate(kept):
-        group = []
-        for r in range(i * n, (i + 1) * n):
-            length = out_lengths[r]
-            group.append(
-                Completion(
-                    prompt_ids=list(prompt),
-                    response_ids=out_tokens[r][:length],
-                    logprobs=out_logprobs[r][:length],
-                    versions=[version] * length,
-                    finish_reason="stop" if out_finished[r] else "length",
-                    prompt_truncated=len(prompt) < len(prompts[i]),
+    def _stop_decoder(self) -> Callable[[list[int]], str]:
+        if self._detokenize is None:
+            if self._model_path is None:
+                raise ValueError(
+                    "SamplingParams.stop needs a detokenizer: build the engine with detokenize=..."
                 )
-            )
-        results.append(group)
-    return results
+            tok = hf.load_tokenizer(self._model_path)
+            self._detokenize = lambda ids: tok.decode(ids, skip_special_tokens=True)
+        return self._detokenize
+
+    def _validated_targets(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) pairs, one per storage; every check runs before anything is copied."""
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        pairs: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        for name, src in tensors.items():
+            if name not in targets:
+                raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter or buffer of the model)")
+            want = tuple(targets[name].shape)
+            if tuple(src.shape) != want:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(src.shape)}, the model expects {want}")
+            dst = targets[name].data
+            first = pairs.setdefault(dst.data_ptr(), (name, dst, src))
+            if first[0] != name and not torch.equal(first[2].to(src.device, src.dtype), src):
+                raise ValueError(
+                    f"load_weights: tied tensors {first[0]!r} and {name!r} were sent with different values"
+                )
+        return [(dst, src) for _, dst, src in pairs.values()]

@@ -3,7 +3,8 @@ and puts the finished trajectories on the rollout queue.
 
 Place in the dataflow: PromptStream ──► **Generator** (engine) ──► rollout queue (ReplayHub) ──► Scorer.
 Weights arrive from the Trainer through a WeightReceiver into a staging copy while generation goes on;
-the swap happens between two engine calls (`_apply_pending_weights`), never inside one.
+the engine swaps them in at a decode-step boundary (in flight) or once the groups in flight are done
+(between requests), never in the middle of a forward pass.
 
 A plain async class: no Ray here. The Ray actor in `asyncrl/actors.py` only adds lifecycle.
 """
@@ -49,8 +50,11 @@ class Generator:
         sampling: SamplingParams,
         prompt_key: str = "prompt",
         concurrency: int = 16,
+        weight_update: str = "in_flight",
         recorder: SpanRecorder | None = None,
     ) -> None:
+        if weight_update not in ("in_flight", "between_requests"):
+            raise ValueError(f"weight_update must be 'in_flight' or 'between_requests', got {weight_update!r}")
         self.generator_id = generator_id
         self.engine = engine
         self.hub = hub
@@ -59,6 +63,7 @@ class Generator:
         self.sampling = sampling
         self.prompt_key = prompt_key
         self.concurrency = concurrency
+        self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
         self.receiver: WeightReceiver | None = None
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
@@ -70,13 +75,17 @@ class Generator:
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self) -> dict[str, float]:
-        """Take part in one broadcast: receive into staging off the event loop; swap later."""
+        """Take part in one broadcast: receive into staging off the event loop (generation goes on)."""
         if self.receiver is None:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
         t0 = time.time()
         tensors, version, stats = await asyncio.to_thread(self.receiver.receive)
         self.recorder.record("weights_recv", t0, time.time(), version)
         self._pending = (tensors, version)
+        if self.weight_update == "in_flight":
+            # The engine swaps at its next decode-step boundary; this returns once the swap landed, so
+            # the controller publishes the version only when every generator holds it.
+            await self._apply_pending_weights()
         return stats
 
     async def _apply_pending_weights(self) -> None:
@@ -98,16 +107,38 @@ class Generator:
 
     # -- main loop -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Generate until stop(): admit up to `concurrency` groups, sample them in one batch, emit."""
-        while not self._stopped.is_set():
-            await self._apply_pending_weights()
-            version = self.engine.version
-            t0 = time.time()
-            group_ids = await self.hub.admit(self.concurrency, version, timeout=0.5)
-            self.recorder.record("wait_gate", t0, time.time(), version)
-            if not group_ids:
-                continue  # timeout, a newer version was published, or the gate closed
-            await self._generate_groups(group_ids, version)
+        """Generate until stop(), keeping up to `concurrency` groups in flight.
+
+        Each admitted group is its own task; the engine batches the decode steps of all of them
+        (continuous batching), so a group that finishes frees its slot for the next admission at once.
+        Weights: with `weight_update == "in_flight"` a received update is swapped into the engine at its
+        next decode-step boundary (sequences carry on and span versions); with "between_requests" the
+        loop stops admitting, lets the groups in flight finish, then swaps.
+        """
+        inflight: set[asyncio.Future] = set()
+        try:
+            while not self._stopped.is_set():
+                if self._pending is not None and (self.weight_update == "between_requests" or not inflight):
+                    if inflight:
+                        await asyncio.wait(inflight)
+                    await self._apply_pending_weights()
+                free = self.concurrency - len(inflight)
+                if free <= 0:
+                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                version = self.engine.version
+                t0 = time.time()
+                group_ids = await self.hub.admit(free, version, timeout=0.5)
+                self.recorder.record("wait_gate", t0, time.time(), version)
+                for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
+                    task = asyncio.ensure_future(self._generate_groups([gid], version))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+        finally:
+            if inflight:
+                _, pending = await asyncio.wait(inflight, timeout=10)
+                for task in pending:
+                    task.cancel()
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
@@ -151,6 +182,7 @@ class Generator:
             temperature=self.sampling.temperature,
             prompt_text=str(row[self.prompt_key]),
             row_json=row_json,
+            kv_reused=getattr(c, "kv_reused", False),
             generator_id=self.generator_id,
         )
 
@@ -158,7 +190,11 @@ class Generator:
         self._stopped.set()
 
     def stats(self) -> dict[str, Any]:
+        engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         return {
+            "engine": engine_stats,
+            # generation paused for swaps: the engine's own pause record, else the time load_weights took
+            "stall_s_total": engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total),
             "tokens": self.tokens_generated,
             "groups": self.groups_generated,
             "groups_failed": self.groups_failed,

@@ -68,8 +68,13 @@ class Trainer:
         metrics = await asyncio.to_thread(self.learner.update, groups)
         t2 = time.time()
         self.recorder.record("train", t1, t2, step)
-        staleness = [step - t.min_version for g in groups for t in g.trajectories]
-        metrics.update(staleness_stats(staleness))
+        trajs = [t for g in groups for t in g.trajectories]
+        metrics.update(staleness_stats([step - t.min_version for t in trajs]))
+        token_lags = [step - v for t in trajs for v in t.versions]
+        metrics["staleness/token_mean"] = sum(token_lags) / max(1, len(token_lags))
+        # trajectories whose tokens came from more than one policy version (in-flight weight swaps)
+        metrics["rollout/multi_version_share"] = sum(t.max_version > t.min_version for t in trajs) / max(1, len(trajs))
+        metrics["rollout/kv_reused_share"] = sum(t.kv_reused for t in trajs) / max(1, len(trajs))
         metrics["trainer/gate_wait_s"] = t1 - t0
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(t2 - t1, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)

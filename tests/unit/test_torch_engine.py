@@ -1,12 +1,13 @@
 """engines.torch_engine: batched KV-cache generation whose logprobs match a teacher-forced pass, whose
-greedy path matches HF generate, whose stops/versions/truncation are right, and the engine registry."""
+greedy path matches HF generate, whose stops/versions/truncation are right, and the engine registry.
+Continuous batching, in-flight weight swaps and interrupts: tests/unit/test_continuous_batching.py;
+the model forward itself: tests/unit/test_torch_model.py."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -136,8 +137,11 @@ def test_one_forward_per_decode_step_for_the_whole_batch(ref_model):
     out = generate(engine, prompts, n=4, temperature=1.0, max_new_tokens=length)
     assert sum(len(group) for group in out) == 32
     assert all(len(c.response_ids) == length and c.finish_reason == "length" for g in out for c in g)
-    assert engine.num_forwards == length  # 1 prefill + (length - 1) decode steps; bound is length + 1
+    # one prefill shared by the 4 samples of each prompt, then one decode forward per step for all 32 rows
+    assert engine.num_prefill_forwards == 1 and engine.num_decode_forwards == length - 1
+    assert engine.num_forwards == length
     assert engine.tokens_generated == 32 * length
+    assert list(engine.scheduler.decode_batch_sizes) == [32] * (length - 1)
 
 
 def test_stop_token_ends_only_its_sequence(engine):
@@ -162,37 +166,14 @@ def test_model_eos_ids_stop_like_stop_token_ids(engine, ref_model):
     greedy = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=10)
     stop = greedy[0][0].response_ids[3]
     as_eos = TorchEngine.from_model(ref_model, eos_token_ids=[stop])
-    assert generate(as_eos, PROMPTS, temperature=0.0, max_new_tokens=10) == generate(
-        engine, PROMPTS, temperature=0.0, max_new_tokens=10, stop_token_ids=[stop]
-    )
-
-
-def test_weight_swap_waits_for_running_generate(model_dir, ref_model):
-    """load_weights called mid-generation (from the 3rd forward) lands only after generate returns."""
-    engine = TorchEngine(str(model_dir))
-    new = {"model.norm.weight": torch.full((32,), 3.0)}
-    swapper = threading.Thread(target=engine.load_weights, args=(new, 5))
-    calls = []
-
-    def start_swap_mid_generation(module, args, kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            swapper.start()
-            swapper.join(timeout=0.2)  # a swap that ignored the lock would finish here
-            assert swapper.is_alive()
-
-    hook = engine.model.register_forward_pre_hook(start_swap_mid_generation, with_kwargs=True)
-    try:
-        out = generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=8, seed=0)
-    finally:
-        hook.remove()
-    swapper.join(timeout=10)
-    assert len(calls) >= 3 and not swapper.is_alive() and engine.version == 5
-    for prompt, group in zip(PROMPTS, out):
-        for c in group:
-            assert set(c.versions) == {0}
-            expected = teacher_forced_logprobs(ref_model, prompt, c.response_ids, 1.0)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+    a = generate(as_eos, PROMPTS, temperature=0.0, max_new_tokens=10)
+    b = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=10, stop_token_ids=[stop])
+    # from a path the engine fuses q/k/v (one matmul), from_model does not: equal up to float rounding
+    assert [(c.response_ids, c.finish_reason) for g in a for c in g] == [
+        (c.response_ids, c.finish_reason) for g in b for c in g
+    ]
+    torch.testing.assert_close([c.logprobs for g in a for c in g], [c.logprobs for g in b for c in g],
+                               atol=1e-5, rtol=0)
 
 
 def test_generate_runs_off_the_event_loop(engine):
@@ -331,3 +312,91 @@ def test_importing_engines_base_imports_no_optional_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    hf.build_tiny_model(path, TinyModelConfig(arch="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
+                                              intermediate_size=64, init_std=0.2, seed=3))
+    return path
+
+
+@pytest.mark.parametrize("arch,fast", [("llama", None), ("qwen2", False)])
+def test_logprobs_match_teacher_forced_forward_llama_and_hf_fallback(model_dir, llama_dir, arch, fast):
+    """The same check on Llama (untied head, 4:1 GQA) through the fast path, and on the HF fallback path."""
+    path = llama_dir if arch == "llama" else model_dir
+    engine = TorchEngine(str(path), fast=fast)
+    assert engine.fast is (fast is None)
+    ref = hf.load_model(path)
+    out = generate(engine, PROMPTS, n=2, temperature=0.7, max_new_tokens=10, seed=3)
+    for prompt, group in zip(PROMPTS, out):
+        for c in group:
+            expected = teacher_forced_logprobs(ref, prompt, c.response_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_hf_fallback_greedy_equals_fast_path(model_dir, engine, ref_model):
+    slow = TorchEngine(str(model_dir), fast=False)
+    fast_out = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=10)
+    slow_out = generate(slow, PROMPTS, temperature=0.0, max_new_tokens=10)
+    for prompt, (a,), (b,) in zip(PROMPTS, fast_out, slow_out):
+        agree_until_near_tie(ref_model, prompt, a.response_ids, b.response_ids)
+
+
+def test_stop_string_ends_the_sequence_once_the_text_contains_it(model_dir, ref_model):
+    tok = hf.load_tokenizer(model_dir)
+    engine = TorchEngine(str(model_dir))  # loads the folder's tokenizer for stop strings
+    (free,) = generate(engine, [PROMPTS[1]], temperature=0.0, max_new_tokens=12)[0]
+    text = tok.decode(free.response_ids, skip_special_tokens=True)
+    assert len(text) >= 6
+    stop = text[3:5]
+    (c,) = generate(engine, [PROMPTS[1]], temperature=0.0, max_new_tokens=12, stop=[stop, "never-there"])[0]
+    got = tok.decode(c.response_ids, skip_special_tokens=True)
+    assert c.finish_reason == "stop" and stop in got and stop not in tok.decode(c.response_ids[:-1])
+    assert c.response_ids == free.response_ids[: len(c.response_ids)] and len(c.response_ids) <= 5
+    # from_model takes a detokenize callable instead
+    shared = TorchEngine.from_model(ref_model, eos_token_ids=[EOS], detokenize=lambda ids: tok.decode(ids))
+    assert generate(shared, [PROMPTS[1]], temperature=0.0, max_new_tokens=12, stop=[stop])[0][0].response_ids == (
+        c.response_ids
+    )
+
+
+def test_stop_strings_without_a_detokenizer_are_an_error(ref_model):
+    engine = TorchEngine.from_model(ref_model, eos_token_ids=[EOS])
+    with pytest.raises(ValueError, match="detokenize"):
+        generate(engine, PROMPTS, stop=["x"])
+
+
+@pytest.mark.parametrize("bad,match", [(dict(stop=[""]), "SamplingParams.stop"), (dict(n=5), "max_batch"),
+                                       (dict(top_k=-2), "top_k")])
+def test_more_bad_sampling_params_raise_value_error(ref_model, bad, match):
+    engine = TorchEngine.from_model(ref_model, eos_token_ids=[EOS], max_batch=4)
+    with pytest.raises(ValueError, match=match):
+        generate(engine, PROMPTS, **bad)
+
+
+@pytest.mark.parametrize("bad", [dict(max_batch=0), dict(kv_on_update="sometimes"), dict(max_prefill_tokens=0)])
+def test_bad_engine_options_raise_value_error(ref_model, bad):
+    with pytest.raises(ValueError, match="TorchEngine"):
+        TorchEngine.from_model(ref_model, eos_token_ids=[EOS], **bad)
+
+
+def test_unknown_engine_option_names_the_known_ones(ref_model):
+    with pytest.raises(TypeError, match="unknown option.*max_bach.*known: .*max_batch"):
+        TorchEngine.from_model(ref_model, eos_token_ids=[EOS], max_bach=4)
+
+
+def test_unsupported_model_falls_back_with_a_warning(caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=47, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                                         rope_scaling={"rope_type": "linear", "factor": 2.0})).eval()
+    with caplog.at_level("WARNING", logger="engines.torch_engine"):
+        engine = TorchEngine.from_model(model, eos_token_ids=[])
+    assert not engine.fast and "fallback" in caplog.text and "linear" in caplog.text
+    (c,) = generate(engine, [PROMPTS[1]], temperature=1.0, max_new_tokens=6, seed=0)[0]
+    expected = teacher_forced_logprobs(model, PROMPTS[1], c.response_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)

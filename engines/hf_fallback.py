@@ -1,0 +1,85 @@
+"""Fallback backend of the native engine: any HF causal LM through its own forward.
+
+Place in the dataflow: `TorchEngine` picks this backend when `engines.torch_model.unsupported_reason`
+names something the fast `SlotDecoder` does not compute (another architecture, rope scaling, sliding
+windows) or when built with `fast=False`; `engines.scheduler` drives it through the same slot contract
+(capacity / prefill / decode / move / refresh, see engines/torch_model.py). Each slot holds its own
+DynamicCache and every decode step runs one HF forward per sequence: correct for any model, slower.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class HFDecoder:
+    """Fallback backend: the HF module's own forward, one DynamicCache and one forward per sequence."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self._caches: list = []
+        self._lens: list[int] = []
+
+    def capacity(self, slots: int, length: int) -> None:
+        missing = slots - len(self._caches)
+        self._caches += [None] * max(0, missing)
+        self._lens += [0] * max(0, missing)
+
+    def refresh(self) -> None:
+        pass
+
+    def move(self, src: int, dst: int) -> None:
+        self._caches[dst], self._lens[dst] = self._caches[src], self._lens[src]
+        self._caches[src] = None
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers: no config argument
+            return DynamicCache()
+
+    def _step(self, ids: list[int], start: int, cache) -> torch.Tensor:
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        ids_t = torch.tensor([ids], device=self.device)
+        with _eval_mode(self.model):
+            out = self.model(input_ids=ids_t, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        return out.logits[0, -1]
+
+    def prefill(
+        self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
+    ) -> torch.Tensor | None:
+        out, slot = [], start
+        for ctx, r in zip(contexts, repeats):
+            cache = self._new_cache()
+            out.append(self._step(ctx, 0, cache))
+            for j in range(r):
+                self._caches[slot + j] = cache if j == 0 else copy.deepcopy(cache)
+                self._lens[slot + j] = len(ctx)
+            slot += r
+        return torch.stack(out) if logits else None
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = []
+        for j, tok in enumerate(tokens.tolist()):
+            out.append(self._step([tok], self._lens[j], self._caches[j]))
+            self._lens[j] += 1
+        return torch.stack(out)

@@ -1,0 +1,321 @@
+"""Model backends of the native engine: a fast slot-KV-cache forward for Llama/Qwen2, an HF fallback.
+
+Place in the dataflow: `engines.scheduler.Scheduler` (the continuous-batching loop of `TorchEngine`)
+drives one backend. Both backends keep one *slot* per running sequence and implement the same contract:
+
+| method | does |
+|---|---|
+| `capacity(slots, length)` | make room for `slots` sequences of up to `length` tokens (grows, never shrinks) |
+| `prefill(contexts, start, repeats, logits)` | run each context once, write its K/V into `repeats[p]` consecutive slots from `start` (the n samples of a prompt share one prefill) and return the last-position logits [P, V] |
+| `decode(tokens)` | one forward of tokens [B] over slots 0..B-1, each at its slot's current length; logits [B, V] |
+| `move(src, dst)` | slot `src`'s K/V and length to `dst` (the scheduler keeps the running slots dense) |
+| `refresh()` | recompute tables derived from buffers after a weight swap |
+
+`SlotDecoder` (the fast path) computes with the HF module's own parameter tensors — it copies nothing —
+so an engine built with `from_model` sees the trainer's optimizer steps and `load_weights` lands in the
+very tensors used. It is the standard decoder (RMSNorm, rotary embedding with `rope_theta`, grouped-query
+attention, SwiGLU MLP, optional q/k/v/o and MLP biases as in Qwen2, tied or untied LM head) with a
+preallocated cache `[layers, slots, kv_heads, max_len, head_dim]` and per-slot lengths:
+* prefill right-pads the contexts and runs causal SDPA (padding sits after every real token, so it never
+  leaks into them), writing each context's K/V into its slot(s);
+* decode writes each new K/V row at its slot's length and attends over the slot's valid prefix through an
+  additive mask; the query heads of one KV head are folded into the query axis, so GQA needs no repeat.
+  On CPU two matmuls replace SDPA (cheaper at decode shapes); on accelerators it is SDPA.
+The rotary tables come from HF's own rotary module and the ops follow HF's order, so fp32 logits equal
+HF's to float rounding (tests/unit/test_torch_model.py: within 1e-5).
+
+`engines.hf_fallback.HFDecoder` serves every other causal LM (other architectures, rope scaling, sliding
+windows) through its own forward; `unsupported_reason` says why a model takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_FAST_ARCHS = ("llama", "qwen2")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None if `SlotDecoder` computes exactly what `model` computes; otherwise why not."""
+    cfg = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", None)
+    if arch not in _FAST_ARCHS:
+        return f"architecture {arch!r} (fast path: {', '.join(_FAST_ARCHS)})"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in (None, "default"):
+        return f"rope_scaling type {rope_type!r}"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return "sliding-window attention layers"
+    if getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
+        return "module layout differs from LlamaForCausalLM"
+    for layer in base.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hasattr(attn, "q_norm"):
+            return "attention layout differs from Llama/Qwen2"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "MLP layout differs from SwiGLU"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm / Qwen2RMSNorm, op for op (normalise in fp32, scale in the input dtype)."""
+    if x.dtype == torch.float32:  # the casts are no-ops: skip their dispatch
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb on one tensor: x*cos + rotate_half(x)*sin, with rotate_half(x)*sin
+    written as roll(x)*[-sin1, sin2] (the same products, bit for bit, in fewer ops)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer's parameter tensors (the module's own, or views of a fused copy; see `fuse`)."""
+
+    norm1: torch.Tensor
+    eps1: float
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # [(w, b)] fused, or [q, k, v]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: list[tuple[torch.Tensor, torch.Tensor | None]]  # [(w, b)] fused, or [gate, up]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _wb(mod: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return mod.weight, mod.bias
+
+
+def _fuse(mods: list[torch.nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Move the weights (and biases) of `mods` into one buffer and point each module's parameter at its
+    slice of it (the Parameter objects stay; only their storage moves). One matmul then computes all of
+    them, and every in-place write to a parameter (load_weights) is seen by the fused weight."""
+    weight = torch.cat([m.weight.data for m in mods])
+    bias = None
+    if all(m.bias is not None for m in mods):
+        bias = torch.cat([m.bias.data for m in mods])
+    elif any(m.bias is not None for m in mods):
+        return [_wb(m) for m in mods]
+    row = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row : row + n]
+        if bias is not None:
+            m.bias.data = bias[row : row + n]
+        row += n
+    return [(weight, bias)]
+
+
+def _still_fused(fused: list, mods: tuple) -> bool:
+    """True while every parameter of `mods` still lives in the fused buffers `_fuse` made."""
+    if len(fused) != 1:
+        return False
+    weight, bias = fused[0]
+
+    def same(t: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
+        return t is None and buf is None or (
+            t is not None and buf is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        )
+
+    return all(same(m.weight, weight) and same(m.bias, bias) for m in mods)
+
+
+class SlotDecoder:
+    """Fast forward over the HF module's own weights with a fixed-slot KV cache (see module docstring).
+
+    `fuse=True` (only for a module the engine owns, i.e. loaded from a path) moves q/k/v and gate/up
+    weights into fused buffers, the module's parameters becoming views of them: no extra memory, one
+    matmul instead of three (two). With `fuse=False` (a shared trainer module) nothing is touched.
+    Parameter tensors are looked up again by `refresh()`: replacing a Parameter object (rather than
+    writing into it) is seen from the next refresh (the scheduler refreshes after every swap and
+    whenever it starts from idle).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, fuse: bool = False) -> None:
+        self.model = model
+        self.device = device
+        base = model.model
+        attn = base.layers[0].self_attn
+        cfg = model.config
+        self.head_dim = int(attn.head_dim)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.scale = float(attn.scaling)
+        self.dtype = base.embed_tokens.weight.dtype
+        self.num_layers = len(base.layers)
+        self.slots = self.max_len = 0
+        shape = (self.num_layers, 0, self.kv_heads, 0, self.head_dim)
+        self.k = torch.empty(shape, dtype=self.dtype, device=device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens held per slot
+        self._lens: list[int] = []  # the same on the host, so decode needs no device sync
+        # Decode attention: SDPA on accelerators; on CPU two matmuls beat SDPA's kernel at decode shapes.
+        self.use_sdpa = device.type != "cpu"
+        self._fused: list[tuple[list, list]] = []
+        if fuse:
+            with torch.no_grad():
+                for layer in base.layers:
+                    a, m = layer.self_attn, layer.mlp
+                    self._fused.append((_fuse([a.q_proj, a.k_proj, a.v_proj]), _fuse([m.gate_proj, m.up_proj])))
+        self.refresh()
+
+    # -- cache management ------------------------------------------------------------------------
+    def capacity(self, slots: int, length: int) -> None:
+        if slots <= self.slots and length <= self.max_len:
+            return
+        new_slots, new_len = max(slots, self.slots), max(length, self.max_len)
+        shape = (self.num_layers, new_slots, self.kv_heads, new_len, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k[:, : self.slots, :, : self.max_len] = self.k
+        v[:, : self.slots, :, : self.max_len] = self.v
+        lengths = torch.zeros(new_slots, dtype=torch.long, device=self.device)
+        lengths[: self.slots] = self.lengths
+        self.k, self.v, self.lengths = k, v, lengths
+        self._lens += [0] * (new_slots - self.slots)
+        self.slots, self.max_len = new_slots, new_len
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the parameter tensors; rotary tables for every cache position from HF's own rotary
+        module (its inv_freq buffer may have been swapped too)."""
+        self._weights = [self._layer_weights(i, layer) for i, layer in enumerate(self.model.model.layers)]
+        pos = torch.arange(max(self.max_len, 1), device=self.device)
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(probe, pos[None])
+        half = self.head_dim // 2
+        self._cos, self._arange = cos[0], pos
+        self._signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    def _layer_weights(self, i: int, layer: torch.nn.Module) -> _LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        qkv = [_wb(a.q_proj), _wb(a.k_proj), _wb(a.v_proj)]
+        gate_up = [_wb(m.gate_proj), _wb(m.up_proj)]
+        if self._fused:  # use a fused buffer only while every parameter still lives in it
+            fused_qkv, fused_gate_up = self._fused[i]
+            if _still_fused(fused_qkv, (a.q_proj, a.k_proj, a.v_proj)):
+                qkv = fused_qkv
+            if _still_fused(fused_gate_up, (m.gate_proj, m.up_proj)):
+                gate_up = fused_gate_up
+        return _LayerWeights(
+            norm1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,
+            qkv=qkv, o=_wb(a.o_proj),
+            norm2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.variance_epsilon,
+            gate_up=gate_up, down=_wb(m.down_proj), act=m.act_fn,
+        )
+
+    def move(self, src: int, dst: int) -> None:
+        n = self._lens[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = self.lengths[src]
+        self._lens[dst] = n
+
+    # -- forwards --------------------------------------------------------------------------------
+    def prefill(
+        self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
+    ) -> torch.Tensor | None:
+        hidden = self._prefill_hidden(contexts, start, repeats)
+        if not logits:
+            return None
+        rows = torch.arange(len(contexts), device=self.device)
+        last = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
+        return self._logits(hidden[rows, last])
+
+    def _qkv(self, w: _LayerWeights, h: torch.Tensor) -> list[torch.Tensor]:
+        if len(w.qkv) == 3:
+            return [F.linear(h, *wb) for wb in w.qkv]
+        sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        return list(F.linear(h, *w.qkv[0]).split(sizes, dim=-1))
+
+    def _mlp(self, w: _LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        if len(w.gate_up) == 2:
+            gate, up = (F.linear(h, *wb) for wb in w.gate_up)
+        else:
+            gate, up = F.linear(h, *w.gate_up[0]).chunk(2, dim=-1)
+        return F.linear(w.act(gate) * up, *w.down)
+
+    def _prefill_hidden(self, contexts: list[list[int]], start: int, repeats: list[int]) -> torch.Tensor:
+        """Hidden states [P, S, D] of the right-padded contexts; writes their K/V and slot lengths."""
+        lens = [len(c) for c in contexts]
+        rows, width, total = len(contexts), max(lens), sum(repeats)
+        # right padding (id 0): pads come after every real token, so causal attention never sees them
+        ids = torch.tensor([c + [0] * (width - len(c)) for c in contexts], dtype=torch.long, device=self.device)
+        rep = torch.tensor(repeats, device=self.device) if total != rows else None
+        cos, sin = self._cos[:width][None, None], self._signed_sin[:width][None, None]  # [1, 1, S, D]
+        x = self.model.model.embed_tokens(ids)
+        for i, w in enumerate(self._weights):
+            h = _rms_norm(x, w.norm1, w.eps1)
+            q, k, v = self._qkv(w, h)
+            q = _rotate(q.view(rows, width, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            self.k[i, start : start + total, :, :width] = k if rep is None else k.repeat_interleave(rep, 0)
+            self.v[i, start : start + total, :, :width] = v if rep is None else v.repeat_interleave(rep, 0)
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+            )
+            x = x + F.linear(o.transpose(1, 2).reshape(rows, width, -1), *w.o)
+            x = x + self._mlp(w, _rms_norm(x, w.norm2, w.eps2))
+        slot_lens = [n for n, r in zip(lens, repeats) for _ in range(r)]
+        self.lengths[start : start + total] = torch.tensor(slot_lens, device=self.device)
+        self._lens[start : start + total] = slot_lens
+        return x
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, kvh, hd = tokens.shape[0], self.kv_heads, self.head_dim
+        pos = self.lengths[:b]
+        width = max(self._lens[:b]) + 1
+        # Additive mask over each slot's valid prefix (the new token included), shared by all layers.
+        mask = torch.zeros((b, 1, 1, width), dtype=self.dtype, device=self.device)
+        mask.masked_fill_((self._arange[:width][None] > pos[:, None])[:, None, None], float("-inf"))
+        cos, sin = self._cos[pos][:, None], self._signed_sin[pos][:, None]  # [B, 1, D]
+        # Where the new K/V rows go in the flattened [slots * kv_heads * max_len, head_dim] cache.
+        slot_base = torch.arange(b, device=self.device)[:, None] * (kvh * self.max_len)
+        dest = (slot_base + torch.arange(kvh, device=self.device)[None] * self.max_len + pos[:, None]).reshape(-1)
+        group = self.heads // kvh
+        x = self.model.model.embed_tokens(tokens)
+        for i, w in enumerate(self._weights):
+            h = _rms_norm(x, w.norm1, w.eps1)
+            q, k, v = self._qkv(w, h)
+            q = _rotate(q.view(b, self.heads, hd), cos, sin)
+            k = _rotate(k.view(b, kvh, hd), cos, sin)
+            kc, vc = self.k[i], self.v[i]
+            kc.view(-1, hd).index_copy_(0, dest, k.reshape(-1, hd))
+            vc.view(-1, hd).index_copy_(0, dest, v.reshape(-1, hd))
+            # Query heads h = kv * group + g (HF's repeat_kv order): fold g into the query axis.
+            o = self._decode_attention(q.view(b, kvh, group, hd), kc[:b, :, :width], vc[:b, :, :width], mask)
+            x = x + F.linear(o.reshape(b, -1), *w.o)
+            x = x + self._mlp(w, _rms_norm(x, w.norm2, w.eps2))
+        self.lengths[:b] += 1
+        self._lens[:b] = [n + 1 for n in self._lens[:b]]
+        return self._logits(x)
+
+    def _decode_attention(self, q, k, v, mask):
+        if self.use_sdpa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(mask)
+        return torch.matmul(scores.softmax(-1), v)
+
+    def forward_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [S, V] at every position of one sequence, through the prefill path (tests use it).
+        Overwrites slot 0."""
+        self.capacity(max(self.slots, 1), max(self.max_len, len(ids)))
+        return self._logits(self._prefill_hidden([ids], 0, [1])[0])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden))

@@ -1,0 +1,153 @@
+"""engines.torch_model and engines.hf_fallback: the fast slot-cache forward computes HF's logits (Qwen2 and
+Llama, GQA, prompts of different lengths, batched prefill and step-by-step decode, slot moves, cache
+growth, fused weights, replaced parameters), and configs it does not cover go to the HF fallback, which is
+exact too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engines.hf_fallback import HFDecoder
+from engines.torch_model import SlotDecoder, unsupported_reason
+
+torch.set_num_threads(1)
+
+ATOL = 1e-5  # fp32; logits of these models are O(1-10)
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33, 34]]
+COMMON = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              initializer_range=0.2)
+
+
+def make(arch: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "qwen2":  # biased q/k/v, tied head, 2:1 GQA
+        cfg = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **{**COMMON, **overrides})
+        return Qwen2ForCausalLM(cfg).eval()
+    # untied head, 4:1 GQA, a non-default rope_theta
+    cfg = LlamaConfig(num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500.0, **{**COMMON, **overrides})
+    return LlamaForCausalLM(cfg).eval()
+
+
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def decode_against_hf(model, backend, steps: int = 6) -> None:
+    """Prefill PROMPTS (the 2nd prompt shared by 2 slots), then decode step by step over all slots and
+    compare every row's logits with HF's unpadded forward of the same sequence."""
+    repeats = [1, 2, 1, 1]
+    backend.capacity(8, 64)
+    with torch.inference_mode():
+        logits = backend.prefill(PROMPTS, 0, repeats)
+    for p, row in zip(PROMPTS, logits):
+        torch.testing.assert_close(row, hf_last_logits(model, p), atol=ATOL, rtol=0)
+    seqs = [list(p) for p, r in zip(PROMPTS, repeats) for _ in range(r)]
+    for step in range(steps):
+        toks = [(7 * step + 3 * j + 4) % 50 for j in range(len(seqs))]
+        with torch.inference_mode():
+            out = backend.decode(torch.tensor(toks))
+        for j, seq in enumerate(seqs):
+            seq.append(toks[j])
+            torch.testing.assert_close(out[j], hf_last_logits(model, seq), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fast_forward_logits_equal_hf_prefill_and_decode(arch, fuse):
+    model = make(arch)
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=fuse)
+    assert unsupported_reason(model) is None
+    decode_against_hf(model, backend)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_full_sequence_logits_equal_hf(arch):
+    model = make(arch)
+    backend = SlotDecoder(model, torch.device("cpu"))
+    ids = [3, 9, 27, 31, 12, 8, 44, 1, 5]
+    with torch.inference_mode():
+        ours = backend.forward_logits(ids)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+
+
+def test_fused_weights_are_the_module_parameters():
+    """fuse=True moves q/k/v and gate/up into one buffer each; the Parameters become views of it, so a write
+    into a parameter (what load_weights does) reaches the fused matmul, and HF's own forward is unchanged."""
+    model = make("qwen2")
+    before = hf_last_logits(model, PROMPTS[1])
+    params = dict(model.named_parameters())
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=True)
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(model.get_parameter(k) is p for k, p in params.items())  # same Parameter objects
+    torch.testing.assert_close(hf_last_logits(model, PROMPTS[1]), before, atol=0, rtol=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.data.add_(0.5)
+        attn.v_proj.bias.data.add_(0.5)
+        model.model.layers[1].mlp.up_proj.weight.data.mul_(2.0)
+    decode_against_hf(model, backend, steps=2)
+
+
+def test_shared_module_updates_are_seen_without_copying():
+    """Without fusing nothing is copied: an in-place optimizer-style update shows in the next forward."""
+    model = make("llama")
+    backend = SlotDecoder(model, torch.device("cpu"))
+    backend.capacity(4, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    with torch.inference_mode():
+        (logits,) = backend.prefill([PROMPTS[1]], 0, [1])
+    torch.testing.assert_close(logits, hf_last_logits(model, PROMPTS[1]), atol=ATOL, rtol=0)
+
+
+def test_moving_a_slot_and_growing_the_cache_keep_the_sequence():
+    model = make("qwen2")
+    backend = SlotDecoder(model, torch.device("cpu"))
+    backend.capacity(2, 8)
+    with torch.inference_mode():
+        backend.prefill([PROMPTS[0], PROMPTS[1]], 0, [1, 1])
+        backend.move(1, 0)  # slot 0 retires, slot 1 takes its place
+        seq = list(PROMPTS[1])
+        for step in range(5):  # crosses the initial max_len of 8: grow mid-sequence
+            backend.capacity(4, 8 + 4 * step)
+            tok = 6 + step
+            (out,) = backend.decode(torch.tensor([tok]))
+            seq.append(tok)
+            torch.testing.assert_close(out, hf_last_logits(model, seq), atol=ATOL, rtol=0)
+    assert backend.slots == 4 and backend.max_len == 24
+
+
+def test_unsupported_configs_are_named():
+    assert "rope_scaling" in unsupported_reason(make("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    sliding = make("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert "sliding" in unsupported_reason(sliding)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    assert "gpt2" in unsupported_reason(gpt2)
+
+
+@pytest.mark.parametrize("kind", ["linear_rope", "gpt2"])
+def test_hf_fallback_logits_equal_hf(kind):
+    if kind == "gpt2":
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, initializer_range=0.2)).eval()
+    else:
+        model = make("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    decode_against_hf(model, HFDecoder(model, torch.device("cpu")), steps=3)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_replaced_parameter_is_used_from_the_next_refresh(fuse):
+    model = make("qwen2")
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=fuse)
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach() + 0.5)  # a new object, not a write
+    attn.k_proj.bias = torch.nn.Parameter(attn.k_proj.bias.detach() - 0.5)
+    backend.refresh()
+    decode_against_hf(model, backend, steps=2)
