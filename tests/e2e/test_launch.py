@@ -71,3 +71,29 @@ def test_on_policy_k0_trains_only_on_data_of_the_current_version(make_config, tm
     # staleness = step - min_version = 0 for every trajectory: no episode of step s started before the
     # weights of version s were published and loaded.
     assert all(r["staleness/max"] == 0 and r["staleness/mean"] == 0 for r in rows)
+
+
+def test_in_flight_updates_yield_trajectories_that_span_versions_within_the_bound(make_config, tmp_path):
+    """Long responses and a generator running ahead: swaps land mid-sequence, so trained trajectories
+    carry tokens of two versions — and staleness (from min_version) still never exceeds k."""
+    from asyncrl.launch import run_local
+
+    cfg = make_config("staleness.max_staleness=1", "rollout.max_new_tokens=24", "trainer.total_steps=5",
+                      "trainer.eval_every=0", "rollout.weight_update=\"in_flight\"",
+                      f'run.output_dir="{tmp_path / "span"}"')
+    rows = _train_rows(run_local(cfg))
+    assert len(rows) == 5
+    assert max(r["rollout/multi_version_share"] for r in rows) > 0
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    assert all(r["rollout/kv_reused_share"] == 0 for r in rows)  # recompute is the default
+
+
+def test_between_requests_updates_never_mix_versions_in_a_trajectory(make_config, tmp_path):
+    from asyncrl.launch import run_local
+
+    cfg = make_config("staleness.max_staleness=1", "rollout.max_new_tokens=24", "trainer.total_steps=4",
+                      "trainer.eval_every=0", "rollout.weight_update=\"between_requests\"",
+                      f'run.output_dir="{tmp_path / "between"}"')
+    rows = _train_rows(run_local(cfg))
+    assert len(rows) == 4
+    assert all(r["rollout/multi_version_share"] == 0 for r in rows)
