@@ -18,6 +18,7 @@ from asyncrl.build import build_generator, build_hub, build_scorer, build_traine
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.weights.bucketing import plan_buckets
+from engines.base import CollectiveWeightEngine
 from asyncrl.weights.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ class RoleActor:
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
                                 backend: str, meta: WeightsMeta) -> None:
         """Blocks until every member has joined: the controller calls all members together."""
+        engine = getattr(self.role, "engine", None)
+        if rank > 0 and isinstance(engine, CollectiveWeightEngine):
+            # vLLM / SGLang: the engine's worker processes are the group member, not this actor.
+            await engine.join_weight_group(host=host, port=port, rank=rank, world_size=world_size,
+                                           backend=backend, timeout_s=self.cfg.weight_sync.timeout_s, meta=meta)
+            return
         self._group = await asyncio.to_thread(
             join_group, host=host, port=port, rank=rank, world_size=world_size, backend=backend,
             timeout_s=self.cfg.weight_sync.timeout_s, store=self._store)

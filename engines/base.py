@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
-from asyncrl.messages import Completion, SamplingParams
+from asyncrl.messages import Completion, SamplingParams, WeightsMeta
 from asyncrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -55,6 +55,23 @@ class InterruptibleEngine(RolloutEngine, Protocol):
         """Make every in-flight generate() return now: unfinished sequences come back with
         finish_reason "abort" and their partial tokens, logprobs and versions (resubmit prompt + partial
         to carry them over). Returns how many sequences were aborted."""
+        ...
+
+
+@runtime_checkable
+class CollectiveWeightEngine(RolloutEngine, Protocol):
+    """An engine whose own worker processes join the trainer's weight-sync group (vLLM, SGLang), so a
+    broadcast lands where the model lives instead of in the generator's process (optional; check with
+    isinstance). The group and its wire format are `asyncrl.weights.collective`'s."""
+
+    async def join_weight_group(self, *, host: str, port: int, rank: int, world_size: int, backend: str,
+                                timeout_s: float, meta: WeightsMeta) -> None:
+        """Join the group as `rank` (all members join together; the call blocks until they have)."""
+        ...
+
+    async def receive_weights(self) -> tuple[int, dict[str, float]]:
+        """Take part in one broadcast, load the weights in place, reset prefix caches, set `version`.
+        Returns (version, stats with the `sync/*` keys)."""
         ...
 
 

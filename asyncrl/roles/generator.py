@@ -21,7 +21,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.telemetry.spans import SpanRecorder
-from engines.base import RolloutEngine
+from engines.base import CollectiveWeightEngine, RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,11 @@ class Generator:
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self) -> dict[str, float]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on)."""
+        if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
+            t0 = time.time()  # the engine's own workers receive and swap (vLLM / SGLang)
+            version, stats = await self.engine.receive_weights()
+            self.recorder.record("weights_recv", t0, time.time(), version)
+            return stats
         if self.receiver is None:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
         t0 = time.time()
