@@ -96,6 +96,15 @@ class RoleActor:
             await engine.join_weight_group(host=host, port=port, rank=rank, world_size=world_size,
                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s, meta=meta)
             return
+        if rank == 0 and self.cfg.rollout.engine == "sglang":
+            # SGLang receives one typed broadcast per tensor over its own group protocol, not asyncrl's
+            # header + buckets, so the trainer sends in that format (engines/sglang_engine.py).
+            from engines.sglang_engine import PerTensorSender, join_sglang_sender
+
+            group = await asyncio.to_thread(join_sglang_sender, store=self._store, world_size=world_size,
+                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s)
+            self.role.sender = PerTensorSender(group, meta)
+            return
         self._group = await asyncio.to_thread(
             join_group, host=host, port=port, rank=rank, world_size=world_size, backend=backend,
             timeout_s=self.cfg.weight_sync.timeout_s, store=self._store)
