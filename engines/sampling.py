@@ -29,6 +29,8 @@ class RowParams:
     any_sampled: bool
     any_greedy: bool
     any_filter: bool
+    unit_temperature: bool = False  # every row has T = 1 or is greedy: dividing by T would change nothing
+    any_seeded: bool = True         # some row may draw from its own generator (the scheduler sets it)
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowParams":
@@ -43,6 +45,7 @@ class RowParams:
             any_sampled=not all(greedy),
             any_greedy=any(greedy),
             any_filter=any(not g and (k < vocab or p <= 1.0) for g, k, p in zip(greedy, top_k, top_p)),
+            unit_temperature=all(p.temperature in (0, 1) for p in params),
         )
 
 
@@ -60,7 +63,7 @@ def _pick(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: RowParams, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], uniforms [B] (None when every row is greedy) -> (tokens [B], behaviour logprobs [B])."""
     logits = logits.float()
-    scaled = logits / rows.temperature[:, None]
+    scaled = logits if rows.unit_temperature else logits / rows.temperature[:, None]  # x / 1 == x exactly
     logprobs = scaled.log_softmax(-1)
     tokens = logits.argmax(-1) if rows.any_greedy else None
     if rows.any_sampled:

@@ -290,19 +290,23 @@ class Scheduler:
         self.decode_batch_sizes.append(batch)
         if self._rows is None:
             self._rows = RowParams.build([s.req.params for s in self._active], self.vocab_size, self.device)
+            self._rows.any_seeded = any(s.gen is not None for s in self._active)
         self._advance(self._active, logits, self._rows)
         self._retire()
         self.step_times_s.append(time.perf_counter() - t0)
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, rows: RowParams | None = None) -> None:
         """Sample one token for each of `seqs` (rows of `logits`), append it, mark finished ones."""
-        rows = rows or RowParams.build([s.req.params for s in seqs], self.vocab_size, self.device)
+        if rows is None:
+            rows = RowParams.build([s.req.params for s in seqs], self.vocab_size, self.device)
+            rows.any_seeded = any(s.gen is not None for s in seqs)
         uniforms = None
         if rows.any_sampled:
             uniforms = torch.rand(len(seqs), generator=self.generator)
-            for i, s in enumerate(seqs):
-                if s.gen is not None:
-                    uniforms[i] = torch.rand((), generator=s.gen)
+            if rows.any_seeded:  # a seeded sequence's uniform comes from its own stream
+                for i, s in enumerate(seqs):
+                    if s.gen is not None:
+                        uniforms[i] = torch.rand((), generator=s.gen)
             uniforms = uniforms.to(self.device)
         tokens, logprobs = sample(logits, rows, uniforms)
         version = self.version

@@ -68,8 +68,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm / Qwen2RMSNorm, op for op (normalise in fp32, scale in the input dtype)."""
-    if x.dtype == torch.float32:  # the casts are no-ops: skip their dispatch
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if x.dtype == torch.float32:  # the casts are no-ops: skip their dispatch. The same values, bit for bit
+        # (x * x is what pow(2) computes, sum then div_ what mean does), in fewer and in-place ops: at
+        # decode sizes the per-op overhead is most of their cost.
+        var = torch.sum(x * x, -1, keepdim=True).div_(x.shape[-1])
+        return torch.mul(x, var.add_(eps).rsqrt_()).mul_(weight)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -78,7 +81,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's apply_rotary_pos_emb on one tensor: x*cos + rotate_half(x)*sin, with rotate_half(x)*sin
     written as roll(x)*[-sin1, sin2] (the same products, bit for bit, in fewer ops)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
+
+
+def _functional(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """F.silu for HF's SiLU modules (their forward is exactly F.silu), skipping the module call."""
+    if type(act) is torch.nn.SiLU or type(act).__name__ == "SiLUActivation":
+        return F.silu
+    return act
 
 
 @dataclass
@@ -215,7 +225,7 @@ class SlotDecoder:
             norm1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,
             qkv=qkv, o=_wb(a.o_proj),
             norm2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.variance_epsilon,
-            gate_up=gate_up, down=_wb(m.down_proj), act=m.act_fn,
+            gate_up=gate_up, down=_wb(m.down_proj), act=_functional(m.act_fn),
         )
 
     def move(self, src: int, dst: int) -> None:
@@ -247,7 +257,7 @@ class SlotDecoder:
             gate, up = (F.linear(h, *wb) for wb in w.gate_up)
         else:
             gate, up = F.linear(h, *w.gate_up[0]).chunk(2, dim=-1)
-        return F.linear(w.act(gate) * up, *w.down)
+        return F.linear(w.act(gate).mul_(up), *w.down)
 
     def _prefill_hidden(self, contexts: list[list[int]], start: int, repeats: list[int]) -> torch.Tensor:
         """Hidden states [P, S, D] of the right-padded contexts; writes their K/V and slot lengths."""
@@ -277,39 +287,53 @@ class SlotDecoder:
         return x
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, kvh, hd = tokens.shape[0], self.kv_heads, self.head_dim
+        b, kvh, hd, heads = tokens.shape[0], self.kv_heads, self.head_dim, self.heads
+        group = heads // kvh
         pos = self.lengths[:b]
         width = max(self._lens[:b]) + 1
-        # Additive mask over each slot's valid prefix (the new token included), shared by all layers.
-        mask = torch.zeros((b, 1, 1, width), dtype=self.dtype, device=self.device)
-        mask.masked_fill_((self._arange[:width][None] > pos[:, None])[:, None, None], float("-inf"))
-        cos, sin = self._cos[pos][:, None], self._signed_sin[pos][:, None]  # [B, 1, D]
-        # Where the new K/V rows go in the flattened [slots * kv_heads * max_len, head_dim] cache.
-        slot_base = torch.arange(b, device=self.device)[:, None] * (kvh * self.max_len)
-        dest = (slot_base + torch.arange(kvh, device=self.device)[None] * self.max_len + pos[:, None]).reshape(-1)
-        group = self.heads // kvh
-        x = self.model.model.embed_tokens(tokens)
+        # Per-step tables shared by all layers. The additive mask covers each slot's valid prefix (the new
+        # token included), one row per (slot, kv head): [B * kv_heads, 1, W] for the batched matmuls.
+        mask = torch.zeros((b, kvh, 1, width), dtype=self.dtype, device=self.device)
+        mask.masked_fill_((self._arange[:width] > pos[:, None])[:, None, None], float("-inf"))
+        mask = mask.view(b * kvh, 1, width)
+        cos = self._cos.index_select(0, pos)[:, None]  # [B, 1, D]
+        sin = self._signed_sin.index_select(0, pos)[:, None]
+        rows = self._arange[:b]
+        qk_width = (heads + kvh) * hd  # fused q|k|v output: q and k columns, then v's
+        x = F.embedding(tokens, self.model.model.embed_tokens.weight)
         for i, w in enumerate(self._weights):
             h = _rms_norm(x, w.norm1, w.eps1)
-            q, k, v = self._qkv(w, h)
-            q = _rotate(q.view(b, self.heads, hd), cos, sin)
-            k = _rotate(k.view(b, kvh, hd), cos, sin)
+            if len(w.qkv) == 1:  # fused: q, k and v are column ranges of one output, rotated together
+                qkv = F.linear(h, *w.qkv[0])
+                qk = qkv[:, :qk_width].view(b, heads + kvh, hd)
+                v = qkv[:, qk_width:].view(b, kvh, hd)
+            else:
+                q, k, v = (F.linear(h, *wb) for wb in w.qkv)
+                qk = torch.cat((q, k), dim=-1).view(b, heads + kvh, hd)
+                v = v.view(b, kvh, hd)
+            qk = _rotate(qk, cos, sin)  # [B, heads + kv_heads, D]: q's heads, then k's
             kc, vc = self.k[i], self.v[i]
-            kc.view(-1, hd).index_copy_(0, dest, k.reshape(-1, hd))
-            vc.view(-1, hd).index_copy_(0, dest, v.reshape(-1, hd))
-            # Query heads h = kv * group + g (HF's repeat_kv order): fold g into the query axis.
-            o = self._decode_attention(q.view(b, kvh, group, hd), kc[:b, :, :width], vc[:b, :, :width], mask)
-            x = x + F.linear(o.reshape(b, -1), *w.o)
-            x = x + self._mlp(w, _rms_norm(x, w.norm2, w.eps2))
+            # The new K/V row of slot s goes to position pos[s] ([slots, pos, kv_heads, D] views of the cache).
+            kc.transpose(1, 2).index_put_((rows, pos), qk[:, heads:])
+            vc.transpose(1, 2).index_put_((rows, pos), v)
+            # Query heads h = kv * group + g (HF's repeat_kv order): fold g into the query axis, so each
+            # (slot, kv head) pair is one small matmul: [group, D] x [D, W].
+            q = qk[:, :heads].reshape(b * kvh, group, hd)
+            o = self._decode_attention(q, kc[:b, :, :width].reshape(b * kvh, width, hd),
+                                       vc[:b, :, :width].reshape(b * kvh, width, hd), mask)
+            x.add_(F.linear(o.view(b, heads * hd), *w.o))
+            x.add_(self._mlp(w, _rms_norm(x, w.norm2, w.eps2)))
         self.lengths[:b] += 1
         self._lens[:b] = [n + 1 for n in self._lens[:b]]
         return self._logits(x)
 
     def _decode_attention(self, q, k, v, mask):
+        """q [N, G, D], k and v [N, W, D], mask [N, 1, W] -> [N, G, D]."""
         if self.use_sdpa:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(mask)
-        return torch.matmul(scores.softmax(-1), v)
+        # On CPU two batched matmuls beat SDPA's kernel at decode shapes; baddbmm adds the mask for free.
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scale)
+        return torch.bmm(scores.softmax(-1), v)
 
     def forward_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits [S, V] at every position of one sequence, through the prefill path (tests use it).
@@ -318,4 +342,5 @@ class SlotDecoder:
         return self._logits(self._prefill_hidden([ids], 0, [1])[0])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden))
+        norm, head = self.model.model.norm, self.model.lm_head
+        return F.linear(_rms_norm(hidden, norm.weight, norm.variance_epsilon), head.weight, head.bias)
