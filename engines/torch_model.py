@@ -298,7 +298,7 @@ class SlotDecoder:
         mask = mask.view(b * kvh, 1, width)
         cos = self._cos.index_select(0, pos)[:, None]  # [B, 1, D]
         sin = self._signed_sin.index_select(0, pos)[:, None]
-        rows = self._arange[:b]
+        rows = torch.arange(b, device=self.device)  # slots, not positions: b may exceed max_len
         qk_width = (heads + kvh) * hd  # fused q|k|v output: q and k columns, then v's
         x = F.embedding(tokens, self.model.model.embed_tokens.weight)
         for i, w in enumerate(self._weights):

@@ -151,3 +151,20 @@ def test_a_replaced_parameter_is_used_from_the_next_refresh(fuse):
     attn.k_proj.bias = torch.nn.Parameter(attn.k_proj.bias.detach() - 0.5)
     backend.refresh()
     decode_against_hf(model, backend, steps=2)
+
+
+def test_decode_batch_wider_than_the_cache_length():
+    """More running slots than cache positions (e.g. 128 short sequences in a 64-long cache): every slot
+    still gets its own K/V row and HF's logits (a slot index once came from the position table)."""
+    model = make("qwen2")
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=True)
+    n = 80
+    backend.capacity(n, 8)
+    assert backend.max_len < n
+    contexts = [[1 + j % 40, 2 + j % 7] for j in range(n)]
+    with torch.inference_mode():
+        backend.prefill(contexts, 0, [1] * n)
+        toks = torch.tensor([(3 * j) % 50 for j in range(n)])
+        out = backend.decode(toks)
+    for j in (0, 41, n - 1):
+        torch.testing.assert_close(out[j], hf_last_logits(model, contexts[j] + [int(toks[j])]), atol=ATOL, rtol=0)
