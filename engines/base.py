@@ -81,6 +81,15 @@ ENGINES.register_lazy("vllm", "engines.vllm_engine:VLLMEngine")
 ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 
 
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Raise ValueError with one line for an empty prompt or a token id outside the vocabulary."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; an engine needs at least one prompt token")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+
+
 def available_engines() -> list[str]:
     """Names `create_engine` accepts (registered; an optional one may still fail to import)."""
     return ENGINES.names()

@@ -39,6 +39,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams
 from engines import hf
+from engines.base import check_prompts
 from engines.hf_fallback import HFDecoder
 from engines.requests import Request, Swap
 from engines.scheduler import Scheduler
@@ -250,11 +251,7 @@ class TorchEngine:
 
     # ---- internals ----------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; an engine needs at least one prompt token")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+        check_prompts(prompts, self._vocab_size)
 
     def _stop_decoder(self) -> Callable[[list[int]], str]:
         if self._detokenize is None:

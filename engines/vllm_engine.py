@@ -48,6 +48,7 @@ import msgspec
 import torch
 
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
+from engines.base import check_prompts
 from engines.vllm_worker import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -392,11 +393,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine used after close()")
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; an engine needs at least one prompt token")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+        check_prompts(prompts, self._vocab_size)
 
     def _shutdown(self) -> None:
         async def stop() -> None:
