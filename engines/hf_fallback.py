@@ -43,7 +43,7 @@ class HFDecoder:
         self._lens += [0] * max(0, missing)
 
     def refresh(self) -> None:
-        pass
+        """Nothing to do: HF's own forward reads the swapped parameters directly (no derived tables)."""
 
     def move(self, src: int, dst: int) -> None:
         self._caches[dst], self._lens[dst] = self._caches[src], self._lens[src]

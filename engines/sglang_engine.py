@@ -85,6 +85,7 @@ from torch import Tensor
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
 from asyncrl.weights.base import sync_stats
 from asyncrl.weights.bucketing import check_matches
+from asyncrl.weights.collective import close_process_group
 from asyncrl.weights.collective import meta_crc, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -146,15 +147,7 @@ class SGLangSenderGroup:
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
-        for method in ("abort", "shutdown") if pg is not None else ():
-            fn = getattr(pg, method, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-                break
-            except Exception:  # teardown is best effort; the group is unusable either way
-                log.debug("SGLang sender group %s() failed", method, exc_info=True)
+        close_process_group(pg, "SGLang sender group")
 
 
 def join_sglang_sender(*, store: dist.Store, world_size: int, backend: str, timeout_s: float,

@@ -34,7 +34,7 @@ import time
 import zlib
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -157,6 +157,21 @@ def meta_crc(meta: WeightsMeta) -> int:
     return zlib.crc32(msgspec.msgpack.encode(meta))
 
 
+def close_process_group(pg: Any, what: str) -> None:
+    """Tear a standalone process group down, best effort: abort(), else shutdown(); None is a no-op."""
+    if pg is None:
+        return
+    for method in ("abort", "shutdown"):
+        fn = getattr(pg, method, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception:  # teardown is best effort; the group is unusable either way
+            logger.debug("%s: %s() failed", what, method, exc_info=True)
+
+
 class WeightSyncGroup:
     """One member's handle on the weight-sync group. Calls are serialised by a lock: collectives must
     be issued in the same order on every member."""
@@ -259,17 +274,7 @@ class WeightSyncGroup:
     def close(self) -> None:
         """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        for method in ("abort", "shutdown"):
-            fn = getattr(pg, method, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-                break
-            except Exception:  # teardown is best effort; the group is unusable either way
-                logger.debug("weight-sync group %s() failed on rank %d", method, self.rank, exc_info=True)
+        close_process_group(pg, f"weight-sync group rank {self.rank}")
         self._store = None
 
     def __enter__(self) -> WeightSyncGroup:
