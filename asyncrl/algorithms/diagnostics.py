@@ -1,8 +1,8 @@
 """Diagnostics of a train step: entropy, the k3 KL estimator, masked means (pure tensor functions).
 
 Place in the dataflow: the Trainer's `Learner` calls these on each forward pass to report
-`trainer/entropy`, `trainer/approx_kl` and the engine-vs-trainer logprob gap; a KL penalty loss can reuse
-`approx_kl_k3` later. Nothing here is trained through unless a loss chooses to.
+`trainer/entropy`, `trainer/approx_kl` and the engine-vs-trainer logprob gap; the KL-to-reference penalty
+uses kl.py (whose k3 equals `approx_kl_k3`). Nothing here is trained through unless a loss chooses to.
 """
 
 from __future__ import annotations

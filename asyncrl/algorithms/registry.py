@@ -1,50 +1,83 @@
-"""Name → function registries of the training algorithms (advantages, policy losses, loss aggregations).
+"""Name → function registries of the training algorithms (advantages, policy losses, loss aggregations,
+KL estimators, off-policy corrections).
 
 Place in the dataflow: the Trainer's `Learner` (asyncrl/roles/learner.py) looks up the functions a config
-names (`[algorithm] advantage / policy_loss / loss_agg`) here once, at construction, so that an unknown name
-fails before the first step with a KeyError listing the known ones. Adding an algorithm is one decorated
-pure function in advantages.py / losses.py; nothing dispatches on strings with if/elif.
+names (`[algorithm] advantage / policy_loss / loss_agg / kl ...`) here once, at construction, so that an
+unknown name fails before the first step with a KeyError listing the known ones. Adding an algorithm is one
+decorated pure function in advantages.py / losses.py / kl.py / offpolicy.py; nothing dispatches on strings
+with if/elif.
 
-The Protocols below are the calling conventions every registered function shares, so a new estimator
-or aggregation is a drop-in replacement.
+The Protocols below are the calling conventions every registered function shares, so a new estimator,
+loss or aggregation is a drop-in replacement. Their parameter/input types live beside the functions
+(advantages.py: AdvantageInput/Output/Params, losses.py: PolicyLossParams, offpolicy.py: CorrectionParams).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from torch import Tensor
 
 from asyncrl.registry import Registry
 
+if TYPE_CHECKING:  # only for annotations: these modules import this one to register their functions
+    from asyncrl.algorithms.advantages import AdvantageInput, AdvantageOutput, AdvantageParams
+    from asyncrl.algorithms.losses import PolicyLossParams
+    from asyncrl.algorithms.offpolicy import CorrectionParams
+
 
 class AdvantageFn(Protocol):
-    def __call__(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """rewards [N] float, group_ids [N] int64 -> advantages [N] (one per sample)."""
+    def __call__(self, inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
+        """Sequence rewards, group ids, loss mask [B, T] (+ values / token rewards / baselines) ->
+        advantages [B, T] float32, exactly 0 where ~mask (+ value targets for critic-based estimators)."""
         ...
 
 
 class PolicyLossFn(Protocol):
     def __call__(
-        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_eps: float
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """[B, T] each (mask bool) -> (per-token loss [B, T], exactly 0 where ~mask; scalar stats)."""
+        """[B, T] each (mask bool) -> (per-token loss [B, T], exactly 0 where ~mask; detached scalar stats)."""
         ...
 
 
 class LossAggFn(Protocol):
     def __call__(
-        self, loss_tok: Tensor, mask: Tensor, *, global_tokens: int, global_seqs: int | None = None
+        self,
+        loss_tok: Tensor,
+        mask: Tensor,
+        *,
+        global_tokens: int,
+        global_seqs: int | None = None,
+        norm_len: int | None = None,
     ) -> Tensor:
         """loss_tok [B, T], mask [B, T] -> scalar. `global_tokens` / `global_seqs` count the loss tokens /
         sequences of the whole optimizer step (all micro-batches), so that summing the micro-batch
-        results gives the loss of the full batch."""
+        results gives the loss of the full batch; `norm_len` is the constant length of
+        seq-mean-token-sum-norm."""
+        ...
+
+
+class KLFn(Protocol):
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        """logprobs [...] (policy, maybe with grad), ref_logprobs [...] -> per-token KL estimate [...]."""
+        ...
+
+
+class CorrectionFn(Protocol):
+    def __call__(
+        self, log_ratio: Tensor, mask: Tensor, params: CorrectionParams
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """log_ratio [B, T] (target − behaviour, 0 where ~mask, clamped), mask [B, T] bool
+        -> (ratio the mode judges [B, T], weight [B, T], keep [B, T] bool, clipped [B, T] bool)."""
         ...
 
 
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 LOSS_AGGS: Registry[LossAggFn] = Registry("loss aggregation")
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -57,6 +90,14 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def register_loss_agg(name: str) -> Callable[[LossAggFn], LossAggFn]:
     return LOSS_AGGS.register(name)
+
+
+def register_kl(name: str) -> Callable[[KLFn], KLFn]:
+    return KL_ESTIMATORS.register(name)
+
+
+def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
+    return CORRECTIONS.register(name)
 
 
 def get_advantage(name: str) -> AdvantageFn:
@@ -74,6 +115,16 @@ def get_loss_agg(name: str) -> LossAggFn:
     return LOSS_AGGS.get(name)
 
 
+def get_kl_estimator(name: str) -> KLFn:
+    """Raises KeyError naming the known KL estimators."""
+    return KL_ESTIMATORS.get(name)
+
+
+def get_correction(name: str) -> CorrectionFn:
+    """Raises KeyError naming the known off-policy corrections."""
+    return CORRECTIONS.get(name)
+
+
 def available_advantages() -> list[str]:
     return ADVANTAGES.names()
 
@@ -84,3 +135,11 @@ def available_policy_losses() -> list[str]:
 
 def available_loss_aggs() -> list[str]:
     return LOSS_AGGS.names()
+
+
+def available_kl_estimators() -> list[str]:
+    return KL_ESTIMATORS.names()
+
+
+def available_corrections() -> list[str]:
+    return CORRECTIONS.names()
