@@ -15,10 +15,13 @@ import torch
 from asyncrl.config_schema import Config
 from asyncrl.data import PromptStream, load_rows
 from asyncrl.messages import SamplingParams
-from asyncrl.rewards.loader import resolve_reward
+from asyncrl.algorithms.advantages import LagrangeMultiplier
+from asyncrl.rewards.loader import resolve_cost, resolve_reward
+from asyncrl.roles.critic import Critic, load_value_model
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.learner import Learner
+from asyncrl.roles.reference import ReferencePolicy
 from asyncrl.roles.scorer import Scorer
 from asyncrl.roles.trainer import Trainer
 from buffers.hub import ReplayHub
@@ -79,16 +82,53 @@ def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
                            max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                            kv_on_update=cfg.rollout.kv_on_update)
     stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
-    return Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
-                     encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
-                     concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update)
+    generator = Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
+                          encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
+                          concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update)
+    generator.greedy_baseline = cfg.algorithm.advantage == "remax"  # ReMax: greedy rollout per prompt
+    if cfg.env is not None:  # multi-turn environment episodes (asyncrl/envs)
+        from asyncrl.envs.setup import episode_runner
+
+        generator.episodes = episode_runner(cfg, engine, load_tokenizer(cfg.model.path))
+    return generator
 
 
 def build_scorer(cfg: Config, scorer_id: int, hub: Any) -> Scorer:
     _, _, decode = tokenizer_fns(cfg.model.path)
     reward_fn = resolve_reward(cfg.reward.fn, cfg.reward.answer_key)
+    cost_fn = resolve_cost(cfg.reward.cost_fn, cfg.reward.answer_key) if cfg.reward.cost_fn else None
+    reference = None
+    if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
+        reference = build_reference(cfg)
     return Scorer(scorer_id=scorer_id, hub=hub, reward_fn=reward_fn, decode=decode,
-                  timeout_s=cfg.reward.timeout_s, filter_zero_variance=cfg.algorithm.filter_zero_variance)
+                  timeout_s=cfg.reward.timeout_s, cost_fn=cost_fn, reference=reference,
+                  filter_zero_variance=cfg.algorithm.filter_zero_variance or cfg.algorithm.dynamic_sampling)
+
+
+def build_reference(cfg: Config) -> ReferencePolicy:
+    """The frozen reference policy of the KL term ([reference] path, default model.path)."""
+    tok = load_tokenizer(cfg.model.path)
+    return ReferencePolicy.load(cfg.reference.path or cfg.model.path, dtype=cfg.model.dtype,
+                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+                                micro_batch_size=cfg.trainer.micro_batch_size)
+
+
+def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
+    """The policy learner with what the algorithm needs: critic (gae), reference (KL in the trainer),
+    Lagrange multiplier (Safe-RLHF)."""
+    a = cfg.algorithm
+    critic = reference = lagrange = None
+    if a.advantage == "gae":
+        critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype), cfg.critic,
+                        pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size)
+    if a.kl_mode != "off" and cfg.reference.where == "trainer":
+        reference = build_reference(cfg)
+    if a.safe_rlhf:
+        r = cfg.reward
+        lagrange = LagrangeMultiplier(r.lagrange_init, r.lagrange_lr, r.cost_threshold,
+                                      r.lagrange_max if r.lagrange_max > 0 else None)
+    return Learner(model, algorithm=a, trainer=cfg.trainer, pad_token_id=pad_id,
+                   max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange)
 
 
 def build_trainer(cfg: Config, hub: Any) -> Trainer:
@@ -96,7 +136,7 @@ def build_trainer(cfg: Config, hub: Any) -> Trainer:
     model = load_model(cfg.model.path, dtype=cfg.model.dtype)
     tok, encode, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    learner = Learner(model, algorithm=cfg.algorithm, trainer=cfg.trainer, pad_token_id=pad_id)
+    learner = build_learner(cfg, model, pad_id)
     evaluator = None
     if cfg.trainer.eval_every > 0:
         from engines.hf import eos_token_ids
@@ -105,10 +145,15 @@ def build_trainer(cfg: Config, hub: Any) -> Trainer:
         rows = load_rows(cfg.data, "eval", cfg.run.seed)[: cfg.trainer.eval_prompts]
         engine = TorchEngine.from_model(model, eos_token_ids=eos_token_ids(model),
                                         max_prompt_len=cfg.data.max_prompt_len,
-                                        seed=derive_seed(cfg.run.seed, "eval"))
+                                        seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode)
         evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
                               reward_fn=resolve_reward(cfg.reward.fn, cfg.reward.answer_key),
                               prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
                               reward_timeout_s=cfg.reward.timeout_s)
-    return Trainer(learner=learner, hub=hub, evaluator=evaluator)
+    if cfg.env is not None and evaluator is not None:  # held-out env episodes on the same engine and rows
+        from asyncrl.envs.setup import env_evaluator
+
+        evaluator = env_evaluator(cfg, evaluator.engine, tok, evaluator.rows)
+    return Trainer(learner=learner, hub=hub, evaluator=evaluator,
+                   report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)

@@ -373,6 +373,44 @@ def _check_algorithm(cfg: Config) -> list[str]:
     return errors
 
 
+def _check_algorithm_options(cfg: Config) -> list[str]:
+    """Combinations of [algorithm], [critic], [reference] and the cost fields of [reward] that cannot run."""
+    a, errors = cfg.algorithm, []
+    if a.dual_clip and a.dual_clip <= 1:
+        errors.append(f"algorithm.dual_clip: {a.dual_clip:g} must be > 1 (e.g. 3.0), or 0 to turn dual clipping off")
+    if a.correction in ("token_tis", "seq_tis") and not a.decoupled and a.policy_loss != "vanilla_pg":
+        errors.append(f"algorithm.correction: {a.correction!r} weights each token by proximal / behaviour, which "
+                      f"the {a.policy_loss!r} ratio against the behaviour policy already contains — set "
+                      f"algorithm.decoupled = true (ratio against the proximal policy), or use a *_mask correction")
+    if a.overlong_buffer >= cfg.rollout.max_new_tokens:
+        errors.append(f"algorithm.overlong_buffer: {a.overlong_buffer} must be below rollout.max_new_tokens = "
+                      f"{cfg.rollout.max_new_tokens} — responses longer than max_new_tokens - overlong_buffer are penalised")
+    if a.dynamic_sampling and cfg.rollout.group_size < 2:
+        errors.append("algorithm.dynamic_sampling: every group of rollout.group_size = 1 has zero reward variance "
+                      "and would be dropped — use rollout.group_size >= 2")
+    if a.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.group_size < 2:
+        errors.append(f"algorithm.advantage: {a.advantage!r} compares the samples of a group and needs "
+                      f"rollout.group_size >= 2 (got 1) — raise it, or use 'reinforce_pp' / 'gae'")
+    if a.safe_rlhf and not cfg.reward.cost_fn:
+        errors.append("algorithm.safe_rlhf: needs a cost signal — set reward.cost_fn (e.g. 'longer_than_answer' "
+                      "or 'pkg.module:function') and reward.cost_threshold")
+    if a.safe_rlhf and a.advantage in ("gae", "remax"):
+        errors.append(f"algorithm.safe_rlhf: the cost advantage needs a critic-free estimator without a greedy "
+                      f"baseline, got advantage {a.advantage!r} — use grpo, drgrpo, rloo or reinforce_pp(_baseline)")
+    if cfg.reward.cost_fn:
+        from asyncrl.rewards import check_reward
+
+        errors += check_reward(cfg.reward.cost_fn, cfg.reward.answer_key, "reward.cost_fn")
+    for section, path, used in (("critic", cfg.critic.path, a.advantage == "gae"),
+                                ("reference", cfg.reference.path, a.kl_mode != "off")):
+        if used and path and not (Path(path) / "config.json").is_file():
+            errors.append(f"{section}.path: {path!r} is not a Hugging Face model folder (no config.json) — "
+                          f"leave it empty to start from model.path")
+    if a.kl_mode != "off" and a.kl_coef == 0:
+        log.warning("algorithm.kl_mode = %r with kl_coef = 0: the reference model runs but changes nothing", a.kl_mode)
+    return errors
+
+
 def _check_batches(cfg: Config) -> list[str]:
     sps, n = cfg.samples_per_step, cfg.trainer.mini_batches
     if sps % n == 0:
@@ -456,6 +494,34 @@ def _check_placement(cfg: Config) -> list[str]:
             f"or raise cluster.num_cpus"]
 
 
+def _check_env(cfg: Config) -> list[str]:
+    """[env]: the class resolves with async reset/step and takes env.kwargs; episodes fit the context."""
+    if cfg.env is None:
+        return []
+    from asyncrl.envs.base import check_env, resolve_env, turn_stops
+
+    e = cfg.env
+    errors = check_env(e.env, e.kwargs)
+    if not errors:
+        try:
+            turn_stops(resolve_env(e.env))
+        except ValueError as exc:
+            errors.append(str(exc))
+    if e.max_episode_tokens >= cfg.data.max_prompt_len:
+        errors.append(f"env.max_episode_tokens: {e.max_episode_tokens} leaves no room for the initial observation in "
+                      f"data.max_prompt_len = {cfg.data.max_prompt_len} (the engine keeps the last max_prompt_len "
+                      f"tokens of an episode's context) — raise data.max_prompt_len or lower env.max_episode_tokens")
+    if not errors and (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+        from asyncrl.envs.transcript import HFCodec, resolve_format
+        from engines.hf import load_tokenizer
+
+        try:
+            resolve_format(HFCodec(load_tokenizer(cfg.model.path)), e.chat_template)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 _Check = Callable[[Config], list[str]]
 # (paths the check reads, check): a path that failed field validation skips the checks reading it.
 _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
@@ -463,6 +529,8 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("reward.fn", "reward.answer_key"), _check_reward),
     (("rollout.engine",), _check_engine),
     (("algorithm",), _check_algorithm),
+    (("algorithm", "critic", "reference", "reward", "rollout.group_size", "rollout.max_new_tokens"),
+     _check_algorithm_options),
     (("trainer.mini_batches", "trainer.prompts_per_step", "rollout.group_size"), _check_batches),
     (("buffer", "trainer.prompts_per_step", "rollout.group_size"), _check_buffers),
     (("model",), _check_model),
@@ -471,4 +539,5 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("rollout.top_p", "rollout.top_k"), _check_sampling),
     (("trainer.betas",), _check_betas),
     (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
+    (("env", "data.max_prompt_len"), _check_env),
 ]

@@ -6,7 +6,7 @@ each problem reads as "<toml.path>: <what is wrong> — <what the field is / how
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -70,14 +70,60 @@ class RewardConfig(Section):
     answer_key: Annotated[str, _d("row field holding the reference answer for built-in rules", min_length=1)] = "answer"
     timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
     num_scorers: Annotated[int, _d("scorer actors", ge=1)] = 1
+    cost_fn: Annotated[str, _d("Safe-RLHF cost: a built-in cost rule (e.g. 'digit_cost') or 'pkg.module:function' with the reward fn's calling convention; empty = no cost signal")] = ""
+    cost_threshold: Annotated[float, _d("Safe-RLHF: the mean cost per sample the policy should stay under (the multiplier grows while the measured cost exceeds it)")] = 0.0
+    lagrange_init: Annotated[float, _d("Safe-RLHF: initial Lagrange multiplier lambda", ge=0)] = 0.0
+    lagrange_lr: Annotated[float, _d("Safe-RLHF: step size of the multiplier update lambda += lr * (mean_cost - cost_threshold), clamped at 0", ge=0)] = 0.05
+    lagrange_max: Annotated[float, _d("Safe-RLHF: upper bound of the multiplier; 0 = unbounded", ge=0)] = 0.0
 
 
 class AlgorithmConfig(Section):
-    advantage: Annotated[str, _d("advantage estimator name, e.g. 'grpo'", min_length=1)] = "grpo"
-    policy_loss: Annotated[str, _d("policy loss name, e.g. 'ppo_clip'", min_length=1)] = "ppo_clip"
-    loss_agg: Annotated[str, _d("loss aggregation, e.g. 'token-mean'", min_length=1)] = "token-mean"
-    clip_eps: Annotated[float, _d("PPO clip range epsilon", gt=0, lt=1)] = 0.2
+    """What the trainer optimises. See docs/algorithms.md for one section per algorithm."""
+
+    advantage: Annotated[str, _d("advantage estimator: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy-rollout baseline, sampled by the generator), gae (PPO with a [critic])", min_length=1)] = "grpo"
+    policy_loss: Annotated[str, _d("policy loss: ppo_clip (token ratio), gspo (sequence-level ratio), vanilla_pg", min_length=1)] = "ppo_clip"
+    loss_agg: Annotated[str, _d("loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (sum / rollout.max_new_tokens, Dr.GRPO)", min_length=1)] = "token-mean"
+    clip_eps: Annotated[float, _d("PPO clip range epsilon; the default of clip_eps_low and clip_eps_high", gt=0, lt=1)] = 0.2
+    clip_eps_low: Annotated[float, _d("lower clip range: ratio >= 1 - clip_eps_low; 0 = use clip_eps", ge=0, lt=1)] = 0.0
+    clip_eps_high: Annotated[float, _d("upper clip range: ratio <= 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); 0 = use clip_eps", ge=0)] = 0.0
+    dual_clip: Annotated[float, _d("dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 = off", ge=0)] = 0.0
+    gamma: Annotated[float, _d("discount of GAE and of token-level returns (REINFORCE++)", ge=0, le=1)] = 1.0
+    lam: Annotated[float, _d("GAE lambda", ge=0, le=1)] = 0.95
+    adv_eps: Annotated[float, _d("epsilon added to standard deviations when normalising advantages", gt=0)] = 1e-6
+    whiten_advantages: Annotated[bool, _d("whiten advantages over the step's loss tokens (mean 0, std 1) where the estimator supports it (gae)")] = True
+    reward_norm: Annotated[Literal["none", "whiten", "scale"], _d("normalise the step's rewards before the estimator: whiten = (r - mean) / std, scale = r / std, none")] = "none"
+    reward_clip: Annotated[float, _d("clip rewards (after shaping and normalisation) to [-reward_clip, reward_clip]; 0 = off", ge=0)] = 0.0
+    entropy_coef: Annotated[float, _d("entropy bonus: loss -= entropy_coef * entropy per token (same aggregation); 0 = off", ge=0)] = 0.0
+    kl_mode: Annotated[Literal["off", "reward", "loss"], _d("KL to the [reference] policy: 'reward' subtracts kl_coef*KL from the token rewards, 'loss' adds kl_coef*KL per token to the loss, 'off'")] = "off"
+    kl_coef: Annotated[float, _d("weight of the KL to the reference policy", ge=0)] = 0.001
+    kl_estimator: Annotated[Literal["k1", "k2", "k3"], _d("KL estimator: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - 1 - log(ref/pi) (low variance, never negative)")] = "k3"
+    correction: Annotated[Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"], _d("off-policy correction of stale samples: truncated importance sampling (token or sequence level, weights capped at correction_cap) or masking of tokens/sequences whose ratio leaves [correction_low, correction_high]")] = "none"
+    correction_cap: Annotated[float, _d("cap of the truncated IS weights (token_tis, seq_tis)", gt=0)] = 2.0
+    correction_low: Annotated[float, _d("lowest ratio kept by token_mask / seq_mask, in [0, 1]", ge=0, le=1)] = 0.5
+    correction_high: Annotated[float, _d("highest ratio kept by token_mask / seq_mask, >= 1", ge=1)] = 2.0
+    decoupled: Annotated[bool, _d("decoupled PPO: the ratio is taken against the proximal policy (the trainer's weights at the start of the step, logprobs recomputed without grad), and the correction weight is proximal / behaviour")] = False
     filter_zero_variance: Annotated[bool, _d("drop groups whose rewards are all equal (their slots are returned)")] = False
+    dynamic_sampling: Annotated[bool, _d("DAPO dynamic sampling: drop groups whose rewards have zero variance and refill the step with fresh prompts (implies filter_zero_variance)")] = False
+    overlong_buffer: Annotated[int, _d("DAPO overlong shaping: responses longer than rollout.max_new_tokens - overlong_buffer are penalised linearly, up to overlong_penalty at the limit; 0 = off", ge=0)] = 0
+    overlong_penalty: Annotated[float, _d("DAPO overlong shaping: the penalty at rollout.max_new_tokens", ge=0)] = 1.0
+    safe_rlhf: Annotated[bool, _d("Safe-RLHF: optimise the reward advantage minus lambda times the cost advantage (reward.cost_fn), lambda updated from the measured cost against reward.cost_threshold")] = False
+
+
+class CriticConfig(Section):
+    """The value model of PPO (`algorithm.advantage = "gae"`): the policy's backbone with a fresh scalar head."""
+
+    path: Annotated[str, _d("HF model folder the critic starts from (its LM head replaced by a fresh value head); empty = model.path")] = ""
+    lr: Annotated[float, _d("critic AdamW learning rate", gt=0, le=1)] = 1e-4
+    value_clip: Annotated[float, _d("clip of the value update around the values at the start of the step (PPO clipped value loss); 0 = unclipped", ge=0)] = 0.2
+    grad_clip: Annotated[float, _d("critic max gradient norm; 0 disables clipping", ge=0)] = 1.0
+    weight_decay: Annotated[float, _d("critic AdamW weight decay", ge=0)] = 0.0
+
+
+class ReferenceConfig(Section):
+    """The frozen reference policy of the KL term (`algorithm.kl_mode` reward or loss)."""
+
+    path: Annotated[str, _d("HF model folder of the reference policy; empty = model.path (the initial policy)")] = ""
+    where: Annotated[Literal["scorer", "trainer"], _d("where its logprobs are computed: 'scorer' (off the trainer's critical path, filled into each trajectory) or 'trainer' (a forward pass at the start of each step)")] = "scorer"
 
 
 class TrainerConfig(Section):
@@ -128,18 +174,44 @@ class RunConfig(Section):
     save_checkpoint: Annotated[bool, _d("write a checkpoint into the run directory")] = True
 
 
+class LoggingConfig(Section):
+    """Where a run's metrics go besides metrics.jsonl (always written), and the live console view."""
+
+    live: Annotated[Literal["auto"] | bool, _d("live console view (progress, reward, staleness, busy shares, ETA): 'auto' = on when stdout is a terminal, or true/false")] = "auto"
+    trace: Annotated[bool, _d("write the Perfetto/Chrome timeline <run_dir>/trace.json (open it in ui.perfetto.dev)")] = True
+    tensorboard: Annotated[bool, _d("also write TensorBoard scalars to <run_dir>/tensorboard (needs: pip install 'asyncrl[loggers]')")] = False
+    wandb: Annotated[bool, _d("also log to Weights & Biases in offline mode under <run_dir>/wandb (needs: pip install 'asyncrl[loggers]')")] = False
+    wandb_project: Annotated[str, _d("W&B project name of the offline run", min_length=1)] = "asyncrl"
+
+
+class EnvConfig(Section):
+    """Multi-turn environment episodes instead of single completions (docs/envs.md)."""
+
+    env: Annotated[str, _d("built-in environment ('first_digit', 'tool_arith', 'guess') or 'pkg.module:Class' with async reset(row) and step(action)", min_length=1)]
+    kwargs: Annotated[dict[str, Any], _d("keyword arguments for the environment class, e.g. {max_guesses = 4}")] = {}
+    max_turns: Annotated[int, _d("model turns per episode; reaching it ends the episode (truncated)", ge=1)] = 8
+    max_episode_tokens: Annotated[int, _d("response tokens per episode, model and environment together", ge=1)] = 64
+    step_timeout_s: Annotated[float, _d("a reset or step taking longer ends the episode with an error (counted)", gt=0)] = 10.0
+    chat_template: Annotated[Literal["auto", "none", "strict", "concat"], _d("auto: the tokenizer's chat template if it is append-only, else per-message concatenation, none without one; none: plain append; strict: the template, failing on a turn that is not append-only; concat: per-message rendering")] = "auto"
+    on_step_error: Annotated[Literal["keep", "fail"], _d("an env step that raises, hangs or returns garbage ends the episode; keep: train on it with the reward so far; fail: fail its group (slots returned)")] = "keep"
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
+    reference: ReferenceConfig = msgspec.field(default_factory=ReferenceConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    env: EnvConfig | None = None  # set: generators play environment episodes (asyncrl/envs)
 
     @property
     def samples_per_step(self) -> int:

@@ -83,6 +83,17 @@ class Trajectory(Message):
     generator_id: int = 0
     reward: float = 0.0              # filled by the scorer
     error: str = ""                  # why it failed, if finish_reason == "error"
+    # -- algorithms (docs/algorithms.md) --
+    ref_logprobs: list[float] = []   # reference policy's logprob per response token (KL term), filled by
+                                     # the scorer when [reference] where = "scorer"; [] = not computed
+    cost: float = 0.0                # Safe-RLHF cost, filled by the scorer from reward.cost_fn
+    baseline_response_ids: list[int] = []  # ReMax: the greedy completion of the same prompt (generator)
+    baseline_reward: float | None = None   # ReMax: reward of that greedy completion (scorer; None = none)
+    # -- environments (docs/envs.md) --
+    env_reward: float | None = None  # an env episode's summed step rewards: the scorer uses it instead of
+                                     # calling reward.fn (None = not an env episode)
+    turns: int = 0                   # model turns of an env episode
+    env_error: str = ""              # what the env did wrong (raised, hung, garbage), if anything; counted
 
 
 class Group(Message):

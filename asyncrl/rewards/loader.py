@@ -54,13 +54,28 @@ def resolve_reward(spec: str, answer_key: str) -> RewardFn:
     return _adapt(spec, fn)
 
 
-def check_reward(spec: str, answer_key: str) -> list[str]:
-    """Error lines for `asyncrl validate`; empty when `reward.fn` resolves to a usable function."""
+def check_reward(spec: str, answer_key: str, path: str = "reward.fn") -> list[str]:
+    """Error lines for `asyncrl validate`; empty when `spec` resolves to a usable function. `path` is
+    the TOML key that holds it (reward.fn, or reward.cost_fn for a Safe-RLHF cost function)."""
     try:
         resolve_reward(spec, answer_key)
     except ValueError as exc:
-        return [str(exc)]
+        return [_at(path, str(exc))]
     return []
+
+
+def resolve_cost(spec: str, answer_key: str) -> RewardFn:
+    """`reward.cost_fn` -> fn(prompt, completion, **fields) -> float: the same rules and loader as rewards."""
+    try:
+        return resolve_reward(spec, answer_key)
+    except ValueError as exc:
+        raise ValueError(_at("reward.cost_fn", str(exc))) from None
+
+
+def _at(path: str, line: str) -> str:
+    """Re-point an error line of `resolve_reward` ('reward.fn: ...') at another TOML key."""
+    prefix = "reward.fn: "
+    return path + ": " + line[len(prefix):] if line.startswith(prefix) else line
 
 
 def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> float:

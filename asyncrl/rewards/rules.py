@@ -52,3 +52,9 @@ def _rule(name: str, test: Callable[[str, str], bool]) -> Callable[[str], Reward
 RULES.register("exact_match")(_rule("exact_match", lambda completion, answer: completion == answer))
 RULES.register("prefix_match")(_rule("prefix_match", lambda completion, answer: completion.startswith(answer)))
 RULES.register("contains")(_rule("contains", lambda completion, answer: answer in completion))
+
+# A cost rule (Safe-RLHF, `reward.cost_fn`): 1.0 when the completion says more than the answer — a
+# verbosity constraint the reward (prefix_match) is indifferent to, so reward and cost pull apart.
+RULES.register("longer_than_answer")(
+    _rule("longer_than_answer", lambda completion, answer: len(completion) > len(answer))
+)

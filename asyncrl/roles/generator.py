@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
+import msgspec
 import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
@@ -66,6 +67,8 @@ class Generator:
         self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
         self.receiver: WeightReceiver | None = None
+        self.episodes: Any = None  # an asyncrl.envs.EpisodeRunner: play env episodes instead of completions
+        self.greedy_baseline = False  # ReMax: also decode each prompt greedily (baseline_response_ids)
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
         self.tokens_generated = 0
@@ -145,13 +148,41 @@ class Generator:
                 for task in pending:
                     task.cancel()
 
+    async def _play_groups(self, group_ids: list[int], version: int) -> None:
+        """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
+        try:
+            rows = [self.next_row() for _ in group_ids]
+            t0 = time.time()
+            groups = await asyncio.gather(*[self.episodes.run_group(gid, row, self.sampling.n, self.generator_id)
+                                            for gid, row in zip(group_ids, rows)])
+            self.recorder.record("generate", t0, time.time(), version)
+        except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
+            log.warning("generator %d: episodes of %d groups failed: %s", self.generator_id, len(group_ids), exc)
+            self.groups_failed += len(group_ids)
+            await self.hub.release_groups(group_ids, "failed")
+            return
+        trajs = [t for group in groups for t in group]
+        self.groups_generated += len(group_ids)
+        self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
+        t0 = time.time()
+        try:
+            await self.hub.put_rollouts(trajs)
+        except Exception:
+            if self._stopped.is_set():  # the run is over: the closed hub takes no more rollouts
+                return
+            raise
+        self.recorder.record("wait_queue", t0, time.time(), version)
+
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
+        if self.episodes is not None:  # multi-turn environment episodes instead of single completions
+            await self._play_groups(group_ids, version)
+            return
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
             rows = [self.next_row() for _ in group_ids]
             row_jsons = [json.dumps(row).encode() for row in rows]
             prompts = [self.encode(row[self.prompt_key]) for row in rows]
             t0 = time.time()
-            completions = await self.engine.generate(prompts, self.sampling)
+            completions, baselines = await self._sample(prompts)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
@@ -159,14 +190,27 @@ class Generator:
             await self.hub.release_groups(group_ids, "failed")
             return
         trajs: list[Trajectory] = []
-        for gid, row, row_json, group in zip(group_ids, rows, row_jsons, completions):
+        for gid, row, row_json, group, base in zip(group_ids, rows, row_jsons, completions, baselines):
             for j, c in enumerate(group):
                 trajs.append(self._trajectory(gid, j, row, row_json, c))
+                trajs[-1].baseline_response_ids = base
         self.groups_generated += len(group_ids)
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
         t0 = time.time()
         await self.hub.put_rollouts(trajs)
         self.recorder.record("wait_queue", t0, time.time(), version)
+
+    async def _sample(self, prompts: list[list[int]]) -> tuple[list[list[Completion]], list[list[int]]]:
+        """The training samples of each prompt and, for ReMax, its greedy completion (else []).
+
+        Both requests go to the engine together, so its continuous batching decodes them in the same
+        batch; the greedy completion is never trained, only scored (the ReMax baseline)."""
+        if not self.greedy_baseline:
+            return await self.engine.generate(prompts, self.sampling), [[] for _ in prompts]
+        greedy = msgspec.structs.replace(self.sampling, n=1, temperature=0.0, seed=None)
+        completions, greedy_out = await asyncio.gather(self.engine.generate(prompts, self.sampling),
+                                                       self.engine.generate(prompts, greedy))
+        return completions, [g[0].response_ids for g in greedy_out]
 
     def _trajectory(self, group_id: int, j: int, row: dict, row_json: bytes, c: Completion) -> Trajectory:
         n = self.sampling.n
@@ -203,6 +247,7 @@ class Generator:
             "tokens": self.tokens_generated,
             "groups": self.groups_generated,
             "groups_failed": self.groups_failed,
+            "env": self.episodes.stats() if self.episodes is not None else {},
             "version": self.engine.version,
             "swap_s_total": self.swap_s_total,
             "spans": self.recorder.drain(),

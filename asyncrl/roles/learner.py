@@ -2,19 +2,27 @@
 
 Place in the dataflow: the Trainer role takes a step's groups off the train queue and calls
 `Learner.update(groups)`; afterwards it broadcasts `state_dict_for_sync()` to the generators, stamped with
-`Learner.version`. No Ray, no queues here: this is plain torch, testable in-process.
+`Learner.version`. No Ray, no queues here: this is plain torch, testable in-process. The algorithms are
+the registered pure functions of `asyncrl/algorithms` (docs/algorithms.md); this file only feeds them.
 
 One train step (ARCHITECTURE "Batch units"):
 
-    groups ─► flatten (samples_per_step trajectories; "error" ones rejected)
-           ─► advantages [N] by `[algorithm] advantage` from rewards and group ids
+    groups ─► flatten (samples_per_step trajectories; "error" / greedy ones rejected)
+           ─► prepare (no grad, once per step; every tensor response-aligned [N, T]):
+                rewards (+ DAPO overlong shaping, reward_norm, reward_clip)
+                proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now)
+                reference logprobs   (KL: from the scorer's `ref_logprobs`, or a forward here)
+                critic values        (gae)
+                advantages by `[algorithm] advantage` (KL as token rewards; Safe-RLHF: A_r − λ·A_c)
+                off-policy weights and mask (proximal / behaviour, `[algorithm] correction`)
            ─► for epoch in epochs: for each of `mini_batches` mini-batches:
                   zero grads; for each micro-batch of `micro_batch_size` samples:
-                      forward (logits / each trajectory's temperature) → logprobs
-                      → `[algorithm] policy_loss` vs behaviour logprobs → `[algorithm] loss_agg`
-                        with global_tokens = loss tokens of the whole mini-batch → backward
-                  clip grad norm (`grad_clip`, 0 = off), optimizer step
-           ─► version += 1
+                      forward (logits / each trajectory's temperature) → logprobs (+ entropy)
+                      → `policy_loss` vs the old policy (behaviour, or proximal if decoupled)
+                        × off-policy weights (+ kl_coef·KL, − entropy_coef·entropy per token)
+                      → `loss_agg` over the kept tokens of the whole mini-batch → backward
+                  clip grad norm (`grad_clip`, 0 = off), optimizer step; critic: value loss, its step
+           ─► Safe-RLHF multiplier update from the step's mean cost; version += 1
 
 Token positions: a sample is `prompt_ids + response_ids` right-padded to the micro-batch's longest; the
 logprob at position t is that of token t predicted from t-1, so position 0 never carries one.
@@ -25,56 +33,33 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import approx_kl_k3, entropy_from_logits, get_advantage, get_loss_agg, get_policy_loss
+from asyncrl.algorithms import approx_kl_k3, get_advantage, get_loss_agg, get_policy_loss
+from asyncrl.algorithms.advantages import (
+    AdvantageInput,
+    AdvantageParams,
+    LagrangeMultiplier,
+    lagrangian_advantages,
+    overlong_penalty,
+)
+from asyncrl.algorithms.kl import kl_estimate
+from asyncrl.algorithms.losses import PolicyLossParams
+from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
+from asyncrl.roles.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
+from asyncrl.roles.critic import Critic, CriticStats
+from asyncrl.roles.reference import ReferencePolicy
+
+__all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class TokenBatch:
-    """Padded tensors of a few trajectories; B samples, L = longest prompt + response."""
-
-    input_ids: Tensor       # [B, L] int64, right-padded with pad_token_id
-    attention_mask: Tensor  # [B, L] int64, 1 on real tokens
-    response_mask: Tensor   # [B, L] bool, positions holding response tokens
-    loss_mask: Tensor       # [B, L] bool, response positions the loss trains on
-    old_logprobs: Tensor    # [B, L] behaviour logprobs on loss positions, 0 elsewhere
-    advantages: Tensor      # [B, L] float32, the sample's advantage at every position
-    versions: Tensor        # [B, L] int64, policy version of each response token, -1 elsewhere
-    temperature: Tensor     # [B] float32, the temperature each sample was generated with
-
-
-def collate(trajectories: list[Trajectory], advantages: Tensor, pad_token_id: int, device: str | torch.device = "cpu") -> TokenBatch:
-    """trajectories (B of them), advantages [B] -> TokenBatch on `device`."""
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-    b, width = len(trajectories), max(lengths)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    response = torch.zeros((b, width), dtype=torch.bool)
-    loss = torch.zeros((b, width), dtype=torch.bool)
-    old = torch.zeros((b, width), dtype=torch.float32)
-    versions = torch.full((b, width), -1, dtype=torch.long)
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, : p + n] = 1
-        response[i, p : p + n] = True
-        if n:
-            lm = torch.tensor(t.loss_mask, dtype=torch.bool)
-            loss[i, p : p + n] = lm
-            # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
-            old[i, p : p + n] = torch.where(lm, torch.tensor(t.behavior_logprobs, dtype=torch.float32), 0.0)
-            versions[i, p : p + n] = torch.tensor(t.versions, dtype=torch.long)
-    adv = advantages.to(torch.float32).view(b, 1).expand(b, width).clone()
-    temperature = torch.tensor([t.temperature for t in trajectories], dtype=torch.float32)
-    return TokenBatch(*(x.to(device) for x in (input_ids, attention, response, loss, old, adv, versions, temperature)))
+_RATIO_KEYS = ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "share_clipped", "share_masked")
 
 
 @dataclass
@@ -91,10 +76,32 @@ class GradientStats:
     kl_tokens: int = 0
     gap_sum: float = 0.0         # |current - behaviour| over diagnosed on-policy loss tokens
     gap_tokens: int = 0
+    # off-policy ratio current / behaviour, measured on first-epoch passes when no proximal policy is computed
+    is_tokens: int = 0
+    is_sum: float = 0.0
+    is_max: float = 0.0
+    is_min: float = math.inf
+
+
+@dataclass
+class StepData:
+    """What `prepare` computes once per train step; every tensor response-aligned [N, T]."""
+
+    advantages: Tensor                       # [N, T] float32, 0 off the loss mask
+    rows: dict[str, Tensor] = field(default_factory=dict)  # prox / ref / weights / keep, as needed
+    returns: Tensor | None = None            # gae value targets
+    old_values: Tensor | None = None         # critic values at the step's start
+    rewards: Tensor | None = None            # [N] after shaping / normalisation
+    costs: Tensor | None = None              # [N] Safe-RLHF costs
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def slice(self, lo: int, hi: int) -> dict[str, Tensor]:
+        return {k: v[lo:hi] for k, v in self.rows.items()}
 
 
 class Learner:
-    """Owns the policy model and its AdamW optimizer; `update` runs one train step (see module doc)."""
+    """Owns the policy model and its AdamW optimizer (and, when configured, the critic, the reference
+    policy and the Safe-RLHF multiplier); `update` runs one train step (see module doc)."""
 
     def __init__(
         self,
@@ -104,18 +111,41 @@ class Learner:
         trainer: TrainerConfig,
         pad_token_id: int,
         device: str | torch.device = "cpu",
+        max_new_tokens: int | None = None,
+        critic: Critic | None = None,
+        reference: ReferencePolicy | None = None,
+        lagrange: LagrangeMultiplier | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         # Dropout off: the trainer's logprobs must be the engine's (which samples in eval mode).
         self.model.eval()
-        self.algorithm = algorithm
+        self.algorithm = a = algorithm
         self.trainer = trainer
         self.pad_token_id = pad_token_id
+        self.max_new_tokens = max_new_tokens
         # Look the names up now: an unknown name fails at construction, listing the known ones.
-        self._advantage_fn = get_advantage(algorithm.advantage)
-        self._policy_loss_fn = get_policy_loss(algorithm.policy_loss)
-        self._loss_agg_fn = get_loss_agg(algorithm.loss_agg)
+        self._advantage_fn = get_advantage(a.advantage)
+        self._policy_loss_fn = get_policy_loss(a.policy_loss)
+        self._loss_agg_fn = get_loss_agg(a.loss_agg)
+        self._adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, whiten=a.whiten_advantages)
+        self._loss_params = PolicyLossParams(clip_eps_low=a.clip_eps_low or a.clip_eps,
+                                             clip_eps_high=a.clip_eps_high or a.clip_eps,
+                                             dual_clip=a.dual_clip or None)
+        self._correction = CorrectionParams(mode=a.correction, cap=a.correction_cap, low=a.correction_low,
+                                            high=a.correction_high)
+        # The proximal policy (this one, at the step's start) is needed as PPO's old policy (decoupled)
+        # and as the target of every off-policy correction.
+        self._need_prox = a.decoupled or a.correction != "none"
+        if a.advantage == "gae" and critic is None:
+            raise ValueError("algorithm.advantage = 'gae' needs a critic (a value model)")
+        if a.safe_rlhf and lagrange is None:
+            raise ValueError("algorithm.safe_rlhf needs a LagrangeMultiplier")
+        if a.loss_agg == "seq-mean-token-sum-norm" and not max_new_tokens:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs max_new_tokens (rollout.max_new_tokens)")
+        self.critic = critic
+        self.reference = reference
+        self.lagrange = lagrange
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self._params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]), weight_decay=trainer.weight_decay
@@ -125,26 +155,12 @@ class Learner:
     # ------------------------------------------------------------------ logprobs
 
     def sequence_logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, temperature: float | Tensor
+        self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, temperature: float | Tensor,
+        *, entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response), temperature
-        (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
-
-        logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 over the full
-        vocabulary (with grad if enabled); entropy of the same distribution, without grad.
-        """
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1, 1)
-        logits = logits[:, :-1].float() / temp                                       # [B, L-1, V]
-        targets = input_ids[:, 1:].unsqueeze(-1)                                     # [B, L-1, 1]
-        tok_logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits)
-        zero_col = tok_logp.new_zeros(tok_logp.shape[0], 1)
-        logprobs = torch.cat([zero_col, tok_logp], dim=1)                            # [B, L]
-        entropy = torch.cat([zero_col, entropy], dim=1)
-        mask = response_mask.bool()
-        return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)
+        """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
+        return token_logprobs(self.model, input_ids, attention_mask, response_mask, temperature,
+                              entropy_grad=entropy_grad)
 
     @torch.no_grad()
     def teacher_forced_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
@@ -157,6 +173,121 @@ class Learner:
         logprobs, _ = self.sequence_logprobs(ids, torch.ones_like(ids), resp, temperature)
         return logprobs[0, len(prompt_ids):].tolist()
 
+    @torch.no_grad()
+    def _policy_rows(self, trajectories: list[Trajectory], width: int) -> Tensor:
+        """-> [N, width] the current policy's logprobs of every response token (no grad)."""
+        rows = []
+        mbs = self.trainer.micro_batch_size
+        for start in range(0, len(trajectories), mbs):
+            part = trajectories[start : start + mbs]
+            batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
+            logprobs, _ = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                 batch.temperature)
+            rows.append(gather_response(batch, part, logprobs, width))
+        return torch.cat(rows)
+
+    # ------------------------------------------------------------------ step preparation
+
+    def prepare(self, trajectories: list[Trajectory]) -> StepData:
+        """Everything a step computes once, before its optimizer steps (no grad): see module doc."""
+        a, trajs = self.algorithm, trajectories
+        behaviour, mask = response_rows(trajs)
+        width = mask.shape[1]
+        metrics: dict[str, float] = {}
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        baselines = self._baselines(trajs, metrics) if a.advantage == "remax" else None
+        if a.overlong_buffer > 0:
+            lengths = torch.tensor([len(t.response_ids) for t in trajs])
+            shaping = overlong_penalty(lengths, self._max_len(), a.overlong_buffer, a.overlong_penalty)
+            rewards = rewards + shaping
+            metrics["dapo/overlong_penalty_mean"] = float(shaping.mean())
+            metrics["dapo/overlong_share"] = float((shaping < 0).float().mean())
+            if baselines is not None:
+                b_len = torch.tensor([len(t.baseline_response_ids) for t in trajs])
+                baselines = baselines + overlong_penalty(b_len, self._max_len(), a.overlong_buffer, a.overlong_penalty)
+        rewards, baselines = self._normalise(rewards, baselines)
+        rows: dict[str, Tensor] = {}
+        if self._need_prox:
+            rows["prox"] = self._policy_rows(trajs, width)
+        token_rewards = None
+        if a.kl_mode != "off":
+            rows["ref"] = self._reference_rows(trajs, width)
+            policy = rows.get("prox", behaviour)
+            kl = kl_estimate(policy, rows["ref"], a.kl_estimator, mask=mask)
+            metrics["kl/ref_mean"] = float(kl[mask].mean()) if mask.any() else 0.0
+            if a.kl_mode == "reward":
+                token_rewards = -a.kl_coef * kl
+        values = self.critic.values(trajs, width) if self.critic is not None else None
+        group_ids = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
+        out = self._advantage_fn(AdvantageInput(rewards=rewards, group_ids=group_ids, mask=mask, values=values,
+                                                token_rewards=token_rewards, baselines=baselines), self._adv_params)
+        advantages, costs = out.advantages, None
+        if a.safe_rlhf:
+            advantages, costs = self._safety(trajs, group_ids, mask, advantages, metrics)
+        if self._need_prox:
+            weights, keep, cstats = offpolicy_weights(rows["prox"], behaviour, mask, self._correction)
+            rows["weights"], rows["keep"] = weights, keep
+            metrics.update({f"offpolicy/{k}": float(cstats[k]) for k in _RATIO_KEYS})
+        if values is not None and out.returns is not None:
+            metrics["critic/explained_variance"] = _explained_variance(values, out.returns, mask)
+            metrics["critic/value_mean"] = float(values[mask].mean()) if mask.any() else 0.0
+            metrics["critic/return_mean"] = float(out.returns[mask].mean()) if mask.any() else 0.0
+        return StepData(advantages=advantages, rows=rows, returns=out.returns, old_values=values,
+                        rewards=rewards, costs=costs, metrics=metrics)
+
+    def _max_len(self) -> int:
+        if not self.max_new_tokens:
+            raise ValueError("DAPO overlong shaping needs max_new_tokens (rollout.max_new_tokens)")
+        return self.max_new_tokens
+
+    def _baselines(self, trajs: list[Trajectory], metrics: dict[str, float]) -> Tensor:
+        missing = [t.seq_id for t in trajs if t.baseline_reward is None]
+        if missing:
+            raise ValueError(f"advantage 'remax' needs the greedy baseline reward of every sample; trajectory "
+                             f"{missing[0]} has none (the generator samples it when advantage = 'remax')")
+        baselines = torch.tensor([t.baseline_reward for t in trajs], dtype=torch.float32)
+        metrics["remax/baseline_reward"] = float(baselines.mean())
+        return baselines
+
+    def _normalise(self, rewards: Tensor, baselines: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """reward_norm then reward_clip; ReMax baselines get the same affine map, so r − b stays comparable."""
+        a = self.algorithm
+        if a.reward_norm != "none" and rewards.numel() > 1:
+            std = rewards.std(correction=0) + a.adv_eps
+            shift = rewards.mean() if a.reward_norm == "whiten" else torch.zeros(())
+            rewards = (rewards - shift) / std
+            baselines = None if baselines is None else (baselines - shift) / std
+        if a.reward_clip > 0:
+            rewards = rewards.clamp(-a.reward_clip, a.reward_clip)
+            baselines = None if baselines is None else baselines.clamp(-a.reward_clip, a.reward_clip)
+        return rewards, baselines
+
+    def _reference_rows(self, trajs: list[Trajectory], width: int) -> Tensor:
+        """[N, width] reference logprobs: the scorer's when every trajectory carries them, else computed here."""
+        if all(len(t.ref_logprobs) == len(t.response_ids) for t in trajs):
+            rows, _ = response_rows(trajs, [t.ref_logprobs for t in trajs])
+            return rows[:, :width] if rows.shape[1] >= width else torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+        if self.reference is None:
+            bad = next(t.seq_id for t in trajs if len(t.ref_logprobs) != len(t.response_ids))
+            raise ValueError(f"trajectory {bad} has no reference logprobs and the trainer holds no reference "
+                             f"policy — check [reference] where (the scorer fills them when it is 'scorer')")
+        logprobs = self.reference.response_logprobs(trajs)
+        rows, _ = response_rows(trajs, logprobs)
+        return rows
+
+    def _safety(self, trajs: list[Trajectory], group_ids: Tensor, mask: Tensor, adv_reward: Tensor,
+                metrics: dict[str, float]) -> tuple[Tensor, Tensor]:
+        """Safe-RLHF: cost advantages by the same estimator, combined with the current λ."""
+        assert self.lagrange is not None
+        costs = torch.tensor([t.cost for t in trajs], dtype=torch.float32)
+        adv_cost = self._advantage_fn(AdvantageInput(rewards=costs, group_ids=group_ids, mask=mask),
+                                      self._adv_params).advantages
+        lam = self.lagrange.value
+        metrics["safety/lambda"] = lam
+        metrics["safety/cost_mean"] = float(costs.mean())
+        metrics["safety/cost_threshold"] = self.lagrange.threshold
+        return lagrangian_advantages(adv_reward, adv_cost, lam), costs
+
     # ------------------------------------------------------------------ gradients
 
     def compute_gradients(
@@ -167,35 +298,55 @@ class Learner:
         micro_batch_size: int | None = None,
         diagnose: bool = False,
         stats: GradientStats | None = None,
+        rows: dict[str, Tensor] | None = None,
+        measure_ratio: bool = False,
     ) -> GradientStats:
         """Accumulate into each parameter's .grad the gradient of the aggregated loss of these samples
         (one mini-batch), one micro-batch of `micro_batch_size` samples at a time. Does not zero grads.
 
-        trajectories (n), advantages [n]. `diagnose` also measures approx KL and the logprob gap (valid
-        only before any optimizer step of this train step). Adds into `stats` if given; returns it.
+        trajectories (n), advantages [n] (one per sample) or [n, T] (response-aligned), rows: the
+        StepData rows of these samples ([n, T] each: prox, ref, weights, keep). `diagnose` also measures
+        approx KL and the logprob gap (valid only before any optimizer step of this train step);
+        `measure_ratio` records the current / behaviour ratio (when no proximal policy was computed).
+        Adds into `stats` if given; returns it.
         """
+        a = self.algorithm
         stats = stats if stats is not None else GradientStats()
         mbs = micro_batch_size or self.trainer.micro_batch_size
-        global_tokens = sum(sum(t.loss_mask) for t in trajectories)
+        rows = rows or {}
+        if "keep" in rows:
+            global_tokens = int(rows["keep"].sum())
+        else:
+            global_tokens = sum(sum(t.loss_mask) for t in trajectories)
         loss_total = 0.0
         for start in range(0, len(trajectories), mbs):
-            batch = collate(trajectories[start : start + mbs], advantages[start : start + mbs], self.pad_token_id, self.device)
-            logprobs, entropy = self.sequence_logprobs(
-                batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature
-            )
-            loss_tok, loss_stats = self._policy_loss_fn(
-                logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=self.algorithm.clip_eps
-            )
-            loss = self._loss_agg_fn(loss_tok, batch.loss_mask, global_tokens=global_tokens, global_seqs=len(trajectories))
+            part = trajectories[start : start + mbs]
+            sl = slice(start, start + len(part))
+            batch = collate(part, advantages[sl], self.pad_token_id, self.device,
+                            extras={k: v[sl] for k, v in rows.items()})
+            logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                       batch.temperature, entropy_grad=a.entropy_coef > 0)
+            mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
+            old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
+            loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask, self._loss_params)
+            if "weights" in batch.extras:
+                loss_tok = loss_tok * batch.extras["weights"]
+            if a.kl_mode == "loss":
+                loss_tok = loss_tok + a.kl_coef * kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
+            if a.entropy_coef > 0:
+                loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
+            loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens, global_seqs=len(trajectories),
+                                     norm_len=self.max_new_tokens)
             loss.backward()
             loss_total += loss.item()
-            self._record(stats, batch, logprobs.detach(), entropy, loss_stats, diagnose)
+            self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
+                         measure_ratio and "prox" not in batch.extras)
         stats.loss += loss_total
         return stats
 
     def _record(
         self, stats: GradientStats, batch: TokenBatch, logprobs: Tensor, entropy: Tensor,
-        loss_stats: dict[str, Tensor], diagnose: bool,
+        loss_stats: dict[str, Tensor], diagnose: bool, measure_ratio: bool,
     ) -> None:
         mask = batch.loss_mask
         n = int(mask.sum())
@@ -204,6 +355,12 @@ class Learner:
         stats.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n
         stats.ratio_max = max(stats.ratio_max, float(loss_stats.get("ratio_max", 0.0)))
         stats.entropy_sum += float(entropy[mask].sum())
+        if measure_ratio and n:
+            ratio = (logprobs - batch.old_logprobs).clamp(-20, 20).exp()[mask]
+            stats.is_tokens += n
+            stats.is_sum += float(ratio.sum())
+            stats.is_max = max(stats.is_max, float(ratio.max()))
+            stats.is_min = min(stats.is_min, float(ratio.min()))
         if diagnose:
             # Tokens were sampled from the behaviour policy, so k3(behaviour, current) estimates KL(mu || pi).
             stats.kl_sum += float(approx_kl_k3(batch.old_logprobs, logprobs)[mask].sum())
@@ -229,31 +386,41 @@ class Learner:
     # ------------------------------------------------------------------ train step
 
     def update(self, groups: list[Group]) -> dict[str, float]:
-        """One train step over all samples of `groups`; returns the `trainer/*` metrics; version += 1."""
+        """One train step over all samples of `groups`; returns the step's metrics; version += 1."""
         t0 = time.perf_counter()
         trajs = _flatten(groups)
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        group_ids = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
-        advantages = self._advantage_fn(rewards, group_ids).to(torch.float32)
         n, n_mini = len(trajs), self.trainer.mini_batches
         if n_mini > n:
             raise ValueError(f"trainer.mini_batches={n_mini} exceeds the {n} samples of this step")
+        data = self.prepare(trajs)
         bounds = [(i * n) // n_mini for i in range(n_mini + 1)]
 
-        stats, norms = GradientStats(), []
+        stats, norms, cstats = GradientStats(), [], CriticStats()
         for epoch in range(self.trainer.epochs):
             for k in range(n_mini):
                 lo, hi = bounds[k], bounds[k + 1]
                 self.optimizer.zero_grad(set_to_none=True)
-                self.compute_gradients(trajs[lo:hi], advantages[lo:hi], diagnose=(epoch == 0 and k == 0), stats=stats)
+                self.compute_gradients(trajs[lo:hi], data.advantages[lo:hi], diagnose=(epoch == 0 and k == 0),
+                                       stats=stats, rows=data.slice(lo, hi), measure_ratio=epoch == 0)
                 norms.append(self._optimizer_step())
+                if self.critic is not None:
+                    assert data.old_values is not None and data.returns is not None
+                    self.critic.compute_gradients(trajs[lo:hi], data.old_values[lo:hi], data.returns[lo:hi], cstats)
+                    self.critic.step(cstats)
         self.optimizer.zero_grad(set_to_none=True)
         steps = len(norms)
+        if self.lagrange is not None and data.costs is not None:
+            data.metrics["safety/lambda_next"] = self.lagrange.update(float(data.costs.mean()))
         logger.debug("update: version %d -> %d, %d samples, %d optimizer steps", self.version, self.version + 1, n, steps)
         self.version += 1
+        return self._metrics(trajs, data, stats, cstats, norms, time.perf_counter() - t0)
 
-        loss_tokens = sum(sum(t.loss_mask) for t in trajs)
-        return {
+    def _metrics(self, trajs: list[Trajectory], data: StepData, stats: GradientStats, cstats: CriticStats,
+                 norms: list[float], step_s: float) -> dict[str, float]:
+        n, steps = len(trajs), len(norms)
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        _, mask = response_rows(trajs)
+        out = {
             "trainer/loss": stats.loss / steps,
             "trainer/grad_norm": sum(norms) / steps,
             "trainer/clip_frac": stats.clipped / max(stats.tokens, 1),
@@ -267,12 +434,27 @@ class Learner:
             "trainer/truncation_rate": sum(t.truncated for t in trajs) / n,
             "trainer/reward_mean": float(rewards.mean()),
             "trainer/reward_std": float(rewards.std(correction=0)),
-            "trainer/adv_abs_mean": float(advantages.abs().mean()),
-            "trainer/tokens": float(loss_tokens),
+            "trainer/adv_abs_mean": float(data.advantages[mask].abs().mean()) if mask.any() else 0.0,
+            "trainer/tokens": float(sum(sum(t.loss_mask) for t in trajs)),
             "trainer/samples": float(n),
             "trainer/optimizer_steps": float(steps),
-            "trainer/step_s": time.perf_counter() - t0,
+            "trainer/step_s": step_s,
         }
+        if "offpolicy/is_ratio_mean" not in data.metrics:  # no proximal policy: the loss's own ratio
+            has = stats.is_tokens > 0
+            out.update({
+                "offpolicy/is_ratio_mean": stats.is_sum / stats.is_tokens if has else 0.0,
+                "offpolicy/is_ratio_max": stats.is_max if has else 0.0,
+                "offpolicy/is_ratio_min": stats.is_min if has else 0.0,
+                "offpolicy/share_clipped": 0.0,
+                "offpolicy/share_masked": 0.0,
+            })
+        if self.critic is not None:
+            out["critic/value_loss"] = cstats.loss / max(cstats.steps, 1)
+            out["critic/vf_clip_frac"] = cstats.clipped / max(cstats.tokens, 1)
+            out["critic/grad_norm"] = cstats.grad_norm / max(cstats.steps, 1)
+        out.update(data.metrics)
+        return out
 
     # ------------------------------------------------------------------ weights
 
@@ -284,6 +466,15 @@ class Learner:
             if name in persistent:
                 out[name] = buf.detach()
         return out
+
+
+def _explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(returns − values) / Var(returns) over mask tokens; 0 when Var(returns) = 0."""
+    if not mask.any():
+        return 0.0
+    r, v = returns[mask].double(), values[mask].double()
+    var_r = r.var(correction=0)
+    return float(1.0 - (r - v).var(correction=0) / var_r) if var_r > 0 else 0.0
 
 
 def _flatten(groups: list[Group]) -> list[Trajectory]:

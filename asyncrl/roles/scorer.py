@@ -5,6 +5,16 @@ Place in the dataflow: rollout queue ──► **Scorer** (reward function) ─�
 A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
 belongs to completes as a failed group (slots returned to the gate, counted) and the run goes on.
 
+Algorithm extras (docs/algorithms.md), each off unless configured:
+- Safe-RLHF: `cost_fn` is called like the reward function (same containment) and fills `Trajectory.cost`.
+- ReMax: a group whose trajectories carry the generator's greedy completion (`baseline_response_ids`)
+  gets it scored once, into every member's `baseline_reward`.
+- KL to a reference: with a `ReferencePolicy` the scorer fills `Trajectory.ref_logprobs` (a forward pass
+  on a worker thread, off the trainer's critical path).
+- Dynamic sampling (DAPO) / `filter_zero_variance`: a group whose rewards are all equal is released as
+  "filtered"; the gate then admits a fresh prompt in its place, so the step still gets its full
+  `prompts_per_step` groups.
+
 A plain async class: no Ray here.
 """
 
@@ -18,6 +28,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.loader import call_reward_async
+from asyncrl.roles.reference import ReferencePolicy
 from asyncrl.telemetry.spans import SpanRecorder
 from buffers.grouping import GroupAssembler
 
@@ -44,6 +55,8 @@ class Scorer:
         filter_zero_variance: bool = False,
         batch: int = 256,
         recorder: SpanRecorder | None = None,
+        cost_fn: Callable[..., float] | None = None,
+        reference: ReferencePolicy | None = None,
     ) -> None:
         self.scorer_id = scorer_id
         self.hub = hub
@@ -52,11 +65,14 @@ class Scorer:
         self.timeout_s = timeout_s
         self.filter_zero_variance = filter_zero_variance
         self.batch = batch
+        self.cost_fn = cost_fn
+        self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
         self._stopped = asyncio.Event()
         self.counts = {"scored": 0, "reward_errors": 0, "groups_accepted": 0,
-                       "groups_filtered": 0, "groups_failed": 0}
+                       "groups_filtered": 0, "groups_failed": 0, "cost_errors": 0, "baselines_scored": 0,
+                       "baseline_errors": 0, "ref_tokens": 0}
 
     async def run(self) -> None:
         while not self._stopped.is_set():
@@ -71,9 +87,15 @@ class Scorer:
         done: list[Group] = []
         for traj in trajs:
             await self._score_one(traj)
+        if self.reference is not None:
+            await self._fill_ref_logprobs(trajs)
+        for traj in trajs:
             group = self.assembler.add(traj)
             if group is not None:
                 done.append(group)
+        for g in done:
+            if g.trajectories[0].baseline_response_ids and all(t.finish_reason != "error" for t in g.trajectories):
+                await self._score_baseline(g)
         self.recorder.record("score", t0, time.time())
         accepted, filtered, failed = [], [], []
         for g in done:
@@ -99,17 +121,60 @@ class Scorer:
         self.counts["scored"] += 1
         if traj.finish_reason == "error":
             return
+        if traj.env_reward is not None:  # an env episode (asyncrl/envs) brings its own reward
+            traj.reward = traj.env_reward
+            return
         row = json.loads(traj.row_json) if traj.row_json else {}
         completion = self.decode(traj.response_ids)
         try:
             traj.reward = await call_reward_async(self.reward_fn, traj.prompt_text, completion, row, self.timeout_s)
         except Exception as exc:  # user code: contain, count, fail the group
-            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
-            self.counts["reward_errors"] += 1
-            if self.counts["reward_errors"] <= 5:
-                log.warning("scorer %d: reward failed for seq %d (%s)", self.scorer_id, traj.seq_id, reason)
-            traj.finish_reason = "error"
-            traj.error = f"reward: {reason}"
+            self._fail(traj, "reward", exc)
+            return
+        if self.cost_fn is None:
+            return
+        try:
+            traj.cost = await call_reward_async(self.cost_fn, traj.prompt_text, completion, row, self.timeout_s)
+        except Exception as exc:  # user code, like the reward
+            self._fail(traj, "cost", exc)
+
+    def _fail(self, traj: Trajectory, what: str, exc: Exception) -> None:
+        reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+        key = f"{what}_errors"
+        self.counts[key] += 1
+        if self.counts[key] <= 5:
+            log.warning("scorer %d: %s failed for seq %d (%s)", self.scorer_id, what, traj.seq_id, reason)
+        traj.finish_reason = "error"
+        traj.error = f"{what}: {reason}"
+
+    async def _score_baseline(self, group: Group) -> None:
+        """ReMax: reward of the group's greedy completion, once, into every member; a failure fails the group."""
+        first = group.trajectories[0]
+        row = json.loads(first.row_json) if first.row_json else {}
+        completion = self.decode(first.baseline_response_ids)
+        try:
+            value = await call_reward_async(self.reward_fn, first.prompt_text, completion, row, self.timeout_s)
+        except Exception as exc:  # user code: the group cannot be trained without its baseline
+            self._fail(first, "baseline", exc)  # counted and logged once per group
+            for t in group.trajectories[1:]:
+                t.finish_reason, t.error = "error", first.error
+            return
+        self.counts["baselines_scored"] += 1
+        for t in group.trajectories:
+            t.baseline_reward = value
+
+    async def _fill_ref_logprobs(self, trajs: list[Trajectory]) -> None:
+        """Reference logprobs of every scored trajectory, on a worker thread (the loop keeps serving)."""
+        ok = [t for t in trajs if t.finish_reason != "error" and t.response_ids]
+        if not ok:
+            return
+        assert self.reference is not None
+        t0 = time.time()
+        rows = await asyncio.to_thread(self.reference.response_logprobs, ok)
+        for t, logprobs in zip(ok, rows):
+            t.ref_logprobs = logprobs
+        self.counts["ref_tokens"] += sum(len(r) for r in rows)
+        self.recorder.record("reference", t0, time.time())
 
     def stop(self) -> None:
         self._stopped.set()

@@ -11,6 +11,7 @@ A plain async class: no Ray here.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from asyncrl.messages import Group
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.learner import Learner
-from asyncrl.telemetry.metrics import staleness_stats
+from asyncrl.telemetry.metrics import staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,11 @@ class Trainer:
         hub: StepSource,
         evaluator: Evaluator | None = None,
         recorder: SpanRecorder | None = None,
+        report_filtered: bool = False,
     ) -> None:
         self.learner = learner
+        self.report_filtered = report_filtered  # DAPO dynamic sampling: log the groups dropped and refilled
+        self._filtered_seen = 0.0
         self.hub = hub
         self.evaluator = evaluator
         self.sender: WeightSender | None = None
@@ -71,7 +75,7 @@ class Trainer:
         trajs = [t for g in groups for t in g.trajectories]
         metrics.update(staleness_stats([step - t.min_version for t in trajs]))
         token_lags = [step - v for t in trajs for v in t.versions]
-        metrics["staleness/token_mean"] = sum(token_lags) / max(1, len(token_lags))
+        metrics.update(token_staleness_stats(token_lags))  # staleness/token_mean, staleness/token_hist/<k>
         # trajectories whose tokens came from more than one policy version (in-flight weight swaps)
         metrics["rollout/multi_version_share"] = sum(t.max_version > t.min_version for t in trajs) / max(1, len(trajs))
         metrics["rollout/kv_reused_share"] = sum(t.kv_reused for t in trajs) / max(1, len(trajs))
@@ -79,7 +83,19 @@ class Trainer:
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(t2 - t1, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
         self.trained_tokens += int(metrics.get("trainer/tokens", 0))
+        if self.report_filtered:
+            await self._filtered_metrics(metrics)
         return metrics
+
+    async def _filtered_metrics(self, metrics: dict[str, float]) -> None:
+        """Zero-variance groups dropped by the scorers (their slots refilled with fresh prompts by the gate)."""
+        stats = getattr(self.hub, "stats", None)
+        if stats is None:
+            return
+        total = float((await stats()).get("buffer/filtered", 0.0))
+        metrics["dapo/groups_filtered"] = total - self._filtered_seen
+        metrics["dapo/groups_filtered_total"] = total
+        self._filtered_seen = total
 
     async def send_weights(self) -> dict[str, float]:
         """Broadcast the current weights (stamped with the current version) to every generator."""
@@ -111,6 +127,10 @@ class Trainer:
         self.learner.model.save_pretrained(out, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
+        if self.learner.critic is not None:  # PPO's value model, beside the policy
+            self.learner.critic.save(out / "critic")
+        if self.learner.lagrange is not None:  # Safe-RLHF multiplier, to resume with
+            (out / "safety.json").write_text(json.dumps(self.learner.lagrange.state_dict()))
         return str(out)
 
     def stats(self) -> dict[str, Any]:

@@ -53,3 +53,10 @@ def addition_mod10(split: str = "train", seed: int = 0) -> list[dict]:
     if split == "train":
         random.Random(seed).shuffle(pairs)
     return [{"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a, b in pairs]
+
+
+def says_nine(prompt: str, completion: str, **fields: object) -> float:
+    """A Safe-RLHF cost for `first_digit` (`reward.cost_fn = "asyncrl.tasks.digits:says_nine"`): 1.0 when
+    the completion starts with "9". Right on one prompt in ten, so reward and cost pull apart: the
+    constrained optimum answers every other prompt and avoids "9"."""
+    return 1.0 if completion.strip().startswith("9") else 0.0

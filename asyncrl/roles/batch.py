@@ -1,0 +1,121 @@
+"""Padded token batches and the teacher-forced forward pass shared by the policy, critic and reference.
+
+Place in the dataflow: the Trainer's `Learner` (policy, critic) and the Scorer's `ReferencePolicy` turn a
+few `Trajectory`s into one right-padded [B, L] batch with `collate`, run a model over it and read one
+number per response token at the same positions: position t of a response holds what the model said
+after reading tokens < t (logprob of token t, value of the state before token t).
+
+Step-level quantities (advantages, reference / proximal logprobs, values) live response-aligned as
+[N, T] tensors (row i = trajectory i, column j = its j-th response token); `collate` scatters the rows of
+its samples into the batch's [B, L] positions (`extras`), and `gather_response` goes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from asyncrl.algorithms import entropy_from_logits
+from asyncrl.messages import Trajectory
+
+
+@dataclass
+class TokenBatch:
+    """Padded tensors of a few trajectories; B samples, L = longest prompt + response."""
+
+    input_ids: Tensor       # [B, L] int64, right-padded with pad_token_id
+    attention_mask: Tensor  # [B, L] int64, 1 on real tokens
+    response_mask: Tensor   # [B, L] bool, positions holding response tokens
+    loss_mask: Tensor       # [B, L] bool, response positions the loss trains on
+    old_logprobs: Tensor    # [B, L] behaviour logprobs on loss positions, 0 elsewhere
+    advantages: Tensor      # [B, L] float32, the sample's advantage at each of its response positions
+    versions: Tensor        # [B, L] int64, policy version of each response token, -1 elsewhere
+    temperature: Tensor     # [B] float32, the temperature each sample was generated with
+    extras: dict[str, Tensor] = field(default_factory=dict)  # [B, L] each, scattered from [B, T] rows
+
+
+def response_rows(trajectories: list[Trajectory], values: list[list[float]] | None = None, *,
+                  dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """-> (rows [N, T], loss mask [N, T] bool), T = longest response; rows from `values` (one list per
+    trajectory, one entry per response token; default: the behaviour logprobs), 0 past each response."""
+    t_max = max((len(t.response_ids) for t in trajectories), default=0)
+    rows = torch.zeros((len(trajectories), max(t_max, 1)), dtype=dtype)
+    mask = torch.zeros((len(trajectories), max(t_max, 1)), dtype=torch.bool)
+    for i, t in enumerate(trajectories):
+        n = len(t.response_ids)
+        if n:
+            src = values[i] if values is not None else t.behavior_logprobs
+            rows[i, :n] = torch.tensor(src, dtype=dtype)
+            mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    return rows, mask
+
+
+def collate(trajectories: list[Trajectory], advantages: Tensor, pad_token_id: int,
+            device: str | torch.device = "cpu", extras: dict[str, Tensor] | None = None) -> TokenBatch:
+    """trajectories (B of them), advantages [B] (one per sample) or [B, T] (response-aligned), extras
+    {name: [B, T] response-aligned} -> TokenBatch on `device` (advantages and extras at [B, L] positions)."""
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    b, width = len(trajectories), max(lengths)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    response = torch.zeros((b, width), dtype=torch.bool)
+    loss = torch.zeros((b, width), dtype=torch.bool)
+    old = torch.zeros((b, width), dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
+    adv = torch.zeros((b, width), dtype=torch.float32)
+    rows = {k: v for k, v in (extras or {}).items()}
+    out_extras = {k: torch.zeros((b, width), dtype=v.dtype) for k, v in rows.items()}
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention[i, : p + n] = 1
+        response[i, p : p + n] = True
+        if n:
+            lm = torch.tensor(t.loss_mask, dtype=torch.bool)
+            loss[i, p : p + n] = lm
+            # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
+            old[i, p : p + n] = torch.where(lm, torch.tensor(t.behavior_logprobs, dtype=torch.float32), 0.0)
+            versions[i, p : p + n] = torch.tensor(t.versions, dtype=torch.long)
+            adv[i, p : p + n] = advantages[i] if advantages.dim() == 1 else advantages[i, :n].to(torch.float32)
+            for k, v in rows.items():
+                out_extras[k][i, p : p + n] = v[i, :n]
+    temperature = torch.tensor([t.temperature for t in trajectories], dtype=torch.float32)
+    tensors = (input_ids, attention, response, loss, old, adv, versions, temperature)
+    return TokenBatch(*(x.to(device) for x in tensors), extras={k: v.to(device) for k, v in out_extras.items()})
+
+
+def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: Tensor, width: int) -> Tensor:
+    """values [B, L] at the batch's positions -> [B, width] response-aligned rows (0 past a response)."""
+    out = torch.zeros((len(trajectories), width), dtype=values.dtype)
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        out[i, :n] = values[i, p : p + n].detach().cpu()
+    return out
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                   temperature: float | Tensor, *, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response), temperature
+    (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
+
+    logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 over the full
+    vocabulary (with grad if enabled); entropy of the same distribution, with grad only if `entropy_grad`
+    (the entropy bonus trains through it; the diagnostic does not).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1, 1)
+    logits = logits[:, :-1].float() / temp                                       # [B, L-1, V]
+    targets = input_ids[:, 1:].unsqueeze(-1)                                     # [B, L-1, 1]
+    tok_logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if entropy_grad:
+        entropy = entropy_from_logits(logits)
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits)
+    zero_col = tok_logp.new_zeros(tok_logp.shape[0], 1)
+    logprobs = torch.cat([zero_col, tok_logp], dim=1)                            # [B, L]
+    entropy = torch.cat([zero_col, entropy], dim=1)
+    mask = response_mask.bool()
+    return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)

@@ -1,0 +1,133 @@
+"""PPO's critic: a value model trained by the Trainer beside the policy (`algorithm.advantage = "gae"`).
+
+Place in the dataflow: inside the Trainer's `Learner`. At the start of a step `values` scores every
+response token of the step (no grad: the GAE input and the `old_values` of the clipped value loss);
+after GAE, each mini-batch accumulates the clipped value loss against the returns (`compute_gradients`)
+and takes one AdamW step (`step`), next to the policy's optimizer step. Micro-batching follows the
+trainer's. The model is the policy's backbone loaded from `[critic] path` (default model.path) as
+`AutoModelForTokenClassification(num_labels=1)`: the LM head is dropped and a fresh scalar head added.
+
+Value positions match logprob positions (see batch.py): the value of response token t is the head's
+output on the token before it — the value of the state in which token t was chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from asyncrl.algorithms.value import value_loss
+from asyncrl.config_schema import CriticConfig
+from asyncrl.messages import Trajectory
+from asyncrl.roles.batch import collate, gather_response
+
+log = logging.getLogger(__name__)
+
+
+def load_value_model(path: str, dtype: str = "float32") -> torch.nn.Module:
+    """The model in `path` with a fresh 1-output token-classification head (a value head)."""
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    from engines.hf import torch_dtype
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "score.weight newly initialised" is the point, not a warning
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(
+            str(path), num_labels=1, dtype=torch_dtype(dtype), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model
+
+
+@dataclass
+class CriticStats:
+    loss: float = 0.0         # sum of aggregated value losses (one per optimizer step)
+    tokens: int = 0
+    clipped: float = 0.0      # vf_clip_frac x tokens, summed
+    steps: int = 0
+    grad_norm: float = 0.0    # summed over optimizer steps
+
+
+class Critic:
+    """The value model and its AdamW optimizer."""
+
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, pad_token_id: int,
+                 micro_batch_size: int, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.model.eval()  # dropout off, as for the policy
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.micro_batch_size = micro_batch_size
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+        """[B, L] each -> values [B, L] at response positions (0 elsewhere), float32."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # [B, L]
+        values = torch.cat([out.new_zeros(out.shape[0], 1), out[:, :-1]], dim=1)
+        return torch.where(response_mask.bool(), values, 0.0)
+
+    @torch.no_grad()
+    def values(self, trajectories: list[Trajectory], width: int) -> Tensor:
+        """-> [N, width] response-aligned values of the current critic (no grad)."""
+        rows = []
+        for start in range(0, len(trajectories), self.micro_batch_size):
+            part = trajectories[start : start + self.micro_batch_size]
+            batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
+            rows.append(gather_response(batch, part, self._forward(batch.input_ids, batch.attention_mask,
+                                                                    batch.response_mask), width))
+        return torch.cat(rows)
+
+    def compute_gradients(self, trajectories: list[Trajectory], old_values: Tensor, returns: Tensor,
+                          stats: CriticStats) -> None:
+        """Accumulate the gradient of the token-mean clipped value loss of these samples (one mini-batch).
+
+        old_values, returns [n, T] response-aligned. Does not zero grads."""
+        global_tokens = max(sum(sum(t.loss_mask) for t in trajectories), 1)
+        clip = self.cfg.value_clip if self.cfg.value_clip > 0 else None
+        total = 0.0
+        for start in range(0, len(trajectories), self.micro_batch_size):
+            part = trajectories[start : start + self.micro_batch_size]
+            sl = slice(start, start + len(part))
+            batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
+                            extras={"old_values": old_values[sl], "returns": returns[sl]})
+            values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask)
+            loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
+                                          batch.loss_mask, clip)
+            loss = loss_tok.sum() / global_tokens
+            loss.backward()
+            total += loss.item()
+            n = int(batch.loss_mask.sum())
+            stats.tokens += n
+            stats.clipped += float(vstats["vf_clip_frac"]) * n
+        stats.loss += total
+
+    def step(self, stats: CriticStats) -> None:
+        """Clip (if grad_clip > 0) and step; a non-finite norm skips the step."""
+        if self.cfg.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
+        else:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            log.warning("critic: non-finite grad norm %s, optimizer step skipped", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.steps += 1
+        stats.grad_norm += norm
+
+    def save(self, path: str | Path) -> str:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        return str(out)

@@ -1,0 +1,55 @@
+"""The frozen reference policy of the KL term: teacher-forced logprobs of the behaviour tokens.
+
+Place in the dataflow: with `[reference] where = "scorer"` (default) each Scorer holds one and fills
+`Trajectory.ref_logprobs` before a group goes to the train queue — off the trainer's critical path, the
+forward overlaps training; with `where = "trainer"` the Learner holds it and runs it at the start of a
+step. Either way the logprobs are log_softmax(logits / T) of the sampled tokens, T the trajectory's own
+temperature, exactly as the Learner computes the policy's, so KL estimates compare like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncrl.messages import Trajectory
+from asyncrl.roles.batch import collate, gather_response, token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+class ReferencePolicy:
+    """A frozen causal LM (no grads, eval mode) answering `response_logprobs`."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
+                 device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.pad_token_id = pad_token_id
+        self.micro_batch_size = micro_batch_size
+        self.tokens_scored = 0
+
+    @classmethod
+    def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64) -> "ReferencePolicy":
+        from engines.hf import load_model
+
+        log.info("reference policy: loading %s", path)
+        return cls(load_model(path, dtype=dtype), pad_token_id=pad_token_id, micro_batch_size=micro_batch_size)
+
+    @torch.no_grad()
+    def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """One list per trajectory: the reference logprob of each response token (empty for no tokens)."""
+        out: list[list[float]] = []
+        for start in range(0, len(trajectories), self.micro_batch_size):
+            part = trajectories[start : start + self.micro_batch_size]
+            batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
+            logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                         batch.response_mask, batch.temperature)
+            width = max(len(t.response_ids) for t in part)
+            rows = gather_response(batch, part, logprobs, max(width, 1))
+            out += [rows[i, : len(t.response_ids)].tolist() for i, t in enumerate(part)]
+            self.tokens_scored += sum(len(t.response_ids) for t in part)
+        return out
