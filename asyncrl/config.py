@@ -507,6 +507,12 @@ def _check_env(cfg: Config) -> list[str]:
             turn_stops(resolve_env(e.env))
         except ValueError as exc:
             errors.append(str(exc))
+    if cfg.algorithm.advantage == "remax":
+        errors.append("env.env: ReMax needs a greedy completion of each prompt as its baseline, which env episodes "
+                      "do not produce — use another algorithm.advantage (e.g. 'grpo') with [env]")
+    if cfg.reward.cost_fn:
+        errors.append("reward.cost_fn: env episodes bring their own reward and are not scored by reward.cost_fn — "
+                      "leave it empty with [env] (return a cost-shaped reward from the env instead)")
     if e.max_episode_tokens >= cfg.data.max_prompt_len:
         errors.append(f"env.max_episode_tokens: {e.max_episode_tokens} leaves no room for the initial observation in "
                       f"data.max_prompt_len = {cfg.data.max_prompt_len} (the engine keeps the last max_prompt_len "
@@ -539,5 +545,5 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("rollout.top_p", "rollout.top_k"), _check_sampling),
     (("trainer.betas",), _check_betas),
     (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
-    (("env", "data.max_prompt_len"), _check_env),
+    (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), _check_env),
 ]

@@ -22,6 +22,7 @@ is then the gate's). Below prompts_per_step it is a config error (as the config 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from asyncrl.messages import Group, Trajectory
@@ -69,13 +70,62 @@ class ReplayHub:
         self._train_room = Signal()
         self._closed = False
         self.train_put_wait_s = 0.0
+        self.env_counts = {"episodes": 0, "errors": 0, "turns": 0, "truncated": 0}  # env episodes seen (asyncrl/envs)
+        self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
 
     # -- generators ----------------------------------------------------------------------------
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
         return await self.gate.admit(max_groups, version, timeout)
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        self._count_env(trajs)
         await self.rollouts.put_many(trajs)
+
+    def _count_env(self, trajs: list[Trajectory]) -> None:
+        """Env episodes pass here on their way to scoring: count them (and their env faults) for metrics."""
+        for t in trajs:
+            if t.env_reward is not None or t.env_error:
+                c = self.env_counts
+                c["episodes"] += 1
+                c["errors"] += bool(t.env_error)
+                c["turns"] += t.turns
+                c["truncated"] += t.truncated
+
+    async def submit_group(self, trajs: list[Trajectory], timeout: float | None = None) -> int | None:
+        """Admit a group generated outside the generators (`asyncrl.Runtime.submit`) and queue it for scoring.
+
+        The group is admitted at its own min_version, so the gate's staleness bound covers it like any
+        generated group: this waits while the capacity rule has no room (backpressure) and returns None
+        — the group dropped and counted as `buffer/submitted_dropped_stale` — once the published version
+        is newer and a group that old no longer fits. Sets group_id, seq_id (group_id * n + j) and
+        group_size on the trajectories. Returns the group id; QueueClosed once the hub is closed;
+        TimeoutError after `timeout` seconds without room.
+        """
+        if not trajs:
+            raise ValueError("submit_group: a group needs at least one trajectory")
+        version = min(t.min_version for t in trajs)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while True:
+            ids = await self.gate.admit(1, version, timeout=0.5)
+            if ids:
+                break
+            if self._closed or self.gate.closed:
+                raise QueueClosed("replay hub is closed")
+            if self.gate.published_version > version and self.gate.capacity(version) <= self._admitted_live():
+                self.submitted["dropped_stale"] += 1
+                return None
+            if deadline is not None and asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"submit_group: no room at the gate within {timeout:g}s")
+        gid, n = ids[0], len(trajs)
+        for j, t in enumerate(trajs):
+            t.group_id, t.seq_id, t.group_size = gid, gid * n + j, n
+        self.submitted["groups"] += 1
+        await self.put_rollouts(trajs)
+        return gid
+
+    def _admitted_live(self) -> int:
+        st = self.gate.stats()
+        return int(st["accepted"] + st["running"])
 
     # -- scorers ------------------------------------------------------------------------------
     async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
@@ -152,5 +202,11 @@ class ReplayHub:
             "buffer/train_depth": float(len(self._train)),
             "buffer/train_capacity": float(self.train_capacity),
             "buffer/train_put_wait_s": self.train_put_wait_s,
+            "buffer/submitted_groups": float(self.submitted["groups"]),
+            "buffer/submitted_dropped_stale": float(self.submitted["dropped_stale"]),
         })
+        if self.env_counts["episodes"]:
+            c = self.env_counts
+            out.update({"env/episodes": float(c["episodes"]), "env/errors": float(c["errors"]),
+                        "env/turns_mean": c["turns"] / c["episodes"], "env/truncated": float(c["truncated"])})
         return out

@@ -1,0 +1,281 @@
+"""The embedding API: `asyncrl.Runtime`, for users whose agent loop is their own program.
+
+Place in the dataflow — the user's loop replaces the generators' prompt loop:
+
+```
+ user loop ── rt.generate / ep.act ──► Generator.generate (engine: continuous batching, newest weights)
+     └────── rt.submit(group) ──► ReplayHub.submit_group (gate: admitted at the group's min_version)
+                                     ──► rollout queue ──► Scorer ──► Trainer ──► weights ──► Generators
+```
+
+```python
+async with Runtime("agent.toml") as rt:          # starts hub, trainer, scorers, generator engines
+    ep = rt.episode("?")                          # token-in/token-out transcript
+    text = await ep.act()                         # one model turn on the exact token context
+    ep.observe("+"); ep.reward = 1.0              # env tokens (not trained), the episode's reward
+    await rt.submit([ep, ...])                    # one group (GRPO: episodes of the same task)
+    await rt.wait_for_version(rt.version + 1)     # training runs in the background
+```
+
+Training takes one step per `trainer.prompts_per_step` submitted groups, broadcasts the weights to the
+generator engines and publishes the version, up to `trainer.total_steps` (the Controller's own loop,
+metrics.jsonl in `run.output_dir` as for `asyncrl launch`). Staleness: a submitted group is admitted at
+the gate at its min_version, so `staleness.max_staleness` holds for it like for generated groups: `submit`
+waits while the gate has no room (backpressure) and drops the group (returns None, counted as
+`buffer/submitted_dropped_stale`) when it is too old to fit. Deployments: in-process (`local=True`) or Ray
+actors (`local=False`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from asyncrl.config import load_config
+from asyncrl.config_schema import Config
+from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
+from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.runtime import Controller
+from engines.hf import ensure_model, eos_token_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFinished(RuntimeError):
+    """The background training ended (all steps taken, or it failed: the cause is chained)."""
+
+
+class _IdleGenerator:
+    """A generator role whose prompt loop is replaced by waiting: the user's loop does the generating."""
+
+    def __init__(self, role: Any) -> None:
+        self._role = role
+        self._stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._role, name)
+
+
+class _Embedded:
+    """The Controller's Deployment: roles as deployed, idle generator loops, publish observed, shutdown
+    deferred to Runtime.__aexit__ (so generate works until the user leaves the context)."""
+
+    def __init__(self, inner: Any, on_publish: Any) -> None:
+        self.inner = inner
+        self.hub = _PublishHook(inner.hub, on_publish)
+        self.trainer = inner.trainer
+        self.generators = [_IdleGenerator(g) for g in inner.generators]
+        self.scorers = inner.scorers
+
+    async def setup_weight_sync(self) -> None:
+        await self.inner.setup_weight_sync()
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self.inner.save_checkpoint(path)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class _PublishHook:
+    def __init__(self, hub: Any, on_publish: Any) -> None:
+        self._hub = hub
+        self._on_publish = on_publish
+
+    async def publish(self, version: int) -> None:
+        await self._hub.publish(version)
+        self._on_publish(version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hub, name)
+
+
+class AgentEpisode:
+    """A token-in/token-out episode driven by the user's loop: `act` samples a model turn on the exact
+    context, `observe` appends environment text (never trained), `reward` is the episode's reward."""
+
+    def __init__(self, rt: "Runtime", prompt: str) -> None:
+        self._rt = rt
+        self.transcript = Transcript(rt.codec, rt.chat_format, stop_ids=rt.stop_ids)
+        self.transcript.start(prompt)
+        self.prompt = prompt
+        self.reward = 0.0
+        self.temperature: float | None = None
+        self.finish_reason = "stop"
+
+    async def act(self, **sampling: Any) -> str:
+        """One model turn (`sampling`: SamplingParams fields except n); returns its text."""
+        c = await self._rt.generate(self.transcript.context, **sampling)
+        temp = self._rt.sampling(**sampling).temperature
+        if self.temperature is not None and temp != self.temperature:
+            raise ValueError(f"an episode's turns must share one temperature ({self.temperature} then {temp})")
+        self.temperature = temp
+        self.finish_reason = c.finish_reason
+        return self.transcript.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions))
+
+    def observe(self, text: str) -> None:
+        self.transcript.add_observation(text, self.transcript.observation_ids(text), self._rt.version)
+
+    def to_trajectory(self) -> Trajectory:
+        t = self.transcript
+        if not t.turns:
+            raise ValueError("an episode needs at least one model turn (act) before it is submitted")
+        model_versions = [v for v, m in zip(t.versions, t.loss_mask) if m]
+        return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                          loss_mask=t.loss_mask, behavior_logprobs=t.logprobs, versions=t.versions,
+                          min_version=min(model_versions), max_version=max(model_versions),
+                          finish_reason="length" if self.finish_reason == "length" else "stop",
+                          temperature=self.temperature if self.temperature is not None else 1.0,
+                          prompt_text=self.prompt, env_reward=float(self.reward), turns=t.turns)
+
+
+class Runtime:
+    """Starts the run's roles and trains in the background on what the user's loop submits."""
+
+    def __init__(self, config: Config | str | Path, *, local: bool = True, overrides: Sequence[str] = (),
+                 run_dir: str | Path | None = None) -> None:
+        self.cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        self.local = local
+        self.run_dir = run_dir
+        self._version = 0
+        self._version_changed = asyncio.Condition()
+        self._task: asyncio.Future | None = None
+        self._next_gen = 0
+        self._started_ray = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def __aenter__(self) -> "Runtime":
+        cfg = self.cfg
+        await asyncio.to_thread(ensure_model, cfg.model)
+        tok = load_tokenizer(cfg.model.path)
+        self.codec = HFCodec(tok)
+        self.chat_format = resolve_format(self.codec, cfg.env.chat_template if cfg.env else "auto")
+        self.stop_ids = frozenset([*eos_token_ids(cfg.model.path), *cfg.rollout.stop_token_ids])
+        if self.local:
+            from asyncrl.local import LocalDeployment
+
+            self._inner = await asyncio.to_thread(LocalDeployment, cfg)
+        else:
+            from asyncrl.launch import RayDeployment, start_ray
+
+            self._started_ray = start_ray(cfg)
+            self._inner = RayDeployment(cfg)
+            await asyncio.to_thread(self._inner.wait_ready)
+        self._deployment = _Embedded(self._inner, self._published)
+        self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir)
+        self._task = asyncio.ensure_future(self.controller.run())
+        self._task.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._task is not None:
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception) as err:  # reported by whoever awaited training
+                log.debug("background training ended with %r", err)
+        await self._inner.shutdown()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+
+    # -- versions ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest published policy version (every generator engine holds it)."""
+        return self._version
+
+    @property
+    def training_done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The metrics rows written so far (one per train step, as in metrics.jsonl)."""
+        return self.controller.rows
+
+    def _published(self, version: int) -> None:
+        self._version = max(self._version, version)
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the published version is >= `version`; returns it. TimeoutError after `timeout`;
+        TrainingFinished if training ended first (a failure is chained)."""
+        async def wait() -> int:
+            async with self._version_changed:
+                while self._version < version:
+                    self._raise_if_finished()
+                    await self._version_changed.wait()
+            return self._version
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    def _raise_if_finished(self) -> None:
+        if self._task is not None and self._task.done():
+            exc = None if self._task.cancelled() else self._task.exception()
+            raise TrainingFinished(f"training ended at version {self._version}"
+                                   + (f": {type(exc).__name__}: {exc}" if exc else "")) from exc
+
+    async def wait_done(self) -> list[dict[str, Any]]:
+        """Wait for the background training to finish; returns the metrics rows (raises what it raised)."""
+        assert self._task is not None, "use Runtime as `async with Runtime(...) as rt`"
+        return await asyncio.shield(self._task)
+
+    # -- generation -------------------------------------------------------------------------------
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        r = self.cfg.rollout
+        base = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=list(r.stop_token_ids), stop=list(r.stop))
+        if "n" in overrides:
+            raise ValueError("generate samples one completion; call it n times concurrently (they are batched)")
+        base.update(overrides)
+        return SamplingParams(n=1, **base)
+
+    async def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
+        """One completion of `prompt` (text is encoded once; ids are used as they are) on the newest weights:
+        token ids, behaviour logprobs and the version of each token. Concurrent calls are batched."""
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        gens = self._deployment.generators
+        gen = gens[self._next_gen % len(gens)]
+        self._next_gen += 1
+        return (await gen.generate([ids], self.sampling(**sampling)))[0][0]
+
+    def episode(self, prompt: str) -> AgentEpisode:
+        """A new token-in/token-out episode whose initial observation is `prompt`."""
+        return AgentEpisode(self, prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids)
+
+    # -- training data ----------------------------------------------------------------------------
+    async def submit(self, group: Sequence[AgentEpisode | Trajectory] | AgentEpisode | Trajectory,
+                     timeout: float | None = None) -> int | None:
+        """Queue one group (episodes of the same task; GRPO compares them) for training.
+
+        Trajectories with `env_reward` set are trained with it; others are scored by `reward.fn`.
+        Returns the group id, or None when the group was too stale for the gate (dropped, counted).
+        Waits while the gate has no room; TrainingFinished once training has ended.
+        """
+        items = [group] if isinstance(group, (AgentEpisode, Trajectory)) else list(group)
+        trajs = [x.to_trajectory() if isinstance(x, AgentEpisode) else x for x in items]
+        self._raise_if_finished()
+        try:
+            return await self._deployment.hub.submit_group(trajs, timeout)
+        except Exception as exc:
+            if type(exc).__name__ == "QueueClosed" or self.training_done:
+                raise TrainingFinished(f"training ended at version {self._version}; the group was not queued") from exc
+            raise

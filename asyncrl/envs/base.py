@@ -1,0 +1,144 @@
+"""The environment contract, the built-in registry, and how `[env] env = ...` resolves and is validated.
+
+Place in the dataflow: the Generator's `EpisodeRunner` (`asyncrl/envs/runner.py`) builds one env object
+per episode with `resolve_env(cfg.env)(**cfg.env.kwargs)`, then alternates model turns with `step`:
+
+    obs = await env.reset(row)                # initial observation text (the prompt)
+    loop:  model turn (exact sampled ids) ──► await env.step(turn_text) ──► StepResult
+           StepResult.observation is encoded once and appended (loss_mask False); done ends the episode
+
+An environment is any class with `async def reset(self, row)` and `async def step(self, action)`;
+`asyncrl validate` checks that through `check_env` (module, class, coroutine methods, signatures,
+constructor keywords), one line per problem. Optional class attribute `stop: list[str]`: strings that end
+a model turn (added to `rollout.stop` for its episodes), e.g. ["="] for a calculator call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.registry import Registry, import_path
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What `Env.step` returns. A plain tuple (observation, reward, done) is accepted too."""
+
+    observation: str = ""   # text appended after the model's turn (never trained); "" appends nothing
+    reward: float = 0.0     # the episode's reward is the sum over its steps
+    done: bool = False      # True ends the episode after this step
+
+
+@runtime_checkable
+class Env(Protocol):
+    """One episode's environment; a fresh instance per episode (state lives on the instance)."""
+
+    async def reset(self, row: dict[str, Any]) -> str:
+        """Start an episode from a dataset row; return the initial observation (the prompt text)."""
+        ...
+
+    async def step(self, action: str) -> StepResult:
+        """React to the model's turn (decoded text, special tokens skipped)."""
+        ...
+
+
+ENVS: Registry[type] = Registry("environment")
+ENVS.register_lazy("first_digit", "asyncrl.envs.builtin:FirstDigitEnv")
+ENVS.register_lazy("tool_arith", "asyncrl.envs.builtin:ToolArithEnv")
+ENVS.register_lazy("guess", "asyncrl.envs.builtin:GuessEnv")
+
+
+class EnvGarbage(ValueError):
+    """An env returned something that is not a StepResult / (str, number, bool) / str observation."""
+
+
+def as_step_result(value: Any) -> StepResult:
+    """Normalise what `step` returned; raise EnvGarbage with one line otherwise."""
+    if isinstance(value, StepResult):
+        result = value
+    elif isinstance(value, tuple) and len(value) == 3:
+        result = StepResult(*value)
+    else:
+        raise EnvGarbage(f"step returned {type(value).__name__} {value!r:.80}; expected StepResult(observation, reward, done)")
+    if not isinstance(result.observation, str):
+        raise EnvGarbage(f"step observation is {type(result.observation).__name__}, not str")
+    if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
+        raise EnvGarbage(f"step reward is {result.reward!r:.40}; expected a finite number")
+    if not isinstance(result.done, bool):
+        raise EnvGarbage(f"step done is {type(result.done).__name__}, not bool")
+    return result
+
+
+def resolve_env(spec: str) -> type:
+    """A built-in name or 'pkg.module:Class' -> the class. ValueError with one line starting 'env.env:'."""
+    if ":" not in spec:
+        if spec not in ENVS:
+            close = difflib.get_close_matches(spec, ENVS.names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"env.env: unknown environment {spec!r} — {hint}built-in: {', '.join(ENVS.names())}; "
+                             f"or give an import path 'pkg.module:Class'")
+        return ENVS.get(spec)
+    try:
+        cls = import_path(spec)
+    except ValueError as exc:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 — the import itself failed: say where to look
+            raise ValueError(f"env.env: {exc} — is its package installed or on PYTHONPATH?") from None
+        classes = [n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(attr, classes, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"classes there: {', '.join(sorted(classes)) or 'none'}"
+        raise ValueError(f"env.env: {exc} — {hint}") from None
+    if not inspect.isclass(cls):
+        raise ValueError(f"env.env: {spec!r} is a {type(cls).__name__}, not a class — point at the env class")
+    return cls
+
+
+def check_env(spec: str, kwargs: dict[str, Any]) -> list[str]:
+    """Error lines for `asyncrl validate`: the class resolves, has async reset(row)/step(action), and its
+    constructor accepts `env.kwargs`."""
+    try:
+        cls = resolve_env(spec)
+    except ValueError as exc:
+        return [str(exc)]
+    errors: list[str] = []
+    for name, arg in (("reset", "row"), ("step", "action")):
+        fn = getattr(cls, name, None)
+        if fn is None:
+            errors.append(f"env.env: {spec!r} has no {name}() — define `async def {name}(self, {arg})`")
+        elif not inspect.iscoroutinefunction(fn):
+            errors.append(f"env.env: {spec!r}.{name} is not async — define it as `async def {name}(self, {arg})`")
+        elif not _takes_one_argument(fn):
+            errors.append(f"env.env: {spec!r}.{name} has signature {inspect.signature(fn)}; "
+                          f"it must be callable as {name}(self, {arg})")
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        errors.append(f"env.kwargs: {spec!r} cannot be built with {sorted(kwargs)} ({exc}) — match its __init__")
+    except ValueError:
+        pass  # uninspectable constructor: trust it
+    return errors
+
+
+def _takes_one_argument(fn: Any) -> bool:
+    try:
+        inspect.signature(fn).bind(object(), object())  # (self, arg)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def turn_stops(cls: type) -> list[str]:
+    """The env class's optional `stop` attribute (strings that end a model turn)."""
+    stop = getattr(cls, "stop", [])
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"env.env: {cls.__name__}.stop must be a list of non-empty strings, got {stop!r}")
+    return list(stop)

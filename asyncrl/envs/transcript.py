@@ -1,0 +1,211 @@
+"""Token-in/token-out episode transcripts: the exact token ids an episode trains on.
+
+Place in the dataflow: the `EpisodeRunner` (and `asyncrl.Runtime` episodes) keep one `Transcript` per
+episode. The model's turns are appended as the ids the engine sampled (loss_mask True, with their
+behaviour logprobs and versions); environment observations are encoded once and appended
+(loss_mask False). Nothing already in the transcript is ever decoded and re-encoded, so a tokenizer whose
+decode→encode does not round-trip cannot change a trained token.
+
+Formats (`[env] chat_template`):
+* "none"   — plain: prompt = encode(initial observation); each observation = encode(text). The tiny
+             char-level tokenizer has no chat template and uses this.
+* "strict" — the tokenizer's chat template, applied append-only: for every turn k the rendering of
+             messages[:k+1] must start with the rendering of messages[:k] (text and tokens); the tokens
+             appended for an observation are the rendering's new suffix (plus the template's end-of-turn
+             text after the model's message, minus what the model already sampled, e.g. its eos). A
+             template that is not append-only raises `ChatTemplateError` naming the turn.
+* "concat" — the fallback for such templates: each message rendered alone, renderings concatenated.
+* "auto"   — "strict" when the template passes a probe conversation, else "concat" (with a warning);
+             "none" without a template.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+FORMATS = ("auto", "none", "strict", "concat")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot be applied append-only (one line, names the turn)."""
+
+
+class Codec(Protocol):
+    """What a transcript needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...               # special tokens skipped (what the env sees)
+    def decode_raw(self, ids: list[int]) -> str: ...           # special tokens kept (to match template text)
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str: ...  # chat template
+
+
+@dataclass
+class HFCodec:
+    """A Hugging Face tokenizer as a Codec."""
+
+    tok: Any
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def decode_raw(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+
+def resolve_format(codec: Any, mode: str) -> str:
+    """'auto' → 'strict' | 'concat' | 'none' for this tokenizer; other modes are checked and returned."""
+    if mode not in FORMATS:
+        raise ValueError(f"env.chat_template: unknown mode {mode!r} — one of {', '.join(FORMATS)}")
+    has = bool(getattr(codec, "has_template", False))
+    if mode == "none":
+        return mode
+    if not has:
+        if mode == "auto":
+            return "none"
+        raise ValueError(f"env.chat_template: {mode!r} needs a tokenizer with a chat template and this one has none "
+                         f"— use 'none' (plain append) or 'auto'")
+    if mode != "auto":
+        return mode
+    try:
+        probe_append_only(codec)
+    except ChatTemplateError as exc:
+        log.warning("%s; using per-message concatenation (env.chat_template = 'concat')", exc)
+        return "concat"
+    return "strict"
+
+
+def probe_append_only(codec: Any) -> None:
+    """Raise ChatTemplateError if a four-message probe conversation does not render append-only."""
+    msgs = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "3"}, {"role": "assistant", "content": "4"}]
+    for k in range(1, len(msgs)):
+        _check_prefix(codec, msgs[:k], msgs[: k + 1], k)
+
+
+def _check_prefix(codec: Any, before: list[Message], after: list[Message], turn: int) -> tuple[str, str]:
+    """Renderings (before, after) of two conversations; raise unless `after` extends `before` (text and ids)."""
+    gen_before = before[-1]["role"] == "user"
+    gen_after = after[-1]["role"] == "user"
+    a, b = codec.render(before, gen_before), codec.render(after, gen_after)
+    ids_a, ids_b = codec.encode(a), codec.encode(b)
+    if not b.startswith(a) or ids_b[: len(ids_a)] != ids_a:
+        at = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+        raise ChatTemplateError(
+            f"chat template is not append-only at turn {turn}: the rendering of messages[:{len(after)}] does not "
+            f"start with the rendering of messages[:{len(before)}] (first differing token {at}) — set "
+            f"env.chat_template = 'concat' (per-message rendering) or use a template that only appends")
+    return a, b
+
+
+@dataclass
+class Transcript:
+    """One episode's tokens. `prompt_ids` = the templated initial observation; `response_ids` = every
+    later token, model turns (mask True) interleaved with observations (mask False)."""
+
+    codec: Any
+    fmt: str = "none"                        # resolved: "none" | "strict" | "concat"
+    stop_ids: frozenset[int] = frozenset()   # ids an engine stops on (their text may be a template closer)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    turns: int = 0
+    _last_turn: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.fmt not in ("none", "strict", "concat"):
+            raise ValueError(f"Transcript format must be resolved ('none', 'strict' or 'concat'), got {self.fmt!r}")
+
+    @property
+    def context(self) -> list[int]:
+        """The exact token context of the next model turn."""
+        return self.prompt_ids + self.response_ids
+
+    def start(self, observation: str) -> list[int]:
+        self.messages = [{"role": "user", "content": observation}]
+        if self.fmt == "none":
+            self.prompt_ids = self.codec.encode(observation)
+        elif self.fmt == "strict":
+            self.prompt_ids = self.codec.encode(self.codec.render(self.messages, True))
+        else:
+            self.prompt_ids = self.codec.encode(self._one(self.messages[0]) + self._gen_prompt())
+        return self.prompt_ids
+
+    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> str:
+        """Append the sampled ids as they are; return the turn's text for the env."""
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"model turn: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.response_ids += ids
+        self.loss_mask += [True] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+        self.turns += 1
+        self._last_turn = list(ids)
+        text = self.codec.decode(ids)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def observation_ids(self, text: str) -> list[int]:
+        """The ids an observation appends (not yet appended); raises ChatTemplateError in strict mode."""
+        if self.fmt == "none":
+            return self.codec.encode(text)
+        msg = {"role": "user", "content": text}
+        if self.fmt == "strict":
+            closer = self._strict_closer()
+            prev, full = _check_prefix(self.codec, self.messages, [*self.messages, msg], self.turns)
+            return self.codec.encode(closer + full[len(prev):])
+        closer = self._closer(self._one(self.messages[-1]), self.messages[-1]["content"])
+        return self.codec.encode(closer + self._one(msg) + self._gen_prompt())
+
+    def add_observation(self, text: str, ids: list[int], version: int) -> None:
+        self.response_ids += ids
+        self.loss_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)  # placeholder: the learner masks env tokens out
+        self.versions += [version] * len(ids)
+        self.messages.append({"role": "user", "content": text})
+
+    # -- template pieces ---------------------------------------------------------------------------
+    def _one(self, msg: Message) -> str:
+        return self.codec.render([msg], False)
+
+    def _gen_prompt(self) -> str:
+        probe = [{"role": "user", "content": "x"}]
+        with_gen, without = self.codec.render(probe, True), self.codec.render(probe, False)
+        return with_gen[len(without):] if with_gen.startswith(without) else ""
+
+    def _strict_closer(self) -> str:
+        """Template text after the model's message content (e.g. '<|im_end|>\\n'), minus what it sampled."""
+        head = self.codec.render(self.messages[:-1], True)
+        full = self.codec.render(self.messages, False)
+        if not full.startswith(head):
+            raise ChatTemplateError(
+                f"chat template is not append-only at turn {self.turns}: the rendering with the model's message "
+                f"does not start with the generation prompt before it — set env.chat_template = 'concat'")
+        return self._closer(full[len(head):], self.messages[-1]["content"])
+
+    def _closer(self, rendered: str, content: str) -> str:
+        at = rendered.find(content) if content else 0
+        closer = rendered[at + len(content):] if at >= 0 else ""
+        # The model's own stop token (eos / end-of-turn) is already in the transcript: do not add it twice.
+        tail = [i for i in self._last_turn[-1:] if i in self.stop_ids]
+        sampled = self.codec.decode_raw(tail) if tail else ""
+        if sampled and closer.startswith(sampled):
+            closer = closer[len(sampled):]
+        return closer
