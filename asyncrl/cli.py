@@ -3,6 +3,12 @@
   asyncrl validate CONFIG [--set k=v ...]            check a config; one line per problem
   asyncrl launch CONFIG [--set k=v ...] [--dry-run] [--local] [--address ADDR]
   asyncrl plot RUN_DIR [--out PNG]                    reward curve from metrics.jsonl
+  asyncrl report RUN_DIR [--target-reward R]          plots + one-page report.md of a finished run
+  asyncrl sweep CONFIG --set k=v1,v2 ... [--out DIR] [--ray] [--target-reward R]
+                                                      one run per grid point, results table + plots
+  asyncrl plan RUN_DIR|CONFIG [--generators 1,2] [--max-staleness 0,1,2,4] [--steps N]
+                                                      predict throughput/staleness, recommend a setting
+                                                      (a CONFIG gets a short calibration run first)
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from asyncrl.config import ConfigError, config_to_toml, derived, load_config
 
@@ -30,7 +37,93 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
+    report = sub.add_parser("report", help="write report.md and plots into a finished run directory")
+    report.add_argument("run_dir")
+    report.add_argument("--target-reward", type=float, default=None,
+                        help="also report the wall time until the 5-step mean reward reached this")
+    sweep = sub.add_parser("sweep", help="run a grid of settings and tabulate/plot the results")
+    sweep.add_argument("config")
+    sweep.add_argument("--set", dest="axes", action="append", default=[], metavar="KEY=V1,V2",
+                       help="a grid axis, e.g. --set staleness.max_staleness=0,1,2 (repeatable; one value = fixed)")
+    sweep.add_argument("--out", default=None, help="sweep directory (default: <run.output_dir>-sweep)")
+    sweep.add_argument("--ray", action="store_true", help="run each point on Ray (default: --local, in-process)")
+    sweep.add_argument("--target-reward", type=float, default=None, help="reward for the time-to-target column")
+    sweep.add_argument("--timeout", type=float, default=None, help="seconds before a point counts as failed")
+    sweep.add_argument("--resume", action="store_true", help="keep points whose run directory has a summary.json")
+    planp = sub.add_parser("plan", help="predict throughput and staleness for other settings from a run")
+    planp.add_argument("run_dir", help="a finished run directory (trace.json, metrics.jsonl, config.toml), or a "
+                       "config TOML: a short calibration run of it is made first (in-process)")
+    planp.add_argument("--calibration-steps", type=int, default=10,
+                       help="train steps of the calibration run when given a config")
+    planp.add_argument("--generators", default="1,2", help="comma-separated generator counts")
+    planp.add_argument("--max-staleness", default="0,1,2,4", help="comma-separated staleness bounds")
+    planp.add_argument("--steps", type=int, default=None, help="train steps to simulate (default: the run's)")
+    planp.add_argument("--cores", type=float, default=None, help="CPU cores the roles share (default: this machine's)")
     return p
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} {text}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not values or min(values) < 0:
+        raise SystemExit(f"{flag} {text}: expected non-negative integers, e.g. 0,1,2")
+    return values
+
+
+def _calibration_run(config: str, steps: int) -> str:
+    """A short in-process run of `config` (no evaluation, no checkpoint) to calibrate the planner from."""
+    from asyncrl.launch import run_local
+
+    overrides = [f"trainer.total_steps={steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
+                 "logging.live=false"]
+    out = f"{load_config(config, overrides).run.output_dir}-calibration"
+    cfg = load_config(config, [*overrides, f'run.output_dir="{out}"'])
+    logging.getLogger("asyncrl").info("calibration run: %d steps of %s into %s", steps, config, out)
+    run_local(cfg, config_text=config_to_toml(cfg))
+    return out
+
+
+def _analysis(args: argparse.Namespace) -> int:
+    """report / sweep / plan: the commands that read run directories."""
+    if args.command == "report":
+        from asyncrl.report import write_report
+
+        print(write_report(args.run_dir, target_reward=args.target_reward))
+        return 0
+    if args.command == "plan":
+        from asyncrl.planner import calibrate, format_plan, plan
+
+        generators = _ints(args.generators, "--generators")
+        if 0 in generators:
+            raise SystemExit("--generators: counts must be >= 1")
+        run_dir = args.run_dir
+        if Path(run_dir).is_file():
+            run_dir = _calibration_run(run_dir, args.calibration_steps)
+        costs = calibrate(run_dir, cores=args.cores)
+        steps = args.steps or costs.steps
+        print(format_plan(costs, plan(costs, generators, _ints(args.max_staleness, "--max-staleness"), steps)))
+        return 0
+    from asyncrl.sweep import parse_axes, run_sweep
+
+    try:
+        axes = parse_axes(args.axes)
+        cfg = load_config(args.config, [f"{k}={v[0]}" for k, v in axes])  # fail fast on a bad key or value
+    except ValueError as err:
+        print(f"sweep error: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        for line in err.errors:
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+    out = args.out or f"{cfg.run.output_dir}-sweep"
+    points = run_sweep(args.config, axes, out, ray=args.ray, target_reward=args.target_reward,
+                       timeout_s=args.timeout, skip_existing=args.resume)
+    failed = [p.name for p in points if p.status != "ok"]
+    print(f"sweep directory: {out} ({len(points) - len(failed)} of {len(points)} points ok)")
+    print((Path(out) / "results.md").read_text())
+    return 1 if failed and len(failed) == len(points) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plot_run(args.run_dir, args.out))
         return 0
+    if args.command in ("report", "sweep", "plan"):
+        try:
+            return _analysis(args)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"{args.command} error: {err}", file=sys.stderr)
+            return 2
+        except ConfigError as err:
+            for line in err.errors:
+                print(f"config error: {line}", file=sys.stderr)
+            return 2
     overrides = list(args.overrides)
     if getattr(args, "address", None):
         overrides.append(f'cluster.address="{args.address}"')

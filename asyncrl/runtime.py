@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
+from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
-from asyncrl.telemetry.metrics import MetricsWriter
+from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
+from asyncrl.telemetry.summary import summarize_rows
+from asyncrl.telemetry.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -63,30 +66,38 @@ class Controller:
         self._spans: list[Span] = []
         self._tokens_seen: dict[int, int] = {}
         self._stall_seen: dict[int, float] = {}
+        self._scored_seen: dict[int, int] = {}
+        self._trace: TraceWriter | None = None
+        self._window_end = 0.0
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
         cfg, d = self.cfg, self.d
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.config_text is not None:
-            (self.run_dir / "config.toml").write_text(self.config_text)
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+        # always: `asyncrl report` and `asyncrl plan` read the run's settings from it
+        (self.run_dir / "config.toml").write_text(self.config_text if self.config_text is not None
+                                                  else config_to_toml(cfg))
         t_start = time.time()
+        sinks: list[MetricSink] = []
+        quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         try:
+            sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
+            if cfg.logging.trace:
+                self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
             if cfg.trainer.eval_every > 0:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
-                writer.write(first)
+                _log_row(sinks, first)
                 self.rows.append(first)
             t_prev = time.time()
             for step in range(cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
-                t_prev = time.time()
-                writer.write(row)
+                t_prev = self._window_end
+                _log_row(sinks, row)
                 self.rows.append(row)
-                if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps:
+                if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
                     log.info(_progress_line(row, cfg.trainer.total_steps))
             summary = self._summary(t_start)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -94,7 +105,9 @@ class Controller:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return self.rows
         finally:
-            writer.close()
+            close_sinks(sinks)
+            if self._trace is not None:
+                self._trace.close()
             await self._stop_loops()
             await d.shutdown()
 
@@ -111,7 +124,11 @@ class Controller:
         every = self.cfg.trainer.eval_every
         if every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps):
             row.update(await self._guard(d.trainer.evaluate()))
-        row.update(await self._role_metrics(t_prev, time.time()))
+        t_end = time.time()
+        row.update(await self._role_metrics(t_prev, t_end))
+        row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
+        row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
+        self._window_end = t_end
         return row
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
@@ -133,10 +150,21 @@ class Controller:
             if "engine/decode_batch/mean" in st["engine"]:
                 batch_means.append(st["engine"]["engine/decode_batch/mean"])
             self._spans.extend(st["spans"])
-        for st in [*scorer_stats, trainer_stats]:
-            self._spans.extend(st["spans"])
+        scored = 0
+        for i, st in enumerate(scorer_stats):
+            scored += st["scored"] - self._scored_seen.get(i, 0)
+            self._scored_seen[i] = st["scored"]
+        new_spans = [sp for st in [*gen_stats, *scorer_stats, trainer_stats] for sp in st["spans"]]
+        self._spans.extend(sp for st in [*scorer_stats, trainer_stats] for sp in st["spans"])
+        if self._trace is not None:
+            self._trace.add_spans(new_spans)
+            self._trace.add_counters(t1, {k: hub_stats[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
+                                          if k in hub_stats})
         out["generation/tokens_per_s"] = new_tokens / max(t1 - t0, 1e-9)
+        out["scorer/samples_per_s"] = scored / max(t1 - t0, 1e-9)
         out["generation/stall_s"] = stall
+        # share of the generators' time in the window lost to weight swaps (the stall updates cause)
+        out["generation/stall_share"] = stall / max((t1 - t0) * max(1, len(gen_stats)), 1e-9)
         out["generation/stall_s_total"] = stall_total
         if batch_means:
             out["generation/decode_batch_mean"] = sum(batch_means) / len(batch_means)
@@ -183,17 +211,20 @@ class Controller:
                     log.debug("role loop ended with %r", f.exception())
 
     def _summary(self, t_start: float) -> dict[str, Any]:
-        rows = [r for r in self.rows if "reward/mean" in r]
-        evals = [r for r in self.rows if "eval/greedy_reward" in r]
-        out: dict[str, Any] = {"steps": len(rows), "wall_s": time.time() - t_start}
-        if rows:
-            out["reward_first"] = rows[0]["reward/mean"]
-            out["reward_last"] = rows[-1]["reward/mean"]
-            out["staleness_max"] = max(r.get("staleness/max", 0) for r in rows)
-        if evals:
-            out["eval_greedy_first"] = evals[0]["eval/greedy_reward"]
-            out["eval_greedy_last"] = evals[-1]["eval/greedy_reward"]
+        out: dict[str, Any] = {"wall_s": time.time() - t_start}
+        out.update(summarize_rows(self.rows))
+        out["setting"] = {"num_generators": self.cfg.rollout.num_generators,
+                          "max_staleness": self.cfg.staleness.max_staleness,
+                          "prompts_per_step": self.cfg.trainer.prompts_per_step,
+                          "group_size": self.cfg.rollout.group_size,
+                          "concurrency": self.cfg.rollout.concurrency,
+                          "torch_threads": self.cfg.cluster.torch_threads}
         return out
+
+
+def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
+    for sink in sinks:
+        sink.log(row)
 
 
 def _first_line(exc: BaseException | None) -> str:

@@ -1,6 +1,8 @@
-"""Telemetry: spans (busy/idle, overlap, traces), typed metrics and metrics.jsonl, reward plots.
+"""Telemetry: spans (busy/idle, overlap), the Perfetto trace, typed metrics and metrics.jsonl, run
+summaries, metric sinks (TensorBoard, W&B, live view), reward plots.
 
-matplotlib is imported only inside `plot_run`, so importing this package needs no plotting extra.
+matplotlib, rich, tensorboard and wandb are imported only where used, so importing this package needs
+none of them.
 """
 
 from asyncrl.telemetry.metrics import (
@@ -15,6 +17,7 @@ from asyncrl.telemetry.metrics import (
     read_metrics,
     reduce_metrics,
     staleness_stats,
+    token_staleness_stats,
 )
 from asyncrl.telemetry.plot import plot_run
 from asyncrl.telemetry.spans import (
@@ -28,9 +31,12 @@ from asyncrl.telemetry.spans import (
     overlap_ratio,
     union_length,
 )
+from asyncrl.telemetry.summary import summarize_rows, time_to_target
+from asyncrl.telemetry.trace import TraceWriter, read_trace, spans_from_trace
 
 __all__ = [
     "BUSY_KINDS", "IDLE_KINDS", "AnyMetric", "Last", "Max", "Mean", "Metric", "MetricsWriter", "Min",
     "Span", "SpanRecorder", "Sum", "busy_shares", "chrome_trace_events", "intersection_length",
     "overlap_ratio", "plot_run", "read_metrics", "reduce_metrics", "staleness_stats", "union_length",
+    "token_staleness_stats", "summarize_rows", "time_to_target", "TraceWriter", "read_trace", "spans_from_trace",
 ]

@@ -122,6 +122,25 @@ def staleness_stats(values: Sequence[int]) -> dict[str, float]:
     return out
 
 
+def token_staleness_stats(lags: Sequence[int]) -> dict[str, float]:
+    """Per-token staleness (`v_train - version of the token`) of a step's trained response tokens.
+
+    A trajectory whose weights were swapped mid-generation spans several versions; its tokens are counted
+    each at its own version. Returns "staleness/token_mean" and "staleness/token_hist/<k>" (token count)
+    for k = 0..max; empty when there were no tokens.
+    """
+    if not lags:
+        return {}
+    if min(lags) < 0:
+        raise ValueError(f"token staleness must be >= 0, got {min(lags)}")
+    counts = [0] * (max(lags) + 1)
+    for v in lags:
+        counts[int(v)] += 1
+    out: dict[str, float] = {"staleness/token_mean": sum(lags) / len(lags)}
+    out.update({f"staleness/token_hist/{k}": n for k, n in enumerate(counts)})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # metrics.jsonl
 

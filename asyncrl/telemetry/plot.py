@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from asyncrl.telemetry.metrics import Scalar, read_metrics
 
@@ -35,6 +36,28 @@ def _series(records: list[dict[str, Scalar]], x_key: str, y_key: str) -> tuple[l
             points.append((float(x), float(y)))
     points.sort()
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def new_figure(figsize: tuple[float, float] = (6.4, 4.2)) -> tuple[Any, Any]:
+    """A one-panel (Figure, Axes) on the Agg canvas, without pyplot; ImportError names the extra."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(f"plots need matplotlib ({err}); install it with: pip install 'asyncrl[plot]'") from err
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.13, right=0.97, bottom=0.13, top=0.9)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -189,20 +189,57 @@ def overlap_ratio(spans: Sequence[Span], window: Interval | None = None) -> floa
     return intersection_length(gen, train, window) / length
 
 
-def chrome_trace_events(spans: Iterable[Span]) -> list[dict[str, object]]:
-    """Spans as Chrome/Perfetto "complete" events (one track per role); dump `{"traceEvents": ...}`."""
+class TrackIds:
+    """Integer process/thread ids for trace tracks (Perfetto's JSON importer wants integers), one per
+    role type (process) and actor (thread), stable for the life of one trace."""
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {}
+        self.tids: dict[str, int] = {}
+
+    def pid(self, role: str) -> tuple[int, bool]:
+        """(pid of the role's type, True if this call created it)."""
+        kind = role_type(role)
+        if kind in self.pids:
+            return self.pids[kind], False
+        self.pids[kind] = len(self.pids) + 1
+        return self.pids[kind], True
+
+    def tid(self, role: str) -> tuple[int, bool]:
+        if role in self.tids:
+            return self.tids[role], False
+        self.tids[role] = len(self.tids) + 1
+        return self.tids[role], True
+
+
+def chrome_trace_events(
+    spans: Iterable[Span], *, origin: float = 0.0, ids: TrackIds | None = None
+) -> list[dict[str, object]]:
+    """Spans as Chrome/Perfetto "complete" events, one process per role type and one thread per actor.
+
+    `ts` counts microseconds since `origin` (e.g. the run's start). The first event of a new process or
+    thread is preceded by its name ("M" metadata event), so the tracks read "generator / generator/1".
+    Pass the same `ids` to successive calls to append to one trace. Dump as `{"traceEvents": events}`.
+    """
+    ids = ids if ids is not None else TrackIds()
     events: list[dict[str, object]] = []
     for s in spans:
+        pid, new_pid = ids.pid(s.role)
+        tid, new_tid = ids.tid(s.role)
+        if new_pid:
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": role_type(s.role)}})
+        if new_tid:
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": s.role}})
         events.append(
             {
                 "name": s.kind,
                 "cat": "busy" if s.kind in BUSY_KINDS else "idle",
                 "ph": "X",
-                "ts": s.start * 1e6,  # the trace format counts microseconds
+                "ts": (s.start - origin) * 1e6,  # the trace format counts microseconds
                 "dur": (s.end - s.start) * 1e6,
-                "pid": role_type(s.role),
-                "tid": s.role,
-                "args": {"version": s.version},
+                "pid": pid,
+                "tid": tid,
+                "args": {"version": s.version, "role": s.role},
             }
         )
     return events

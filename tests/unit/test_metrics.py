@@ -127,3 +127,15 @@ def test_read_metrics_skips_truncated_last_line_but_not_a_broken_middle(tmp_path
 
 def test_nan_mean_when_all_weights_are_zero():
     assert math.isnan(reduce_metrics([{"x": Mean(1.0, weight=0)}])["x"])
+
+
+def test_token_staleness_counts_each_token_at_its_own_version():
+    from asyncrl.telemetry.metrics import token_staleness_stats
+
+    # step 3: one trajectory of versions [1, 1, 2] (spans a weight swap), one of [3, 3]
+    lags = [3 - v for v in [1, 1, 2, 3, 3]]
+    assert token_staleness_stats(lags) == {"staleness/token_mean": 1.0, "staleness/token_hist/0": 2,
+                                           "staleness/token_hist/1": 1, "staleness/token_hist/2": 2}
+    assert token_staleness_stats([]) == {}
+    with pytest.raises(ValueError, match=">= 0"):
+        token_staleness_stats([-1])

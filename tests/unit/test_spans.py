@@ -9,6 +9,7 @@ import pytest
 from asyncrl.telemetry.spans import (
     Span,
     SpanRecorder,
+    TrackIds,
     busy_shares,
     chrome_trace_events,
     intersection_length,
@@ -157,6 +158,23 @@ def test_span_round_trips_through_msgspec():
 
 
 def test_chrome_trace_events_use_microseconds_and_one_track_per_role():
-    (event,) = chrome_trace_events([span("generator/1", "generate", 1.0, 1.5)])
+    meta_process, meta_thread, event = chrome_trace_events([span("generator/1", "generate", 1.0, 1.5)])
     assert event["ph"] == "X" and event["ts"] == 1e6 and event["dur"] == pytest.approx(5e5)
-    assert (event["pid"], event["tid"], event["cat"]) == ("generator", "generator/1", "busy")
+    assert event["cat"] == "busy" and event["args"] == {"version": -1, "role": "generator/1"}
+    assert meta_process == {"name": "process_name", "ph": "M", "pid": event["pid"], "args": {"name": "generator"}}
+    assert meta_thread["args"] == {"name": "generator/1"} and meta_thread["tid"] == event["tid"]
+
+
+def test_chrome_trace_events_name_each_track_once_across_calls():
+    ids = TrackIds()
+    first = chrome_trace_events([span("generator/0", "generate", 10.0, 11.0),
+                                 span("generator/1", "generate", 10.0, 11.0)], origin=10.0, ids=ids)
+    second = chrome_trace_events([span("generator/0", "wait_gate", 11.0, 12.0),
+                                  span("trainer", "train", 11.0, 12.0)], origin=10.0, ids=ids)
+    names = [e["args"]["name"] for e in first + second if e["ph"] == "M"]
+    assert names == ["generator", "generator/0", "generator/1", "trainer", "trainer"]
+    xs = [e for e in first + second if e["ph"] == "X"]
+    assert xs[0]["ts"] == 0.0 and xs[2]["ts"] == pytest.approx(1e6)
+    assert xs[0]["pid"] == xs[1]["pid"] != xs[3]["pid"]          # one process per role type
+    assert xs[0]["tid"] == xs[2]["tid"] != xs[1]["tid"]          # one thread per actor
+    assert all(isinstance(e["pid"], int) and isinstance(e["tid"], int) for e in xs)

@@ -1,0 +1,390 @@
+"""`asyncrl plan`: predict throughput, busy shares and staleness for generator counts and staleness bounds.
+
+Place in the dataflow: a finished run directory (trace.json spans, metrics.jsonl, config.toml) ──►
+`calibrate` ──► `Costs` (measured per-group generation cost with its batching curve, per-step training,
+weight-sync and controller costs, CPU contention) ──► `predict` for each (generators, max_staleness)
+setting (a closed form for the two regimes, and a discrete-event simulation of the real protocol) ──►
+a table and a recommendation.
+
+The model, in one screen:
+  generation   a generator with m groups in flight finishes each at rate 1 / (a + b·m) per second
+               (continuous batching: one decode step serves every sequence in flight; a, b are fitted
+               to the measured generate spans against how many groups were in flight meanwhile)
+  admission    the gate's rule: accepted + running < (engine version + k + 1) · P, at most `concurrency`
+               groups in flight per generator
+  training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, sends weights W;
+               every generator stops for the swap S; the version is published; O seconds of controller work
+  scoring      each scorer takes the next generated group and scores its n samples, σ seconds each
+  contention   while generation or scoring runs beside training, all of them slow down by f: the value under
+               which the simulation of an asynchronous calibration run reproduces its measured throughput
+               (from an on-policy run f is not observable: 1); never less than r·threads / C for r roles
+               computing with `torch_threads` threads each on C cores
+Staleness of a trained group = the step that trains it − the engine version it was admitted at.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import os
+import statistics
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from asyncrl.telemetry.metrics import read_metrics
+from asyncrl.telemetry.spans import Span, intersection_length
+from asyncrl.telemetry.summary import summarize_rows
+from asyncrl.telemetry.trace import read_trace, spans_from_trace
+
+TIE_SHARE = 0.02  # settings within 2% of the best predicted throughput count as tied
+
+
+class Costs(msgspec.Struct, kw_only=True):
+    """What a run measured, in seconds, with contention from its own overlap taken out."""
+
+    gen_a: float                  # per-group generation time at 0 groups in flight (intercept)
+    gen_b: float                  # extra seconds per group for each other group in flight (batching slope)
+    train_s: float                # one train step (forward, backward, optimizer) alone on its cores
+    send_s: float                 # the trainer's weight send
+    swap_s: float                 # a generator's weight swap (generation stops meanwhile)
+    overhead_s: float             # per step controller work: publish, metrics, amortised evaluation
+    score_s: float                # scorer seconds per sample (a group of n costs n·score_s)
+    num_scorers: int              # scorers pulling from the rollout queue (first free takes the next group)
+    contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
+    contention_measured: bool     # True: fitted to an asynchronous run; False: on-policy run, assumed 1
+    cores: float
+    threads: int                  # torch threads per role
+    prompts_per_step: int
+    group_size: int
+    concurrency: int
+    steps: int = 0                # train steps of that run (the default length of a prediction)
+    source: str = ""              # the run directory calibrated from
+
+
+class Setting(msgspec.Struct, frozen=True):
+    num_generators: int
+    max_staleness: int
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    setting: Setting
+    samples_per_s: float          # discrete-event simulation
+    closed_form_samples_per_s: float
+    step_s: float
+    generator_busy: float
+    trainer_busy: float
+    staleness_mean: float
+    staleness_hist: dict[int, float]   # staleness -> share of trained groups
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration
+
+
+def _median(values: Sequence[float], default: float = 0.0) -> float:
+    return float(statistics.median(values)) if values else default
+
+
+def _mean_in_flight(spans: list[Span]) -> list[float]:
+    """For each span, the mean number of the spans (itself included) running during it: a sweep over
+    the start/end points and a running integral of the count, O(n log n)."""
+    points = sorted({p for s in spans for p in (s.start, s.end)})
+    delta = [0] * (len(points) + 1)
+    for s in spans:
+        delta[bisect.bisect_left(points, s.start)] += 1
+        delta[bisect.bisect_left(points, s.end)] -= 1
+    integral, count = [0.0], 0  # integral[i] = ∫ count dt from points[0] to points[i]
+    for i in range(1, len(points)):
+        count += delta[i - 1]
+        integral.append(integral[-1] + count * (points[i] - points[i - 1]))
+
+    def at(t: float) -> float:
+        return integral[bisect.bisect_left(points, t)]
+
+    return [(at(s.end) - at(s.start)) / s.duration if s.duration > 0 else 1.0 for s in spans]
+
+
+def _in_flight_fit(gen: list[Span]) -> tuple[float, float]:
+    """Least-squares fit duration = a + b·m̄ over generate spans, m̄ = mean groups in flight on the
+    same generator during the span (itself included). b = 0 without spread in m̄."""
+    by_role: dict[str, list[Span]] = {}
+    for s in gen:
+        by_role.setdefault(s.role, []).append(s)
+    xs, ys = [], []
+    for spans in by_role.values():
+        spans = [s for s in spans if s.duration > 0]
+        xs += _mean_in_flight(spans)
+        ys += [s.duration for s in spans]
+    if not xs:
+        raise ValueError("the run has no generate spans to calibrate generation from")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var < 1e-6 * len(xs):  # every group ran beside the same number of others: no batching curve
+        return my, 0.0
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
+    a = max(1e-6, my - b * mx)
+    return a, b
+
+
+def _overlaps(span: Span, others: list[tuple[float, float]]) -> float:
+    return intersection_length([(span.start, span.end)], others) / max(span.duration, 1e-12)
+
+
+def calibrate(run_dir: str | Path, *, cores: float | None = None) -> Costs:
+    """Measure the costs of the run in `run_dir` (needs trace.json, metrics.jsonl, config.toml)."""
+    run_dir = Path(run_dir)
+    hints = {"trace.json": "calibrate from a run made with [logging] trace = true (the default)",
+             "metrics.jsonl": "is it a run directory?", "config.toml": "is it a run directory?"}
+    for name, hint in hints.items():
+        if not (run_dir / name).exists():
+            raise FileNotFoundError(f"{run_dir / name} is missing: {hint}")
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    spans = spans_from_trace(read_trace(run_dir / "trace.json"))
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    if len(rows) < 2:
+        raise ValueError(f"{run_dir} has fewer than 2 train steps: too short to calibrate from")
+    kind = lambda k: [s for s in spans if s.kind == k]  # noqa: E731
+    gen, train = kind("generate"), kind("train")
+    gen_iv = [(s.start, s.end) for s in gen]
+    train_iv = [(s.start, s.end) for s in train]
+    score = kind("score")
+    threads = int(cfg.get("cluster", {}).get("torch_threads", 1))
+    cores = float(cores or os.cpu_count() or 1)
+    # Measured durations include the slowdown of whatever ran beside them; `o_*` is the mean share of
+    # each kind's time spent beside the other phase, used below to take that slowdown back out.
+    busy_iv = gen_iv + [(s.start, s.end) for s in score]
+    o_train = _mean([_overlaps(s, busy_iv) for s in train])
+    o_gen = _mean([_overlaps(s, train_iv) for s in gen])
+    o_score = _mean([_overlaps(s, train_iv) for s in score])
+    train_med = _median([s.duration for s in train])
+    a, b = _in_flight_fit(gen)
+    steps = len(rows)
+    trainer_steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
+    # controller work per step: the step window minus what the trainer's own spans explain
+    explained = {s.version: 0.0 for s in kind("wait_gate") if s.role == "trainer"}
+    for s in spans:
+        if s.role == "trainer" and s.kind in ("wait_gate", "train"):
+            explained[s.version] = explained.get(s.version, 0.0) + s.duration
+        if s.role == "trainer" and s.kind == "weights_send":
+            explained[s.version - 1] = explained.get(s.version - 1, 0.0) + s.duration
+    overheads = [r["time/step_s"] - explained.get(int(r["step"]) - 1, 0.0) for r in trainer_steps]
+    evals = sum(s.duration for s in kind("eval") if s.version > 0)  # version 0: before the loop
+    swap = [s.duration for s in kind("weights_swap")]
+    # scorer seconds per sample: its busy time over the samples generated (one generate span = one group)
+    scored_samples = max(1, len(gen)) * int(cfg["rollout"]["group_size"])
+    score_per_sample = sum(s.duration for s in score) / scored_samples
+    send = [s.duration for s in kind("weights_send")]
+    costs = Costs(
+        gen_a=a, gen_b=b, train_s=train_med, send_s=_median(send), swap_s=_median(swap),
+        overhead_s=max(0.0, _median(overheads) - _median(swap)) + evals / steps,
+        score_s=score_per_sample, num_scorers=int(cfg.get("reward", {}).get("num_scorers", 1)),
+        contention=1.0, contention_measured=False, cores=cores, threads=threads,
+        prompts_per_step=int(cfg["trainer"]["prompts_per_step"]), group_size=int(cfg["rollout"]["group_size"]),
+        concurrency=int(cfg["rollout"]["concurrency"]), steps=steps, source=str(run_dir),
+    )
+    setting = Setting(int(cfg["rollout"].get("num_generators", 1)), int(cfg.get("staleness", {}).get("max_staleness", 1)))
+    measured = summarize_rows(rows).get("throughput/samples_per_s")
+    if setting.max_staleness == 0 or not measured:
+        return costs  # on-policy: generation and training never overlap, contention is not observable
+    # Fixed point: the costs alone depend on f (divide the slowdown out of the overlapped share), and f
+    # is fitted with those costs. A few rounds settle it.
+    f = 1.0
+    for _ in range(4):
+        alone = lambda value, share: value / (1.0 + (f - 1.0) * share)  # noqa: E731
+        costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train), gen_a=alone(a, o_gen),
+                                        gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
+        f = fit_contention(costs, setting, measured, steps)
+    return msgspec.structs.replace(costs, contention=f, contention_measured=True)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, *, top: float = 4.0) -> float:
+    """The slowdown f in [1, top] under which the simulation of the calibration run's own setting gives
+    its measured throughput (bisection: throughput falls as f grows); 1 or `top` at the ends."""
+    def sps(f: float) -> float:
+        return simulate(msgspec.structs.replace(costs, contention=f), setting, steps).samples_per_s
+
+    lo, hi = 1.0, top
+    if sps(lo) <= measured:
+        return lo
+    if sps(hi) >= measured:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sps(mid) > measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# prediction
+
+
+def closed_form(costs: Costs, setting: Setting) -> float:
+    """Trained samples/s in the two regimes that have one: on-policy (k = 0) generation and training
+    alternate; with k >= 1 they overlap fully and the slower one sets the pace (steady state, the gate
+    never binding)."""
+    c, P, G = costs, costs.prompts_per_step, setting.num_generators
+    cycle = c.send_s + c.swap_s + c.overhead_s
+    if setting.max_staleness == 0:
+        per_gen = min(c.concurrency, math.ceil(P / G))
+        waves = math.ceil(P / (G * per_gen))
+        # all P groups finish together, then the scorers work through their P·n samples
+        gen_phase = waves * (c.gen_a + c.gen_b * per_gen) + P * c.group_size * c.score_s / c.num_scorers
+        return P * c.group_size / (gen_phase + c.train_s + cycle)
+    m = c.concurrency
+    gen_rate = G * m / (c.gen_a + c.gen_b * m)  # groups/s with every slot busy
+    score_rate = c.num_scorers / max(c.score_s * c.group_size, 1e-12)
+    g, t = P / min(gen_rate, score_rate), c.train_s  # each phase's work per step, alone
+    # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
+    # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
+    return P * c.group_size / (max(g, t) + min(g, t) * (c.contention - 1.0) + cycle)
+
+
+def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
+    """Discrete-event simulation of `steps` train steps of the real protocol (see the module docstring)."""
+    c, P, k, G = costs, costs.prompts_per_step, setting.max_staleness, setting.num_generators
+    t = 0.0
+    published = 0
+    engine_version = [0] * G
+    inflight: list[dict[int, float]] = [{} for _ in range(G)]   # group id -> remaining work (0..1]
+    admitted_at: dict[int, int] = {}
+    next_gid = 0
+    scorer_free = [0.0] * c.num_scorers
+    scored: list[tuple[float, int]] = []                        # (time accepted, group id), a heap
+    accepted_ids: set[int] = set()
+    stall = [(0.0, 0.0)] * G                                    # (from, until): swapping weights
+    trainer = {"phase": "wait", "left": 0.0, "step": 0}
+    gen_busy = trainer_busy = 0.0
+    hist: dict[int, int] = {}
+
+    while trainer["step"] < steps:
+        # admission: as many groups as the gate and the generator's slots allow, engine version first
+        for g in range(G):
+            # accepted + running = every group admitted so far (none are filtered or fail here)
+            room = (engine_version[g] + k + 1) * P - next_gid
+            slots = c.concurrency - len(inflight[g])
+            for _ in range(max(0, min(room, slots))):
+                inflight[g][next_gid] = 1.0
+                admitted_at[next_gid] = engine_version[g]
+                next_gid += 1
+        if trainer["phase"] == "wait":
+            need = range(trainer["step"] * P, (trainer["step"] + 1) * P)
+            if all(i in accepted_ids for i in need):
+                for i in need:
+                    s = trainer["step"] - admitted_at[i]
+                    hist[s] = hist.get(s, 0) + 1
+                trainer.update(phase="train", left=c.train_s)
+        generating = [g for g in range(G) if inflight[g] and not stall[g][0] <= t < stall[g][1]]
+        scoring = sum(free > t for free in scorer_free)
+        computing = len(generating) + scoring + (trainer["phase"] == "train")
+        slow = c.contention if ((generating or scoring) and trainer["phase"] == "train") else 1.0
+        slow = max(slow, computing * c.threads / c.cores)
+        # next event
+        events = [scored[0][0]] if scored else []
+        events += [free for free in scorer_free if free > t]  # contention changes when a scorer idles
+        rates = {}
+        for g in generating:
+            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow)
+            rates[g] = rate
+            events.append(t + min(inflight[g].values()) / rate)
+        events += [x for g in range(G) for x in stall[g] if x > t]
+        if trainer["phase"] == "train":
+            events.append(t + trainer["left"] * slow)
+        elif trainer["phase"] in ("sync", "overhead"):
+            events.append(t + trainer["left"])
+        if not events:
+            raise RuntimeError(f"simulation stalled at step {trainer['step']} (setting {setting})")
+        t_next = max(min(events), t)
+        dt = t_next - t
+        if generating:
+            gen_busy += dt * len(generating) / G
+        if trainer["phase"] in ("train", "sync"):
+            trainer_busy += dt
+        for g in generating:
+            for gid in list(inflight[g]):
+                inflight[g][gid] -= dt * rates[g]
+                if inflight[g][gid] <= 1e-9:
+                    del inflight[g][gid]
+                    j = min(range(c.num_scorers), key=scorer_free.__getitem__)
+                    # the slowdown of the moment the scoring starts (an approximation: scoring is short)
+                    scorer_free[j] = max(t_next, scorer_free[j]) + c.score_s * c.group_size * slow
+                    heapq.heappush(scored, (scorer_free[j], gid))
+        while scored and scored[0][0] <= t_next + 1e-12:
+            accepted_ids.add(heapq.heappop(scored)[1])
+        if trainer["phase"] == "train":
+            trainer["left"] -= dt / slow
+            if trainer["left"] <= 1e-9:
+                trainer.update(phase="sync", left=c.send_s + c.swap_s)
+                # generators keep decoding while the weights arrive, then stop for the swap
+                stall = [(t_next + c.send_s, t_next + c.send_s + c.swap_s)] * G
+        elif trainer["phase"] in ("sync", "overhead"):
+            trainer["left"] -= dt
+            if trainer["left"] <= 1e-9:
+                if trainer["phase"] == "sync":
+                    published += 1
+                    engine_version = [published] * G
+                    trainer.update(phase="overhead", left=c.overhead_s)
+                else:
+                    trainer.update(phase="wait", step=trainer["step"] + 1)
+        t = t_next
+    total = sum(hist.values())
+    return Prediction(
+        setting=setting, samples_per_s=steps * P * c.group_size / t,
+        closed_form_samples_per_s=closed_form(c, setting), step_s=t / steps,
+        generator_busy=gen_busy / t, trainer_busy=trainer_busy / t,
+        staleness_mean=sum(s * n for s, n in hist.items()) / total,
+        staleness_hist={s: n / total for s, n in sorted(hist.items())},
+    )
+
+
+def recommend(predictions: Sequence[Prediction]) -> Prediction:
+    """Highest predicted throughput; among settings within TIE_SHARE of it, the lowest mean staleness,
+    then the fewest generators (less memory, less off-policy data for the same speed)."""
+    best = max(p.samples_per_s for p in predictions)
+    tied = [p for p in predictions if p.samples_per_s >= (1 - TIE_SHARE) * best]
+    return min(tied, key=lambda p: (round(p.staleness_mean, 3), p.setting.num_generators, p.setting.max_staleness))
+
+
+def plan(costs: Costs, generators: Sequence[int], staleness: Sequence[int], steps: int) -> list[Prediction]:
+    return [simulate(costs, Setting(g, k), steps) for g in generators for k in staleness]
+
+
+def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
+    """The table and recommendation `asyncrl plan` prints."""
+    c = costs
+    lines = [
+        f"calibrated from {c.source}: generation a={c.gen_a:.4f}s + b={c.gen_b:.4f}s per group in flight, "
+        f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, overhead {c.overhead_s:.4f}s, "
+        f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s)",
+        f"contention when generation and training overlap: x{c.contention:.2f} "
+        f"({'fitted so that the simulation reproduces the calibration run' if c.contention_measured else 'not observable in an on-policy run: calibrate from an asynchronous one'}; "
+        f"at least r x {c.threads} thread(s) / {c.cores:g} cores with r roles computing)",
+        "",
+        "| generators | max_staleness | samples/s (sim) | samples/s (closed form) | step s | generator busy | trainer busy | staleness mean | staleness histogram |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in predictions:
+        hist = " ".join(f"{s}:{share:.0%}" for s, share in p.staleness_hist.items())
+        lines.append(f"| {p.setting.num_generators} | {p.setting.max_staleness} | {p.samples_per_s:.2f} | "
+                     f"{p.closed_form_samples_per_s:.2f} | {p.step_s:.3f} | {p.generator_busy:.2f} | "
+                     f"{p.trainer_busy:.2f} | {p.staleness_mean:.2f} | {hist} |")
+    r = recommend(predictions)
+    lines += ["", f"recommended: rollout.num_generators={r.setting.num_generators} "
+                  f"staleness.max_staleness={r.setting.max_staleness} "
+                  f"({r.samples_per_s:.2f} samples/s predicted, mean staleness {r.staleness_mean:.2f}; "
+                  f"ties within {TIE_SHARE:.0%} go to lower staleness)"]
+    return "\n".join(lines)
+
+
+def measured_throughput(run_dir: str | Path) -> float | None:
+    """Trained samples/s of a finished run (the figure the planner predicts)."""
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    return summarize_rows(rows).get("throughput/samples_per_s")
+

@@ -1,0 +1,195 @@
+"""Overlap benchmark: asynchronous vs synchronous training of the same workload, against the ideal overlap.
+
+    python benchmarks/overlap.py                # Ray, 2 CPUs, about 2-3 minutes
+    python benchmarks/overlap.py --local        # in-process deployment instead of Ray
+    python benchmarks/overlap.py --quick        # tiny smoke run (used by the test); says nothing about the target
+
+Issue 7's goal: with the same model, task and number of trained samples, asynchronous training
+(max_staleness >= 1) reaches at least 0.95 of the ideal speed-up over synchronous training
+(max_staleness = 0), where the ideal is (G + T) / max(G, T): G = generation time per step and T =
+training time per step, both measured in the synchronous run.
+
+Runs, in one process, one after the other (same Ray cluster, same model folder, same seed):
+  sync        max_staleness = 0, torch_threads = 1 per role   -> G, T and the baseline throughput
+  async       max_staleness = K (--staleness), torch_threads = 1 per role (same threads as sync)
+  sync-2t     max_staleness = 0, torch_threads = 2: each phase gets both cores while the other waits
+
+Definitions (per train step, the first --warmup steps excluded from every figure):
+  G   the trainer's wait for the step's groups (`trainer/gate_wait_s`): generation + scoring, which the
+      synchronous trainer cannot hide
+  T   the rest of the step: `time/step_s` - G (update, weight send and swap, controller work)
+  throughput  trained samples / summed `time/step_s`
+
+Why Ray by default: each role is its own process, so generation and training really run on different
+cores. In the in-process deployment (`--local`) they share one interpreter: torch ops release the GIL,
+but the engine's per-step Python and the scorer do not, so the overlap is partial (measure it with
+--local to see).
+The workload (model size, tokens, epochs) is chosen so that 0.75 <= G/T <= 1.33 on this 2-core machine;
+the script prints G/T and warns when a run lands outside that band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.telemetry.summary import train_rows
+
+CONFIG = """
+[model]
+path = "{model_dir}"
+[model.build_tiny]
+hidden_size = {hidden}
+num_layers = {layers}
+num_heads = 4
+num_kv_heads = 2
+intermediate_size = {mlp}
+vocab = "0123456789+="
+max_positions = 96
+
+[data]
+source = "asyncrl.tasks.digits:first_digit"
+max_prompt_len = 16
+
+[rollout]
+num_generators = 1
+concurrency = {prompts}
+group_size = {group}
+max_new_tokens = {tokens}
+stop_token_ids = []
+
+[reward]
+fn = "prefix_match"
+
+[trainer]
+total_steps = {steps}
+prompts_per_step = {prompts}
+micro_batch_size = {micro}
+epochs = {epochs}
+lr = 1e-3
+eval_every = 0
+
+[cluster]
+num_cpus = {cpus}
+generator_cpus = 0.5
+scorer_cpus = 0.25
+trainer_cpus = 0.5
+buffer_cpus = 0.25
+
+[logging]
+live = false
+
+[run]
+output_dir = "{run_dir}"
+save_checkpoint = false
+seed = 0
+"""
+
+
+def measure(rows: list[dict], warmup: int) -> dict[str, float]:
+    """G, T and throughput of a run's train rows, the first `warmup` steps left out."""
+    steps = train_rows(rows)[warmup:]
+    if not steps:
+        raise RuntimeError("no train steps left after the warm-up; raise --steps")
+    wall = sum(r["time/step_s"] for r in steps)
+    gen = statistics.mean(r["trainer/gate_wait_s"] for r in steps)
+    step = wall / len(steps)
+    return {"G": gen, "T": step - gen, "step_s": step,
+            "samples_per_s": sum(r["trainer/samples"] for r in steps) / wall,
+            "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in steps),
+            "overlap": statistics.mean(r.get("overlap_ratio", 0.0) for r in steps)}
+
+
+def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
+    from asyncrl.launch import run_local, run_with_ray
+
+    text = CONFIG.format(model_dir=root / "model", run_dir=root / name, cpus=args.cpus, hidden=args.hidden,
+                         layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts, group=args.group,
+                         tokens=args.tokens, steps=args.steps, micro=args.micro, epochs=args.epochs)
+    path = root / f"{name}.toml"
+    path.write_text(text)
+    cfg = load_config(path, overrides)
+    t0 = time.time()
+    rows = (run_local if args.local else run_with_ray)(cfg)
+    out = measure(rows, args.warmup)
+    out["run_s"] = time.time() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--local", action="store_true", help="in-process deployment instead of Ray")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (no meaningful figures)")
+    ap.add_argument("--staleness", type=int, default=1, help="max_staleness of the async run")
+    ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48, help="max_new_tokens (raises G more than T)")
+    ap.add_argument("--epochs", type=int, default=1, help="trainer epochs per step (raises T)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step (raises T more than G)")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=64)
+    ap.add_argument("--out", default=None, help="keep the three run directories here (trace.json, metrics)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.local, args.steps, args.warmup, args.hidden, args.layers = True, 3, 1, 32, 1
+        args.tokens, args.epochs, args.prompts, args.group, args.micro = 2, 1, 2, 2, 4
+    started = False
+    if not args.local:
+        import ray
+
+        # Ray starts its workers at niceness 15 by default; with other jobs on the machine they would
+        # lose the cores to them while the driver (the Controller) does not. Same priority for all.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 object_store_memory=256 * 2**20, log_to_driver=False)
+        started = True
+    try:
+        with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+            root = Path(args.out or tmp)
+            root.mkdir(parents=True, exist_ok=True)
+            sync = run("sync", args, root, ["staleness.max_staleness=0", "cluster.torch_threads=1"])
+            asyn = run("async", args, root, [f"staleness.max_staleness={args.staleness}", "cluster.torch_threads=1"])
+            sync2 = run("sync-2t", args, root, ["staleness.max_staleness=0", "cluster.torch_threads=2"])
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    G, T = sync["G"], sync["T"]
+    ideal = (G + T) / max(G, T)
+    speedup = asyn["samples_per_s"] / sync["samples_per_s"]
+    print(f"deployment: {'in-process (--local)' if args.local else 'Ray'}, {args.cpus} CPUs; model hidden "
+          f"{args.hidden} x {args.layers} layers; {args.prompts} prompts x {args.group} samples per step, "
+          f"{args.tokens} new tokens, {args.epochs} epoch(s); {args.steps} steps, first {args.warmup} excluded")
+    print(f"sync run: G = {G:.3f} s, T = {T:.3f} s per step, G/T = {G / T:.2f}"
+          + ("" if 0.75 <= G / T <= 1.33 else "  (outside 0.75..1.33: tune --tokens / --epochs)"))
+    print()
+    print("| run | max_staleness | threads/role | step s | samples/s | vs sync | staleness mean | overlap | run s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, m, k, th in (("sync", sync, 0, 1), ("async", asyn, args.staleness, 1), ("sync-2t", sync2, 0, 2)):
+        print(f"| {name} | {k} | {th} | {m['step_s']:.3f} | {m['samples_per_s']:.1f} | "
+              f"{m['samples_per_s'] / sync['samples_per_s']:.2f}x | {m['staleness_mean']:.2f} | "
+              f"{m['overlap']:.2f} | {m['run_s']:.0f} |")
+    print()
+    print(f"ideal speed-up (G + T) / max(G, T) = {ideal:.3f}; async / sync = {speedup:.3f} "
+          f"= {speedup / ideal:.3f} of ideal (target 0.95)")
+    print(f"async / sync with both cores per phase (sync-2t) = {asyn['samples_per_s'] / sync2['samples_per_s']:.3f}")
+    result = {"benchmark": "overlap", "value": round(speedup, 4), "unit": "async/sync throughput",
+              "baseline": round(ideal, 4), "ratio": round(speedup / ideal, 4), "target": 0.95}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

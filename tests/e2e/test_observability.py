@@ -1,0 +1,99 @@
+"""Observability end to end on the tiny model, in-process: a run leaves a Perfetto trace with every role's
+spans and the per-step overlap metrics; report and plan read that run directory; a sweep runs its grid
+and records a failing point without stopping."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from asyncrl.telemetry.metrics import read_metrics
+from asyncrl.telemetry.trace import read_trace
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    from asyncrl.config import load_config
+    from asyncrl.launch import run_local
+    from tests.conftest import TINY_TOML
+
+    root = tmp_path_factory.mktemp("obs")
+    path = root / "config.toml"
+    path.write_text(TINY_TOML.format(model_dir=tiny_model_dir, run_dir=root / "run"))
+    cfg = load_config(path, ["trainer.total_steps=4", "run.save_checkpoint=false", "logging.live=false"])
+    run_local(cfg)
+    return root / "run"
+
+
+def test_run_writes_a_trace_with_every_role_and_span_kind(run_dir):
+    events = read_trace(run_dir / "trace.json")
+    json.loads((run_dir / "trace.json").read_text())  # closed: plain JSON
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"generator/0", "scorer/0", "trainer"} <= threads
+    kinds = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"generate", "score", "train", "weights_send", "weights_recv", "weights_swap", "wait_gate",
+            "wait_queue", "eval"} <= kinds
+    versions = {e["args"]["version"] for e in events if e["ph"] == "X" and e["name"] == "train"}
+    assert versions == {0, 1, 2, 3}
+    assert any(e["ph"] == "C" and e["name"] == "buffer/rollout_depth" for e in events)
+
+
+def test_run_metrics_answer_the_overlap_question(run_dir):
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    last = rows[-1]
+    for key in ("time/step_s", "throughput/samples_per_s", "overlap_ratio", "trainer/busy_share",
+                "generator/busy_share", "scorer/busy_share", "scorer/samples_per_s", "generation/tokens_per_s",
+                "trainer/tokens_per_s", "generation/stall_share", "staleness/token_mean", "staleness/token_hist/0",
+                "sync/seconds", "sync/gbps", "buffer/rollout_depth"):
+        assert key in last, key
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["setting"]["max_staleness"] == 1
+    assert 0.0 <= summary["overlap_ratio"] <= 1.0 and summary["throughput/samples_per_s"] > 0
+    assert sum(summary["staleness_hist"].values()) == 4 * 4 * 4  # steps x prompts x group size
+
+
+def test_report_and_plan_read_the_run(run_dir, capsys):
+    pytest.importorskip("matplotlib")
+    from asyncrl.cli import main
+
+    assert main(["report", str(run_dir)]) == 0
+    assert (run_dir / "report.md").is_file() and (run_dir / "utilisation.png").is_file()
+    assert main(["plan", str(run_dir), "--generators", "1,2", "--max-staleness", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n| ") == 5  # header + 4 settings
+    assert "recommended: rollout.num_generators=" in out
+
+
+def test_sweep_runs_the_grid_and_records_a_failed_point(tmp_path, tiny_config_file):
+    pytest.importorskip("matplotlib")
+    from asyncrl.sweep import parse_axes, run_sweep
+
+    # max_new_tokens=0 is rejected by the config check: that point fails fast, the other one runs
+    axes = parse_axes(["rollout.max_new_tokens=2,0"])
+    points = run_sweep(tiny_config_file, axes, tmp_path / "sweep", timeout_s=240,
+                       extra=["trainer.total_steps=2", "trainer.eval_every=0", "run.save_checkpoint=false"])
+    assert [p.status for p in points] == ["ok", "failed"]
+    assert "max_new_tokens" in points[1].error
+    rows = list(csv.DictReader((tmp_path / "sweep" / "results.csv").open()))
+    assert float(rows[0]["throughput/samples_per_s"]) > 0 and rows[1]["status"] == "failed"
+    for name in ("results.md", "throughput_vs_staleness.png", "reward_vs_time.png", "sweep.json"):
+        assert (tmp_path / "sweep" / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_overlap_benchmark_quick_mode_ends_with_its_json_line(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "overlap.py"
+    spec = importlib.util.spec_from_file_location("overlap_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "| sync | 0 | 1 |" in out and "| async | 1 | 1 |" in out and "| sync-2t | 0 | 2 |" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == result and last["benchmark"] == "overlap" and last["target"] == 0.95
+    assert last["ratio"] == pytest.approx(last["value"] / last["baseline"], rel=1e-3)
