@@ -19,8 +19,13 @@ preallocated cache `[layers, slots, kv_heads, max_len, head_dim]` and per-slot l
 * prefill right-pads the contexts and runs causal SDPA (padding sits after every real token, so it never
   leaks into them), writing each context's K/V into its slot(s);
 * decode writes each new K/V row at its slot's length and attends over the slot's valid prefix through an
-  additive mask; the query heads of one KV head are folded into the query axis, so GQA needs no repeat.
-  On CPU two matmuls replace SDPA (cheaper at decode shapes); on accelerators it is SDPA.
+  additive mask (none when every slot holds the same number of tokens, e.g. the n samples of a prompt);
+  the query heads of one KV head are folded into the query axis, so GQA needs no repeat. On CPU two
+  matmuls replace SDPA (cheaper at decode shapes); on accelerators it is SDPA. At decode sizes a step is
+  ~200 small ops, so the step is written to allocate little: q|k|v from one matmul, rotated in place,
+  each layer's new K/V rows written by one flat-index write per tensor, the o and down projections
+  accumulated straight into the residual stream (`addmm_`), SiLU in place;
+* a K/V-only prefill (the recompute after a weight swap) stops once the last layer's K/V are written.
 The rotary tables come from HF's own rotary module and the ops follow HF's order, so fp32 logits equal
 HF's to float rounding (tests/unit/test_torch_model.py: within 1e-5).
 
@@ -106,6 +111,27 @@ class _LayerWeights:
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class _DecodeStep:
+    """Tables of one decode step, shared by every layer."""
+
+    b: int                     # running slots 0..b-1
+    width: int                 # cache positions attended: the longest slot's length + 1 (the new token)
+    mask: torch.Tensor | None  # additive [B * kv_heads, 1, width]; None when every slot has the same length
+    cos: torch.Tensor          # [B, 1, D] rotary table at each slot's position
+    sin: torch.Tensor          # [B, 1, D] the same, signed for rotate_half (see `_rotate`)
+    kv_rows: torch.Tensor      # [B, kv_heads]: the new token's row in a layer's cache viewed as [rows, D]
+
+
+def _residual_linear(x: torch.Tensor, h: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """x += F.linear(h, w, b), in place; without a bias the matmul accumulates straight into x (addmm_)."""
+    weight, bias = wb
+    if bias is None:
+        x.addmm_(h, weight.t())
+    else:
+        x.add_(F.linear(h, weight, bias))
+
+
 def _wb(mod: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return mod.weight, mod.bias
 
@@ -168,11 +194,12 @@ class SlotDecoder:
         self.dtype = base.embed_tokens.weight.dtype
         self.num_layers = len(base.layers)
         self.slots = self.max_len = 0
-        shape = (self.num_layers, 0, self.kv_heads, 0, self.head_dim)
+        shape = (self.num_layers, 0, self.kv_heads, 0, self.head_dim)  # [layers, slots, kv_heads, max_len, D]
         self.k = torch.empty(shape, dtype=self.dtype, device=device)
         self.v = torch.empty(shape, dtype=self.dtype, device=device)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens held per slot
         self._lens: list[int] = []  # the same on the host, so decode needs no device sync
+        self._kv_base = torch.zeros((0, self.kv_heads), dtype=torch.long, device=device)  # see capacity()
         # Decode attention: SDPA on accelerators; on CPU two matmuls beat SDPA's kernel at decode shapes.
         self.use_sdpa = device.type != "cpu"
         self._fused: list[tuple[list, list]] = []
@@ -198,6 +225,9 @@ class SlotDecoder:
         self.k, self.v, self.lengths = k, v, lengths
         self._lens += [0] * (new_slots - self.slots)
         self.slots, self.max_len = new_slots, new_len
+        # row of (slot s, KV head h, position 0) in a layer's cache viewed as [rows, D]; see _DecodeStep
+        heads = torch.arange(self.kv_heads, device=self.device)
+        self._kv_base = (torch.arange(new_slots, device=self.device)[:, None] * self.kv_heads + heads) * new_len
         self.refresh()
 
     def refresh(self) -> None:
@@ -239,7 +269,7 @@ class SlotDecoder:
     def prefill(
         self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
     ) -> torch.Tensor | None:
-        hidden = self._prefill_hidden(contexts, start, repeats)
+        hidden = self._prefill_hidden(contexts, start, repeats, kv_only=not logits)
         if not logits:
             return None
         rows = torch.arange(len(contexts), device=self.device)
@@ -259,8 +289,12 @@ class SlotDecoder:
             gate, up = F.linear(h, *w.gate_up[0]).chunk(2, dim=-1)
         return F.linear(w.act(gate).mul_(up), *w.down)
 
-    def _prefill_hidden(self, contexts: list[list[int]], start: int, repeats: list[int]) -> torch.Tensor:
-        """Hidden states [P, S, D] of the right-padded contexts; writes their K/V and slot lengths."""
+    def _prefill_hidden(
+        self, contexts: list[list[int]], start: int, repeats: list[int], kv_only: bool = False
+    ) -> torch.Tensor | None:
+        """Hidden states [P, S, D] of the right-padded contexts; writes their K/V and slot lengths.
+        `kv_only` (a K/V recompute after a weight swap): stop once the last layer's K/V are written, skipping
+        its attention and MLP, whose output nothing reads; returns None."""
         lens = [len(c) for c in contexts]
         rows, width, total = len(contexts), max(lens), sum(repeats)
         # right padding (id 0): pads come after every real token, so causal attention never sees them
@@ -276,6 +310,9 @@ class SlotDecoder:
             v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
             self.k[i, start : start + total, :, :width] = k if rep is None else k.repeat_interleave(rep, 0)
             self.v[i, start : start + total, :, :width] = v if rep is None else v.repeat_interleave(rep, 0)
+            if kv_only and i == self.num_layers - 1:
+                x = None
+                break
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads
             )
@@ -287,52 +324,74 @@ class SlotDecoder:
         return x
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, kvh, hd, heads = tokens.shape[0], self.kv_heads, self.head_dim, self.heads
-        group = heads // kvh
-        pos = self.lengths[:b]
-        width = max(self._lens[:b]) + 1
-        # Per-step tables shared by all layers. The additive mask covers each slot's valid prefix (the new
-        # token included), one row per (slot, kv head): [B * kv_heads, 1, W] for the batched matmuls.
-        mask = torch.zeros((b, kvh, 1, width), dtype=self.dtype, device=self.device)
-        mask.masked_fill_((self._arange[:width] > pos[:, None])[:, None, None], float("-inf"))
-        mask = mask.view(b * kvh, 1, width)
-        cos = self._cos.index_select(0, pos)[:, None]  # [B, 1, D]
-        sin = self._signed_sin.index_select(0, pos)[:, None]
-        rows = torch.arange(b, device=self.device)  # slots, not positions: b may exceed max_len
-        qk_width = (heads + kvh) * hd  # fused q|k|v output: q and k columns, then v's
+        b = tokens.shape[0]
+        step = self._decode_tables(b)
         x = F.embedding(tokens, self.model.model.embed_tokens.weight)
         for i, w in enumerate(self._weights):
-            h = _rms_norm(x, w.norm1, w.eps1)
-            if len(w.qkv) == 1:  # fused: q, k and v are column ranges of one output, rotated together
-                qkv = F.linear(h, *w.qkv[0])
-                qk = qkv[:, :qk_width].view(b, heads + kvh, hd)
-                v = qkv[:, qk_width:].view(b, kvh, hd)
-            else:
-                q, k, v = (F.linear(h, *wb) for wb in w.qkv)
-                qk = torch.cat((q, k), dim=-1).view(b, heads + kvh, hd)
-                v = v.view(b, kvh, hd)
-            qk = _rotate(qk, cos, sin)  # [B, heads + kv_heads, D]: q's heads, then k's
-            kc, vc = self.k[i], self.v[i]
-            # The new K/V row of slot s goes to position pos[s] ([slots, pos, kv_heads, D] views of the cache).
-            kc.transpose(1, 2).index_put_((rows, pos), qk[:, heads:])
-            vc.transpose(1, 2).index_put_((rows, pos), v)
-            # Query heads h = kv * group + g (HF's repeat_kv order): fold g into the query axis, so each
-            # (slot, kv head) pair is one small matmul: [group, D] x [D, W].
-            q = qk[:, :heads].reshape(b * kvh, group, hd)
-            o = self._decode_attention(q, kc[:b, :, :width].reshape(b * kvh, width, hd),
-                                       vc[:b, :, :width].reshape(b * kvh, width, hd), mask)
-            x.add_(F.linear(o.view(b, heads * hd), *w.o))
-            x.add_(self._mlp(w, _rms_norm(x, w.norm2, w.eps2)))
+            self._decode_layer(i, w, x, step)
         self.lengths[:b] += 1
         self._lens[:b] = [n + 1 for n in self._lens[:b]]
         return self._logits(x)
 
+    def _decode_tables(self, b: int) -> "_DecodeStep":
+        """Per-step tables shared by all layers (see `_DecodeStep`)."""
+        lens = self._lens[:b]
+        pos = self.lengths[:b]
+        width = max(lens) + 1
+        mask = None
+        if min(lens) != width - 1:  # slots of different lengths: mask each one's padding
+            pad = (self._arange[:width] > pos[:, None]).repeat_interleave(self.kv_heads, 0)
+            mask = torch.zeros((b * self.kv_heads, 1, width), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(pad[:, None], float("-inf"))
+        return _DecodeStep(
+            b=b, width=width, mask=mask,
+            cos=self._cos.index_select(0, pos)[:, None], sin=self._signed_sin.index_select(0, pos)[:, None],
+            kv_rows=self._kv_base[:b] + pos[:, None],
+        )
+
+    def _decode_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, step: "_DecodeStep") -> None:
+        """One decoder layer over x [B, hidden] (updated in place): the new token's K/V go into the cache."""
+        b, kvh, hd, heads = step.b, self.kv_heads, self.head_dim, self.heads
+        h = _rms_norm(x, w.norm1, w.eps1)
+        if len(w.qkv) == 1:  # fused: q, k and v are column ranges of one output
+            qkv = F.linear(h, *w.qkv[0])
+        else:
+            qkv = torch.cat([F.linear(h, *wb) for wb in w.qkv], dim=-1)
+        qk_width = (heads + kvh) * hd
+        qk = qkv[:, :qk_width].view(b, heads + kvh, hd)  # q's heads, then k's: rotated together, in place
+        half = hd // 2
+        rolled = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)  # rotate_half up to its sign (in sin)
+        qk.mul_(step.cos).addcmul_(rolled, step.sin)
+        # The new K/V row of (slot s, KV head h) is row (s * kv_heads + h) * max_len + pos[s] of the cache.
+        kc, vc = self.k[i], self.v[i]
+        kc.view(-1, hd).index_put_((step.kv_rows,), qk[:, heads:])
+        vc.view(-1, hd).index_put_((step.kv_rows,), qkv[:, qk_width:].view(b, kvh, hd))
+        # Query heads h = kv * group + g (HF's repeat_kv order): fold g into the query axis, so each
+        # (slot, KV head) pair is one small matmul: [group, D] x [D, W]. q is scaled here, in the copy that
+        # makes it contiguous anyway.
+        q = torch.mul(qk[:, :heads], self.scale).view(b * kvh, heads // kvh, hd)
+        o = self._decode_attention(q, kc[:b, :, : step.width].reshape(b * kvh, step.width, hd),
+                                   vc[:b, :, : step.width].reshape(b * kvh, step.width, hd), step.mask)
+        _residual_linear(x, o.reshape(b, heads * hd), w.o)
+        h = _rms_norm(x, w.norm2, w.eps2)
+        if len(w.gate_up) == 2:
+            gate, up = (F.linear(h, *wb) for wb in w.gate_up)
+        else:
+            gate, up = F.linear(h, *w.gate_up[0]).chunk(2, dim=-1)
+        if w.act is F.silu:
+            act = F.silu(gate, inplace=True).mul_(up)  # gate is this step's own buffer
+        else:
+            act = w.act(gate).mul_(up)
+        _residual_linear(x, act, w.down)
+
     def _decode_attention(self, q, k, v, mask):
-        """q [N, G, D], k and v [N, W, D], mask [N, 1, W] -> [N, G, D]."""
+        """q [N, G, D] (already scaled), k and v [N, W, D], mask [N, 1, W] or None (no padding) -> [N, G, D]."""
         if self.use_sdpa:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        # On CPU two batched matmuls beat SDPA's kernel at decode shapes; baddbmm adds the mask for free.
-        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        # On CPU two batched matmuls beat SDPA's kernel at decode shapes (and beat one [H, D] x [D, W * kv_heads]
+        # matmul per slot against all its KV heads, masked to each query head's own: fewer, larger matmuls, but
+        # kv_heads times the arithmetic). baddbmm adds the mask for free.
+        scores = torch.bmm(q, k.transpose(1, 2)) if mask is None else torch.baddbmm(mask, q, k.transpose(1, 2))
         return torch.bmm(scores.softmax(-1), v)
 
     def forward_logits(self, ids: list[int]) -> torch.Tensor:

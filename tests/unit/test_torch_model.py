@@ -168,3 +168,54 @@ def test_decode_batch_wider_than_the_cache_length():
         out = backend.decode(toks)
     for j in (0, 41, n - 1):
         torch.testing.assert_close(out[j], hf_last_logits(model, contexts[j] + [int(toks[j])]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_equal_length_slots_decode_without_a_mask_and_equal_hf(fuse):
+    """When every running slot holds the same number of tokens (the n samples of a prompt, or prompts of one
+    length) decode skips the padding mask; the logits still equal HF's, before and after lengths diverge."""
+    model = make("qwen2")
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=fuse)
+    backend.capacity(4, 16)
+    prompts = [[5, 6, 7], [9, 8, 7]]
+    with torch.inference_mode():
+        backend.prefill(prompts, 0, [2, 1])  # slots 0, 1: prompt 0 twice; slot 2: prompt 1 (same length)
+        assert backend._decode_tables(3).mask is None
+        seqs = [list(prompts[0]), list(prompts[0]), list(prompts[1])]
+        for step in range(3):
+            toks = [11 + step, 20 + step, 30 + step]
+            out = backend.decode(torch.tensor(toks))
+            for j, seq in enumerate(seqs):
+                seq.append(toks[j])
+                torch.testing.assert_close(out[j], hf_last_logits(model, seq), atol=ATOL, rtol=0)
+        backend.move(2, 1)  # slot 1 retires: slot 0 and the moved slot keep equal lengths
+        assert backend._decode_tables(2).mask is None
+        backend.prefill([[1, 2]], 2, [1])  # a shorter newcomer: the mask is back
+        assert backend._decode_tables(3).mask is not None
+        seqs = [seqs[0], seqs[2], [1, 2]]
+        out = backend.decode(torch.tensor([3, 4, 5]))
+    for j, (seq, tok) in enumerate(zip(seqs, [3, 4, 5])):
+        torch.testing.assert_close(out[j], hf_last_logits(model, seq + [tok]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_biased_output_and_down_projections_and_a_non_silu_mlp_equal_hf(fuse):
+    """Llama with attention_bias and mlp_bias (o_proj and down_proj add their bias after the matmul instead
+    of accumulating into the residual in place) and a GELU MLP (no in-place SiLU)."""
+    model = make("llama", attention_bias=True, mlp_bias=True, hidden_act="gelu")
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    assert model.model.layers[0].mlp.down_proj.bias is not None
+    decode_against_hf(model, SlotDecoder(model, torch.device("cpu"), fuse=fuse), steps=3)
+
+
+def test_kv_only_prefill_writes_every_layers_cache():
+    """prefill(logits=False) (the K/V recompute after a weight swap) stops after the last layer's K/V: it
+    returns nothing, and decoding from the cache it wrote still gives HF's logits."""
+    model = make("llama", num_hidden_layers=3)
+    backend = SlotDecoder(model, torch.device("cpu"), fuse=True)
+    backend.capacity(2, 16)
+    with torch.inference_mode():
+        assert backend.prefill([PROMPTS[1], PROMPTS[3]], 0, [1, 1], logits=False) is None
+        out = backend.decode(torch.tensor([40, 41]))
+    for j, (p, tok) in enumerate(zip([PROMPTS[1], PROMPTS[3]], [40, 41])):
+        torch.testing.assert_close(out[j], hf_last_logits(model, p + [tok]), atol=ATOL, rtol=0)
