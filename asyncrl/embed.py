@@ -128,7 +128,7 @@ class AgentEpisode:
         t = self.transcript
         if not t.turns:
             raise ValueError("an episode needs at least one model turn (act) before it is submitted")
-        model_versions = [v for v, m in zip(t.versions, t.loss_mask) if m]
+        model_versions = [v for v, m in zip(t.versions, t.loss_mask) if m] or [self._rt.version]
         return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
                           loss_mask=t.loss_mask, behavior_logprobs=t.logprobs, versions=t.versions,
                           min_version=min(model_versions), max_version=max(model_versions),
@@ -143,6 +143,9 @@ class Runtime:
     def __init__(self, config: Config | str | Path, *, local: bool = True, overrides: Sequence[str] = (),
                  run_dir: str | Path | None = None) -> None:
         self.cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        if self.cfg.algorithm.advantage == "remax":
+            raise ValueError("algorithm.advantage: ReMax's baseline is the generators' greedy completion of each "
+                             "prompt, which groups submitted to a Runtime do not have — use e.g. 'grpo' or 'rloo'")
         self.local = local
         self.run_dir = run_dir
         self._version = 0
@@ -150,6 +153,7 @@ class Runtime:
         self._task: asyncio.Future | None = None
         self._next_gen = 0
         self._started_ray = False
+        self._inner: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def __aenter__(self) -> "Runtime":
@@ -159,18 +163,25 @@ class Runtime:
         self.codec = HFCodec(tok)
         self.chat_format = resolve_format(self.codec, cfg.env.chat_template if cfg.env else "auto")
         self.stop_ids = frozenset([*eos_token_ids(cfg.model.path), *cfg.rollout.stop_token_ids])
-        if self.local:
-            from asyncrl.local import LocalDeployment
+        try:
+            if self.local:
+                from asyncrl.local import LocalDeployment
 
-            self._inner = await asyncio.to_thread(LocalDeployment, cfg)
-        else:
-            from asyncrl.launch import RayDeployment, start_ray
+                self._inner = await asyncio.to_thread(LocalDeployment, cfg)
+            else:
+                from asyncrl.launch import RayDeployment, start_ray
 
-            self._started_ray = start_ray(cfg)
-            self._inner = RayDeployment(cfg)
-            await asyncio.to_thread(self._inner.wait_ready)
-        self._deployment = _Embedded(self._inner, self._published)
-        self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir)
+                self._started_ray = start_ray(cfg)
+                self._inner = RayDeployment(cfg)
+                await asyncio.to_thread(self._inner.wait_ready)
+            self._deployment = _Embedded(self._inner, self._published)
+            self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir)
+        except BaseException:  # __aexit__ will not run: stop what was started, then report the cause
+            try:
+                await self._release()
+            except Exception as exc:  # the start's own error is the one to report
+                log.warning("cleanup after a failed start failed too: %s", exc)
+            raise
         self._task = asyncio.ensure_future(self.controller.run())
         self._task.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
         return self
@@ -183,11 +194,20 @@ class Runtime:
                 await self._task
             except (asyncio.CancelledError, Exception) as err:  # reported by whoever awaited training
                 log.debug("background training ended with %r", err)
-        await self._inner.shutdown()
-        if self._started_ray:
-            import ray
+        await self._release()
 
-            ray.shutdown()
+    async def _release(self) -> None:
+        """Shut the deployment down (engines, actors) and Ray if this Runtime started it."""
+        inner, self._inner = self._inner, None
+        try:
+            if inner is not None:
+                await inner.shutdown()
+        finally:
+            if self._started_ray:
+                import ray
+
+                self._started_ray = False
+                ray.shutdown()
 
     # -- versions ---------------------------------------------------------------------------------
     @property
@@ -272,6 +292,8 @@ class Runtime:
         """
         items = [group] if isinstance(group, (AgentEpisode, Trajectory)) else list(group)
         trajs = [x.to_trajectory() if isinstance(x, AgentEpisode) else x for x in items]
+        for t in trajs:  # here, one line to the caller, not later in the trainer (which would end the run)
+            _check_submittable(t)
         self._raise_if_finished()
         try:
             return await self._deployment.hub.submit_group(trajs, timeout)
@@ -279,3 +301,20 @@ class Runtime:
             if type(exc).__name__ == "QueueClosed" or self.training_done:
                 raise TrainingFinished(f"training ended at version {self._version}; the group was not queued") from exc
             raise
+
+
+def _check_submittable(t: Trajectory) -> None:
+    """Raise ValueError (one line) for a trajectory the trainer must refuse: greedy, no prompt, or per-token
+    lists that do not match its response."""
+    if not isinstance(t, Trajectory):
+        raise TypeError(f"submit takes AgentEpisodes or Trajectories, got {type(t).__name__}")
+    if t.temperature <= 0:
+        raise ValueError(f"submit: a trajectory sampled greedily (temperature={t.temperature}) is never trained — "
+                         f"sample its turns with temperature > 0")
+    if not t.prompt_ids:
+        raise ValueError("submit: a trajectory needs at least one prompt token")
+    n = len(t.response_ids)
+    if not (len(t.loss_mask) == len(t.behavior_logprobs) == len(t.versions) == n):
+        raise ValueError(f"submit: response_ids ({n}), loss_mask ({len(t.loss_mask)}), behavior_logprobs "
+                         f"({len(t.behavior_logprobs)}) and versions ({len(t.versions)}) need one entry per "
+                         f"response token")

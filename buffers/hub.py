@@ -71,6 +71,9 @@ class ReplayHub:
         self._closed = False
         self.train_put_wait_s = 0.0
         self.env_counts = {"episodes": 0, "errors": 0, "turns": 0, "truncated": 0}  # env episodes seen (asyncrl/envs)
+        # env_counts at the previous and at the latest publish: their difference is the latest step's window
+        self._env_marks = (dict.fromkeys(self.env_counts, 0), dict.fromkeys(self.env_counts, 0))
+        self._env_marked_version = 0
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
 
     # -- generators ----------------------------------------------------------------------------
@@ -181,6 +184,9 @@ class ReplayHub:
 
     async def publish(self, version: int) -> None:
         self.gate.publish(version)
+        if version > self._env_marked_version:  # re-publishing a version is a no-op, here too
+            self._env_marked_version = version
+            self._env_marks = (self._env_marks[1], dict(self.env_counts))
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
@@ -206,7 +212,18 @@ class ReplayHub:
             "buffer/submitted_dropped_stale": float(self.submitted["dropped_stale"]),
         })
         if self.env_counts["episodes"]:
-            c = self.env_counts
-            out.update({"env/episodes": float(c["episodes"]), "env/errors": float(c["errors"]),
-                        "env/turns_mean": c["turns"] / c["episodes"], "env/truncated": float(c["truncated"])})
+            out.update(self._env_stats())
         return out
+
+    def _env_stats(self) -> dict[str, float]:
+        """Env episodes of the latest step — those queued between the previous and the latest `publish`,
+        i.e. while the train step that produced the latest version ran (a fixed window: it does not depend
+        on how often stats() is called) — and `*_total` since the start of the run."""
+        prev, last = self._env_marks
+        step = {k: last[k] - prev[k] for k in last}
+        c = self.env_counts
+        return {"env/episodes": float(step["episodes"]), "env/errors": float(step["errors"]),
+                "env/truncated": float(step["truncated"]),
+                "env/turns_mean": step["turns"] / step["episodes"] if step["episodes"] else 0.0,
+                "env/episodes_total": float(c["episodes"]), "env/errors_total": float(c["errors"]),
+                "env/truncated_total": float(c["truncated"])}

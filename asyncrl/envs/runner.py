@@ -11,9 +11,10 @@ continuous batching. Limits per episode: `max_turns` model turns and `max_episod
 Containment (nothing is lost, everything is counted in `counters`):
 * `reset` raising / timing out / returning a non-string: finish_reason "error" — nothing to train on;
   the Scorer fails the group (slots returned to the gate, counted as failed).
-* `step` raising / timing out / returning garbage: the episode ends with `env_error` recorded and
-  `env/step_errors` counted; with `on_step_error = "keep"` (default) it is trained on the tokens it has
-  with the reward summed so far, with "fail" it fails its group like a reset error.
+* `step` raising / timing out / returning garbage (or an observation the tokenizer cannot encode): the
+  episode ends with `env_error` recorded and counted (`env/step_errors`, `step_timeouts`, `garbage`); with
+  `on_step_error = "keep"` (default) it is trained on the tokens it has with the reward summed so far,
+  with "fail" it fails its group like a reset error.
 * the engine raising: finish_reason "error" (the group fails, as on the single-turn path).
 Env methods must not block the loop (they are `async`); a synchronous hang cannot be timed out.
 """
@@ -145,6 +146,10 @@ class EpisodeRunner:
             except ChatTemplateError as exc:
                 self.counters["template_errors"] += 1
                 self._step_failed(ep, str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 — text the tokenizer refuses is the env's garbage
+                self.counters["garbage"] += 1
+                self._step_failed(ep, f"env step {t.turns}: observation could not be encoded: {_why(exc)}")
                 return
             if len(t.response_ids) + len(ids) >= lim.max_episode_tokens:
                 ep.finish_reason = "length"  # no room left for the model to answer this observation

@@ -100,6 +100,7 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPR = 200
 MAX_POW = 64
+MAX_BITS = 4096  # integer results (and operands of * and **) stay below this: the tool runs on the event loop
 
 
 def calculate(expr: str) -> int | float:
@@ -120,6 +121,7 @@ def calculate(expr: str) -> int | float:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > MAX_POW:
                 raise ValueError(f"exponent {right} too large (at most {MAX_POW})")
+            _check_size(node.op, left, right)
             return _BINARY[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](ev(node.operand))
@@ -129,9 +131,26 @@ def calculate(expr: str) -> int | float:
         value = ev(tree)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
+    except OverflowError:
+        raise ValueError("result too large") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("result is not finite")
     return value
+
+
+def _check_size(op: ast.operator, left: int | float, right: int | float) -> None:
+    """Refuse, before computing it, an integer product or power of more than MAX_BITS bits: a few nested
+    powers ("(((9**64)**64)**64)**64") would otherwise block the event loop for tens of seconds."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return  # float arithmetic is constant time (an overflow raises OverflowError)
+    if isinstance(op, ast.Pow) and right > 0:
+        bits = abs(left).bit_length() * right
+    elif isinstance(op, ast.Mult):
+        bits = abs(left).bit_length() + abs(right).bit_length()
+    else:
+        bits = max(abs(left).bit_length(), abs(right).bit_length())
+    if bits > MAX_BITS:
+        raise ValueError(f"result too large (over {MAX_BITS} bits)")
 
 
 def format_number(value: int | float) -> str:
@@ -194,7 +213,11 @@ class PythonTool:
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, preexec_fn=self._limits,
                 start_new_session=True)
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+                # Not communicate(): it would hold everything the child prints (GBs within the time limit)
+                # in this process, past the child's own memory limit. Keep a bounded head / tail instead.
+                out, err, _ = await asyncio.wait_for(asyncio.gather(
+                    _drain(proc.stdout, self.max_output), _drain(proc.stderr, 8192, tail=True), proc.wait()),
+                    self.timeout_s)
             except asyncio.TimeoutError:
                 _kill_group(proc.pid)
                 await proc.wait()
@@ -206,6 +229,18 @@ class PythonTool:
                 why = f"killed by signal {-proc.returncode} (cpu or memory limit)"
             return f"error: {why[:200]}"
         return out.decode(errors="replace")[: self.max_output].rstrip("\n")
+
+
+async def _drain(stream: asyncio.StreamReader | None, cap: int, *, tail: bool = False) -> bytes:
+    """Read `stream` to its end, keeping only its first (or, with `tail`, last) `cap` bytes."""
+    buf = bytearray()
+    if stream is None:
+        return b""
+    while chunk := await stream.read(65536):
+        buf += chunk
+        if len(buf) > cap:
+            buf = buf[-cap:] if tail else buf[:cap]
+    return bytes(buf)
 
 
 def _kill_group(pid: int) -> None:

@@ -171,8 +171,12 @@ class Transcript:
             closer = self._strict_closer()
             prev, full = _check_prefix(self.codec, self.messages, [*self.messages, msg], self.turns)
             return self.codec.encode(closer + full[len(prev):])
-        closer = self._closer(self._one(self.messages[-1]), self.messages[-1]["content"])
-        return self.codec.encode(closer + self._one(msg) + self._gen_prompt())
+        # The model's message rendered alone: its header is the generation prompt the context already
+        # holds, so its content is searched for after that (a short content like "a" may occur in the header).
+        rendered, gen = self._one(self.messages[-1]), self._gen_prompt()
+        head = rendered.find(gen) if gen else -1
+        closer = self._closer(rendered, self.messages[-1]["content"], head + len(gen) if head >= 0 else 0)
+        return self.codec.encode(closer + self._one(msg) + gen)
 
     def add_observation(self, text: str, ids: list[int], version: int) -> None:
         self.response_ids += ids
@@ -200,8 +204,9 @@ class Transcript:
                 f"does not start with the generation prompt before it — set env.chat_template = 'concat'")
         return self._closer(full[len(head):], self.messages[-1]["content"])
 
-    def _closer(self, rendered: str, content: str) -> str:
-        at = rendered.find(content) if content else 0
+    def _closer(self, rendered: str, content: str, start: int = 0) -> str:
+        """The text of `rendered` (a model message) after its `content`, searched from `start`."""
+        at = rendered.find(content, start) if content else start
         closer = rendered[at + len(content):] if at >= 0 else ""
         # The model's own stop token (eos / end-of-turn) is already in the transcript: do not add it twice.
         tail = [i for i in self._last_turn[-1:] if i in self.stop_ids]

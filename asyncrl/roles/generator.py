@@ -71,6 +71,7 @@ class Generator:
         self.greedy_baseline = False  # ReMax: also decode each prompt greedily (baseline_response_ids)
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
+        self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
         self.tokens_generated = 0
         self.groups_generated = 0
         self.groups_failed = 0
@@ -126,6 +127,8 @@ class Generator:
         inflight: set[asyncio.Future] = set()
         try:
             while not self._stopped.is_set():
+                if self._failure is not None:
+                    raise self._failure
                 if self._pending is not None and (self.weight_update == "between_requests" or not inflight):
                     if inflight:
                         await asyncio.wait(inflight)
@@ -141,12 +144,24 @@ class Generator:
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))
                     inflight.add(task)
-                    task.add_done_callback(inflight.discard)
+                    task.add_done_callback(lambda t: self._group_done(t, inflight))
         finally:
             if inflight:
                 _, pending = await asyncio.wait(inflight, timeout=10)
                 for task in pending:
                     task.cancel()
+
+    def _group_done(self, task: asyncio.Future, inflight: set[asyncio.Future]) -> None:
+        """A group task ended. Its expected faults are contained inside it; anything else (the hub refusing
+        a put while the run goes on) would leave its group running at the gate forever, so it ends `run`
+        with that error (the runtime reports a dead generator loop) instead of vanishing unretrieved."""
+        inflight.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._stopped.is_set():  # the run is over: nothing waits for this group any more
+            log.warning("generator %d: a group failed at shutdown: %r", self.generator_id, task.exception())
+        elif self._failure is None:
+            self._failure = task.exception()
 
     async def _play_groups(self, group_ids: list[int], version: int) -> None:
         """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
@@ -158,20 +173,12 @@ class Generator:
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: episodes of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            self.groups_failed += len(group_ids)
-            await self.hub.release_groups(group_ids, "failed")
+            await self._release_failed(group_ids)
             return
         trajs = [t for group in groups for t in group]
         self.groups_generated += len(group_ids)
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
-        t0 = time.time()
-        try:
-            await self.hub.put_rollouts(trajs)
-        except Exception:
-            if self._stopped.is_set():  # the run is over: the closed hub takes no more rollouts
-                return
-            raise
-        self.recorder.record("wait_queue", t0, time.time(), version)
+        await self._put_rollouts(trajs, version)
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
         if self.episodes is not None:  # multi-turn environment episodes instead of single completions
@@ -186,8 +193,7 @@ class Generator:
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            self.groups_failed += len(group_ids)
-            await self.hub.release_groups(group_ids, "failed")
+            await self._release_failed(group_ids)
             return
         trajs: list[Trajectory] = []
         for gid, row, row_json, group, base in zip(group_ids, rows, row_jsons, completions, baselines):
@@ -196,9 +202,30 @@ class Generator:
                 trajs[-1].baseline_response_ids = base
         self.groups_generated += len(group_ids)
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
+        await self._put_rollouts(trajs, version)
+
+    async def _put_rollouts(self, trajs: list[Trajectory], version: int) -> None:
+        """Queue finished rollouts (waits for room). After stop() the hub is closing and refuses puts
+        (QueueClosed, or its Ray-wrapped form): the run is over, so the rollouts are dropped quietly."""
         t0 = time.time()
-        await self.hub.put_rollouts(trajs)
+        try:
+            await self.hub.put_rollouts(trajs)
+        except Exception as exc:
+            if not self._stopped.is_set():
+                raise
+            log.debug("generator %d: %d rollouts dropped at shutdown (%s)", self.generator_id, len(trajs),
+                      type(exc).__name__)
+            return
         self.recorder.record("wait_queue", t0, time.time(), version)
+
+    async def _release_failed(self, group_ids: list[int]) -> None:
+        """Return the slots of failed groups; after stop() a closing hub may refuse, which no longer matters."""
+        self.groups_failed += len(group_ids)
+        try:
+            await self.hub.release_groups(group_ids, "failed")
+        except Exception:
+            if not self._stopped.is_set():
+                raise
 
     async def _sample(self, prompts: list[list[int]]) -> tuple[list[list[Completion]], list[list[int]]]:
         """The training samples of each prompt and, for ReMax, its greedy completion (else []).

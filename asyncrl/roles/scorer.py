@@ -6,7 +6,8 @@ A reward function that raises, returns garbage or hangs past `timeout_s` fails i
 belongs to completes as a failed group (slots returned to the gate, counted) and the run goes on.
 
 Algorithm extras (docs/algorithms.md), each off unless configured:
-- Safe-RLHF: `cost_fn` is called like the reward function (same containment) and fills `Trajectory.cost`.
+- Safe-RLHF: `cost_fn` is called like the reward function (same containment) and fills `Trajectory.cost`
+  — also for episodes that bring their own reward (`env_reward`, e.g. submitted to `asyncrl.Runtime`).
 - ReMax: a group whose trajectories carry the generator's greedy completion (`baseline_response_ids`)
   gets it scored once, into every member's `baseline_reward`.
 - KL to a reference: with a `ReferencePolicy` the scorer fills `Trajectory.ref_logprobs` (a forward pass
@@ -121,16 +122,20 @@ class Scorer:
         self.counts["scored"] += 1
         if traj.finish_reason == "error":
             return
-        if traj.env_reward is not None:  # an env episode (asyncrl/envs) brings its own reward
+        if traj.env_reward is not None and self.cost_fn is None:  # an env episode brings its own reward
             traj.reward = traj.env_reward
             return
         row = json.loads(traj.row_json) if traj.row_json else {}
         completion = self.decode(traj.response_ids)
-        try:
-            traj.reward = await call_reward_async(self.reward_fn, traj.prompt_text, completion, row, self.timeout_s)
-        except Exception as exc:  # user code: contain, count, fail the group
-            self._fail(traj, "reward", exc)
-            return
+        if traj.env_reward is not None:  # an episode submitted to asyncrl.Runtime: its reward, our cost
+            traj.reward = traj.env_reward
+        else:
+            try:
+                traj.reward = await call_reward_async(self.reward_fn, traj.prompt_text, completion, row,
+                                                      self.timeout_s)
+            except Exception as exc:  # user code: contain, count, fail the group
+                self._fail(traj, "reward", exc)
+                return
         if self.cost_fn is None:
             return
         try:

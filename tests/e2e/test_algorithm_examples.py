@@ -3,6 +3,7 @@ on the tiny test model for a couple of steps, and its metrics show what the algo
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -42,7 +43,16 @@ def test_algorithm_example_runs_through_asyncrl_launch(algo, tiny_model_dir, tmp
     assert [r["step"] for r in rows] == [1, 2]
     for key in COMMON + EXPECTED[algo]:
         assert all(key in r and math.isfinite(r[key]) for r in rows), key
+    for r in rows:
+        assert 0.0 <= r["offpolicy/share_clipped"] <= 1.0 and 0.0 <= r["offpolicy/share_masked"] <= 1.0
+        assert r["offpolicy/is_ratio_min"] <= r["offpolicy/is_ratio_mean"] <= r["offpolicy/is_ratio_max"]
     if algo == "ppo":
+        assert all(r["critic/value_loss"] > 0 and r["critic/explained_variance"] <= 1.0 for r in rows)
         assert (run_dir / "checkpoint" / "critic" / "config.json").is_file()
+    if algo == "dapo":
+        assert all(r["dapo/overlong_penalty_mean"] <= 0.0 for r in rows)
     if algo == "safe_rlhf":
-        assert (run_dir / "checkpoint" / "safety.json").is_file()
+        # the multiplier moves by the measured cost and carries over to the next step and the checkpoint
+        assert rows[1]["safety/lambda"] == pytest.approx(rows[0]["safety/lambda_next"])
+        saved = json.loads((run_dir / "checkpoint" / "safety.json").read_text())
+        assert saved["value"] == pytest.approx(rows[1]["safety/lambda_next"])

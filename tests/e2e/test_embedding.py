@@ -91,7 +91,8 @@ def test_runtime_trains_from_an_agent_loop_and_the_version_advances(tmp_path):
     assert all(isinstance(g, int) for g in submitted) and len(set(submitted)) == len(submitted)
     train = [r for r in rows if "reward/mean" in r]
     assert len(train) >= 2 and train[-1]["buffer/submitted_groups"] >= 4
-    assert train[-1]["env/episodes"] >= 16 and "staleness/max" in train[-1]
+    assert train[-1]["env/episodes_total"] >= 16 and "staleness/max" in train[-1]
+    assert sum(r["env/episodes"] for r in train[:2]) >= 2 * 2 * 4  # two steps of 2 groups of 4, each queued in time
 
 
 def test_runtime_submit_after_training_ends_raises_and_wait_reports_it(tmp_path):
@@ -117,3 +118,53 @@ def test_runtime_submit_after_training_ends_raises_and_wait_reports_it(tmp_path)
             assert c.versions == [1]
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_runtime_refuses_what_it_cannot_train_with_one_line_before_starting(tmp_path):
+    import msgspec
+
+    cfg = tiny_config(tmp_path)  # (with [env] the config check itself refuses ReMax; a Runtime may have none)
+    remax = msgspec.structs.replace(cfg, env=None, algorithm=msgspec.structs.replace(cfg.algorithm, advantage="remax"))
+    with pytest.raises(ValueError, match="^algorithm.advantage: ReMax"):
+        Runtime(remax)
+    rt = Runtime(tiny_config(tmp_path))  # not entered: submit checks its input before touching the hub
+
+    def traj(**kw) -> Trajectory:
+        fields = dict(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2, 3], loss_mask=[True, True],
+                      behavior_logprobs=[-1.0, -1.0], versions=[0, 0], min_version=0, max_version=0,
+                      finish_reason="stop", temperature=1.0, env_reward=1.0)
+        return Trajectory(**{**fields, **kw})
+
+    for bad, why in [(traj(temperature=0.0), "greedily"), (traj(prompt_ids=[]), "prompt token"),
+                     (traj(loss_mask=[True]), "one entry per response token")]:
+        with pytest.raises(ValueError, match=why):
+            asyncio.run(rt.submit([traj(), bad]))
+    with pytest.raises(TypeError, match="AgentEpisodes or Trajectories"):
+        asyncio.run(rt.submit(["not a trajectory"]))
+
+
+
+def test_runtime_that_fails_to_start_shuts_down_what_it_started(tmp_path, monkeypatch):
+    import asyncrl.embed
+    from asyncrl.local import LocalDeployment
+
+    closed = []
+    real_shutdown = LocalDeployment.shutdown
+
+    async def shutdown(self):
+        closed.append(self)
+        await real_shutdown(self)
+
+    def broken_controller(*args, **kwargs):
+        raise RuntimeError("controller could not start")
+
+    monkeypatch.setattr(LocalDeployment, "shutdown", shutdown)
+    monkeypatch.setattr(asyncrl.embed, "Controller", broken_controller)
+
+    async def main():
+        async with Runtime(tiny_config(tmp_path)):
+            raise AssertionError("the context must not be entered")
+
+    with pytest.raises(RuntimeError, match="controller could not start"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(closed) == 1  # the engines the deployment started were closed

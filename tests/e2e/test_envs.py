@@ -149,8 +149,12 @@ def test_guess_env_trains_in_process_and_reports_env_metrics(env_model_dir, tmp_
     rows = run_local(cfg)
     train = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert train[-1]["env/episodes"] >= 3 * 4 * 4 and train[-1]["env/errors"] == 0
-    assert 1 <= train[-1]["env/turns_mean"] <= 3
+    assert train[-1]["env/episodes_total"] >= 3 * 4 * 4 and train[-1]["env/errors_total"] == 0
+    # per step: the episodes queued in the step's window; every trained one was queued by its step's end
+    for k in range(1, 4):
+        assert sum(r["env/episodes"] for r in train[:k]) >= k * 4 * 4
+    assert sum(r["env/episodes"] for r in train) <= train[-1]["env/episodes_total"]
+    assert all(r["env/errors"] == 0 and 1 <= r["env/turns_mean"] <= 3 for r in train if r["env/episodes"])
     assert "eval/greedy_reward" in train[-1] and "eval/greedy_turns" in train[-1]
 
 
@@ -190,8 +194,9 @@ def test_user_env_by_import_path_trains_and_faulty_episodes_are_counted(env_mode
                      "env.kwargs.fail_every=2", "trainer.eval_every=0")
     rows = [r for r in run_local(cfg) if "reward/mean" in r]
     assert len(rows) == 3
-    assert rows[-1]["env/episodes"] >= 48 and rows[-1]["buffer/failed"] == 0
+    assert rows[-1]["env/episodes_total"] >= 48 and rows[-1]["buffer/failed"] == 0
     # fail_every=2 raises on every even countdown: each such episode ends with its error recorded and
     # counted, is trained on the turn it has (on_step_error = "keep"), and the run goes on
-    assert 1 <= rows[-1]["env/errors"] < rows[-1]["env/episodes"]
+    assert 1 <= rows[-1]["env/errors_total"] < rows[-1]["env/episodes_total"]
+    assert sum(r["env/errors"] for r in rows) <= rows[-1]["env/errors_total"]
     sys.modules.pop("user_envs_mod", None)

@@ -65,7 +65,8 @@ def test_submitted_groups_are_admitted_at_their_version_and_dropped_when_too_sta
         assert await hub.submit_group([traj(1)], timeout=1) is not None
         stats = await hub.stats()
         assert stats["buffer/submitted_dropped_stale"] == 1.0 and stats["buffer/submitted_groups"] == 2.0
-        assert stats["env/episodes"] == 3.0 and stats["env/errors"] == 0.0
+        assert stats["env/episodes_total"] == 3.0 and stats["env/errors_total"] == 0.0
+        assert stats["env/episodes"] == 2.0  # this step's window: queued before publish(1); the third after
 
     asyncio.run(asyncio.wait_for(main(), 10))
 

@@ -142,6 +142,18 @@ def test_template_that_is_not_append_only_is_reported_with_its_turn():
     assert traj.response_ids[:2] == [codec.ids["5"], codec.eos] and traj.response_ids[-1] == codec.ids["6"]
 
 
+@pytest.mark.parametrize("turn, closer", [("a", "|"), ("", "|"), ("5", "|")])
+def test_concat_closes_the_model_message_after_its_content_even_when_the_header_contains_it(turn, closer):
+    # "counted" renders the model's message alone as "1:<a>{content}<eos>|": content "a" also occurs in
+    # its header "<a>", and an empty content (the model sampled only its eos) is found anywhere
+    codec = MergeCodec(template="counted")
+    t = Transcript(codec, "concat", stop_ids=frozenset([codec.eos]))
+    t.start("q")
+    assert codec.decode_raw(t.prompt_ids) == "1:<u>q<eos>|<a>"
+    t.add_model_turn([*codec.encode(turn), codec.eos], [-1.0] * (len(turn) + 1), [0] * (len(turn) + 1))
+    assert codec.decode_raw(t.observation_ids("+")) == closer + "1:<u>+<eos>|<a>"
+
+
 def _one_turn(codec: MergeCodec) -> None:
     t = Transcript(codec, "strict", stop_ids=frozenset([codec.eos]))
     t.start("q")
@@ -192,6 +204,21 @@ def test_env_step_fault_ends_episode_with_recorded_error_and_the_rest_goes_on(en
     assert good.env_error == "" and good.env_reward == 2.0
     failing = runner(ScriptedEngine([[1]] * 8), codec, env_cls=env_cls, step_timeout_s=0.05, on_step_error="fail")
     assert all(t.finish_reason == "error" for t in asyncio.run(failing.run_group(0, {"prompt": "q"}, 2)))
+
+
+class UnencodableEnv(EchoEnv):
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation="Z", reward=0.5)  # MergeCodec has no "Z": encode raises KeyError
+
+
+def test_observation_the_tokenizer_cannot_encode_ends_the_episode_as_garbage_not_the_group():
+    codec = MergeCodec()
+    r = runner(ScriptedEngine([[1]] * 4), codec, env_cls=UnencodableEnv)
+    trajs = asyncio.run(r.run_group(0, {"prompt": "q"}, 2))
+    for t in trajs:
+        assert "observation could not be encoded: KeyError" in t.env_error
+        assert t.finish_reason == "stop" and t.loss_mask == [True] and t.env_reward == 0.5
+    assert r.counters["garbage"] == 2 and r.stats()["env/errors"] == 2.0
 
 
 def test_reset_fault_fails_the_episode_and_is_counted():
@@ -291,3 +318,118 @@ def test_hf_tokenizer_chat_template_is_applied_append_only(tiny_model_dir):
     t.add_observation("+", t.observation_ids("+"), 0)
     assert codec.decode_raw(t.prompt_ids + t.response_ids) == codec.render(t.messages, True) == "15<eos>=27<eos>=1+<eos>=2"
     assert t.response_ids[:2] == sampled and t.loss_mask == [True, True] + [False] * (len(t.response_ids) - 2)
+
+
+# -- the Generator's two paths (single-turn completions, env episodes) at shutdown ------------------
+
+class _ClosingHub:
+    """Admits one group, then nothing; refuses its rollouts as a closed hub does (optionally calling
+    `before_refusing` first, e.g. the generator's stop(), as the runtime does before closing the hub)."""
+
+    def __init__(self) -> None:
+        self.before_refusing = lambda: None
+        self.admitted = self.puts = 0
+
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+        if self.admitted:
+            await asyncio.sleep(0.01)
+            return []
+        self.admitted = 1
+        return [0]
+
+    async def put_rollouts(self, trajs) -> None:
+        from buffers.queue import QueueClosed
+
+        self.puts += 1
+        self.before_refusing()
+        raise QueueClosed("rollout queue is closed")
+
+    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+        raise AssertionError("nothing fails here")
+
+
+def _generator(hub: _ClosingHub, env: bool):
+    from asyncrl.roles.generator import Generator
+
+    codec = MergeCodec()
+    gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), hub=hub, next_row=lambda: {"prompt": "q"},
+                    encode=codec.encode, sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
+    if env:
+        gen.episodes = runner(ScriptedEngine([[1]] * 8), codec)
+    return gen
+
+
+def _run_collecting_loop_errors(coro) -> tuple[BaseException | None, list[str]]:
+    """Run `coro` on a fresh loop; (its exception or None, messages the loop's exception handler got)."""
+    import gc
+
+    errors: list[str] = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _, ctx: errors.append(ctx["message"]))
+    try:
+        loop.run_until_complete(asyncio.wait_for(coro, 5))
+        raised = None
+    except Exception as exc:  # noqa: BLE001 — the test inspects it
+        raised = exc
+    finally:
+        gc.collect()  # an unretrieved task exception is reported when its task is collected
+        loop.close()
+    gc.collect()
+    return raised, errors
+
+
+@pytest.mark.parametrize("env", [False, True], ids=["single_turn", "env_episodes"])
+def test_generator_drops_rollouts_quietly_when_the_hub_closes_after_stop(env):
+    hub = _ClosingHub()
+    gen = _generator(hub, env)
+    hub.before_refusing = gen.stop  # the runtime stops the loops, then closes the hub
+    raised, errors = _run_collecting_loop_errors(gen.run())
+    assert raised is None and hub.puts == 1
+    assert errors == []  # no "Task exception was never retrieved" (QueueClosed) at shutdown
+
+
+@pytest.mark.parametrize("env", [False, True], ids=["single_turn", "env_episodes"])
+def test_generator_run_fails_loudly_when_the_hub_refuses_rollouts_while_running(env):
+    # not stopped: the group would stay running at the gate forever, so the loop must end with the error
+    hub = _ClosingHub()
+    raised, errors = _run_collecting_loop_errors(_generator(hub, env).run())
+    assert type(raised).__name__ == "QueueClosed" and hub.puts == 1
+    assert errors == []
+
+
+# -- env metrics from the hub: per-step windows between publishes, plus totals ----------------------
+
+def test_hub_env_metrics_count_each_steps_window_between_publishes_and_the_totals():
+    from asyncrl.messages import Trajectory
+    from buffers.hub import ReplayHub
+
+    def episode(error: str = "", turns: int = 2, truncated: bool = False) -> Trajectory:
+        return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2], loss_mask=[True],
+                          behavior_logprobs=[0.0], versions=[0], min_version=0, max_version=0, finish_reason="stop",
+                          env_reward=1.0, env_error=error, turns=turns, truncated=truncated)
+
+    async def main() -> list[dict[str, float]]:
+        hub = ReplayHub(prompts_per_step=1, group_size=1, max_staleness=0, rollout_capacity=16, train_capacity=4)
+        hub.gate.publish = lambda version: None  # no steps are trained here; only the env windows matter
+        out = [await hub.stats()]
+        await hub.put_rollouts([episode(), episode(turns=4, error="env step 1: boom")])
+        await hub.publish(1)
+        out += [await hub.stats(), await hub.stats()]  # a second read of the same step: same window
+        await hub.put_rollouts([episode(truncated=True)])
+        out.append(await hub.stats())  # queued after the publish: not yet in a window, in the totals
+        await hub.publish(2)
+        out.append(await hub.stats())
+        await hub.publish(2)  # re-publishing a version does not open a new window
+        assert await hub.stats() == out[-1]
+        await hub.publish(3)
+        out.append(await hub.stats())
+        return out
+
+    before, step1, again, between, step2, step3 = asyncio.run(main())
+    assert "env/episodes" not in before  # no env episodes, no env metrics
+    assert step1 == again
+    assert (step1["env/episodes"], step1["env/errors"], step1["env/turns_mean"], step1["env/truncated"]) == (2, 1, 3.0, 0)
+    assert between["env/episodes"] == 2 and between["env/episodes_total"] == 3
+    assert (step2["env/episodes"], step2["env/truncated"], step2["env/errors"]) == (1, 1, 0)
+    assert (step2["env/episodes_total"], step2["env/errors_total"], step2["env/truncated_total"]) == (3, 1, 1)
+    assert step3["env/episodes"] == 0 and step3["env/turns_mean"] == 0.0 and step3["env/episodes_total"] == 3

@@ -275,6 +275,20 @@ def test_scorer_fills_costs_and_fails_the_group_whose_cost_function_raises():
     assert scorer.counts["cost_errors"] == 1
 
 
+def test_scorer_costs_episodes_that_bring_their_own_reward():
+    # an episode submitted to asyncrl.Runtime carries env_reward; Safe-RLHF still needs its cost
+    hub = _Hub()
+    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=lambda p, c, **f: 99.0, decode=_decode,
+                    cost_fn=lambda p, c, **f: float(len(c)))
+    trajs = [msgspec.structs.replace(_scored(text, 0, j), env_reward=0.5 * j) for j, text in enumerate(["a", "abc"])]
+    asyncio.run(scorer.score_batch(trajs))
+    assert [(t.reward, t.cost) for t in hub.accepted[0].trajectories] == [(0.0, 1.0), (0.5, 3.0)]
+    plain = _Hub()  # without a cost function the env reward is taken as it is, nothing decoded
+    asyncio.run(Scorer(scorer_id=0, hub=plain, reward_fn=lambda p, c, **f: 99.0, decode=None).score_batch(
+        [msgspec.structs.replace(_scored("a", 1, j), env_reward=1.0) for j in range(2)]))
+    assert [t.reward for t in plain.accepted[0].trajectories] == [1.0, 1.0]
+
+
 def test_scorer_scores_the_greedy_baseline_once_per_group_into_every_member():
     calls = []
 

@@ -30,6 +30,22 @@ def test_calculator_evaluates_arithmetic_and_refuses_everything_else():
             calculate(bad)
 
 
+def test_calculator_refuses_huge_integers_before_computing_them():
+    import time
+
+    # unchecked, the last one takes ~30 s of CPU on the event loop, where no timeout can interrupt it
+    t0 = time.perf_counter()
+    for bad in ("(9**64)**64", "(((9**64)**64)**64)**64", "(2**64)**64", "(10**60*10**60)**40"):
+        with pytest.raises(ValueError, match="too large"):
+            calculate(bad)
+    assert time.perf_counter() - t0 < 0.1
+    assert calculate("3**64*3**64") == 3**128 and calculate("(2**32)**2") == 2**64
+    with pytest.raises(ValueError, match="not finite"):  # floats overflow to inf in constant time
+        calculate("1e300*1e300")
+    with pytest.raises(ValueError, match="too large"):  # or raise OverflowError
+        calculate("1e300**2")
+
+
 def test_toolbox_turns_raise_hang_and_garbage_into_error_observations():
     async def boom(args):
         raise RuntimeError("tool broke")
@@ -65,6 +81,19 @@ def test_python_tool_limits_time_and_memory(py):
     assert "timed out" in run(quick("import time\ntime.sleep(30)"))
     out = run(py("x = bytearray(1024 * 2**20)\nprint(len(x))"))
     assert out.startswith("error:") and "MemoryError" in out
+
+
+def test_python_tool_keeps_only_a_bounded_part_of_a_flood_of_output():
+    import resource
+
+    tool = PythonTool(timeout_s=10.0, max_output=100)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    out = run(tool("import sys\nfor _ in range(300):\n    sys.stdout.write('x' * 2**20)"))  # 300 MiB
+    assert out == "x" * 100
+    # the parent never held the flood (communicate() would have buffered all 300 MiB here)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 * 1024
+    err = run(tool("import sys\nsys.stderr.write('noise\\n' * 10**6)\nraise KeyError('last line')"))
+    assert err == "error: KeyError: 'last line'"  # the tail of stderr is kept: its last line is the error
 
 
 def test_python_tool_has_no_network(py):
