@@ -1,6 +1,6 @@
 """Native `TorchEngine` vs Hugging Face `generate`: tokens/s, arrivals over time, one in-flight weight swap.
 
-    python benchmarks/engine_throughput.py [--quick] [--threads N] [--repeats R]
+    python benchmarks/engine_throughput.py [--quick] [--threads N] [--repeats R] [--model bench|example]
 
 Issue 3's goal: the native engine at least 3x HF `generate` at batch 32. The script measures, in one run:
 
@@ -75,6 +75,15 @@ FULL = Settings(
                           max_positions=512, init_std=0.02),
     batches=(1, 8, 32, 64), prompt_len=32, new_tokens=64,
     requests=64, prompt_range=(8, 64), new_range=(8, 128), mean_gap_s=0.01, static_batch=32, swap_batch=32,
+)
+# The model the learning examples train (examples/first_digit/config.toml: 2 layers, hidden 64), with the
+# default character vocabulary: the size asyncrl's own CPU runs generate with.
+EXAMPLE = Settings(
+    model=TinyModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                          max_positions=512, init_std=0.02),
+    batches=FULL.batches, prompt_len=FULL.prompt_len, new_tokens=FULL.new_tokens, requests=FULL.requests,
+    prompt_range=FULL.prompt_range, new_range=FULL.new_range, mean_gap_s=FULL.mean_gap_s,
+    static_batch=FULL.static_batch, swap_batch=FULL.swap_batch,
 )
 QUICK = Settings(
     model=TinyModelConfig(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64),
@@ -291,8 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny model and workloads: a smoke run of a few seconds")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both sides")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per point (median); default 3, quick 1")
+    ap.add_argument("--model", choices=("bench", "example"), default="bench",
+                    help="bench: 4 layers, hidden 256 (2.4M parameters); example: the learning examples' model "
+                         "(2 layers, hidden 64)")
     args = ap.parse_args(argv)
-    s = QUICK if args.quick else FULL
+    s = QUICK if args.quick else (EXAMPLE if args.model == "example" else FULL)
     repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
