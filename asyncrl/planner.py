@@ -18,7 +18,17 @@ The model, in one screen:
   contention   while generation or scoring runs beside training, all of them slow down by f: the value under
                which the simulation of an asynchronous calibration run reproduces its measured throughput
                (from an on-policy run f is not observable: 1); never less than r·threads / C for r roles
-               computing with `torch_threads` threads each on C cores
+               computing with `torch_threads` threads each on C cores. In the in-process deployment every
+               role shares one interpreter lock and C is 1 whatever the machine has: the Python work of
+               the roles (engine scheduler, scorer, optimizer loop) serialises, so overlap buys little
+               and a second generator adds no capacity (measured on a quiet machine; under other jobs'
+               load the scorer's hand-offs wait for the CPU too, and overlap pays off more). Opt-in,
+               r counts each role by its CPU share: in process, the process CPU seconds per wall second
+               the trainer saw while it waited on the gate (generation + scoring) and while it trained
+Calibrate from an on-policy run (k = 0) where possible: it is the one setting in which every phase runs
+alone, so its spans are the uncontended costs (the trainer's gate wait is generation + scoring, its train
+span is T). Spans of an asynchronous run carry the slowdown of whatever ran beside them (a scorer beside
+training took 3x its time alone, measured), which `calibrate` can only divide out on average.
 Staleness of a trained group = the step that trains it − the engine version it was admitted at.
 """
 
@@ -57,12 +67,35 @@ class Costs(msgspec.Struct, kw_only=True):
     contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
     contention_measured: bool     # True: fitted to an asynchronous run; False: on-policy run, assumed 1
     cores: float
+    shared_interpreter: bool = False  # every role in one process (--local): one interpreter lock, capacity 1
+    # process CPU seconds per wall second (in process, measured on the trainer's spans; else 1): while
+    # the trainer waits on the gate (generation + scoring), and while it trains. Below 1, a phase spends
+    # part of its time waiting (thread hand-offs, the OS) and that part overlaps with the others for free
+    gate_cpu_share: float = 1.0
+    train_cpu_share: float = 1.0
     threads: int                  # torch threads per role
     prompts_per_step: int
     group_size: int
     concurrency: int
     steps: int = 0                # train steps of that run (the default length of a prediction)
     source: str = ""              # the run directory calibrated from
+
+
+def capacity(costs: Costs) -> float:
+    """Cores the computing roles share: 1 when they share one interpreter lock, else the machine's."""
+    return 1.0 if costs.shared_interpreter else costs.cores
+
+
+def cpu_demand(costs: Costs, gate_roles: int, training: bool) -> float:
+    """Cores wanted by `gate_roles` generators/scorers and (if `training`) the trainer computing at once."""
+    c = costs
+    return c.threads * (gate_roles * c.gate_cpu_share + (c.train_cpu_share if training else 0.0))
+
+
+def overlap_slowdown(costs: Costs) -> float:
+    """The slowdown of generation (or scoring) and training computing at once: the fitted contention,
+    and never less than the cores they want over the cores they share."""
+    return max(costs.contention, cpu_demand(costs, 1, True) / capacity(costs))
 
 
 class Setting(msgspec.Struct, frozen=True):
@@ -130,12 +163,39 @@ def _in_flight_fit(gen: list[Span]) -> tuple[float, float]:
     return a, b
 
 
+def _cpu_share(spans: list[Span], shared_interpreter: bool) -> float:
+    """Process CPU seconds per wall second over the trainer's `spans` that measured it: in process every
+    role's CPU, so over the gate wait that is generation + scoring. 1 (all computing) when not measured,
+    or when the roles ran in processes of their own (the trainer's process then saw only its own CPU)."""
+    measured = [s for s in spans if s.role == "trainer" and s.cpu_s >= 0 and s.duration > 0]
+    wall = sum(s.duration for s in measured)
+    if not shared_interpreter or wall <= 0:
+        return 1.0
+    return min(1.0, max(0.05, sum(s.cpu_s for s in measured) / wall))
+
+
+def measure_cpu_shares(run_dir: str | Path) -> tuple[float, float] | None:
+    """(gate, train): the process CPU seconds per wall second of an in-process run while its trainer
+    waited on the gate and while it trained; None if its trace has no CPU times. On a quiet machine an
+    on-policy run measures about 1 for both; well below 1 flags a calibration run starved by other jobs."""
+    spans = spans_from_trace(read_trace(Path(run_dir) / "trace.json"))
+    if not any(s.role == "trainer" and s.cpu_s >= 0 for s in spans):
+        return None
+    return (_cpu_share([s for s in spans if s.kind == "wait_gate"], True),
+            _cpu_share([s for s in spans if s.kind == "train"], True))
+
+
 def _overlaps(span: Span, others: list[tuple[float, float]]) -> float:
     return intersection_length([(span.start, span.end)], others) / max(span.duration, 1e-12)
 
 
-def calibrate(run_dir: str | Path, *, cores: float | None = None) -> Costs:
-    """Measure the costs of the run in `run_dir` (needs trace.json, metrics.jsonl, config.toml)."""
+def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpreter: bool = False,
+              cpu_shares: bool = False) -> Costs:
+    """Measure the costs of the run in `run_dir` (needs trace.json, metrics.jsonl, config.toml).
+    `shared_interpreter`: the run was in-process (`--local`), every role behind one interpreter lock.
+    `cpu_shares`: count each phase by the process CPU share measured with it (`measure_cpu_shares`)
+    instead of as fully computing — experimental: a share below 1 can mean waiting on hand-offs (which
+    overlaps for free) or being starved by other jobs (which does not), and one run cannot tell which."""
     run_dir = Path(run_dir)
     hints = {"trace.json": "calibrate from a run made with [logging] trace = true (the default)",
              "metrics.jsonl": "is it a run directory?", "config.toml": "is it a run directory?"}
@@ -183,6 +243,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None) -> Costs:
         overhead_s=max(0.0, _median(overheads) - _median(swap)) + evals / steps,
         score_s=score_per_sample, num_scorers=int(cfg.get("reward", {}).get("num_scorers", 1)),
         contention=1.0, contention_measured=False, cores=cores, threads=threads,
+        shared_interpreter=shared_interpreter,
+        gate_cpu_share=_cpu_share(kind("wait_gate"), shared_interpreter) if cpu_shares else 1.0,
+        train_cpu_share=_cpu_share(train, shared_interpreter) if cpu_shares else 1.0,
         prompts_per_step=int(cfg["trainer"]["prompts_per_step"]), group_size=int(cfg["rollout"]["group_size"]),
         concurrency=int(cfg["rollout"]["concurrency"]), steps=steps, source=str(run_dir),
     )
@@ -194,7 +257,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None) -> Costs:
     # is fitted with those costs. A few rounds settle it.
     f = 1.0
     for _ in range(4):
-        alone = lambda value, share: value / (1.0 + (f - 1.0) * share)  # noqa: E731
+        # the slowdown while overlapped: the fitted f, and at least the roles' share of the cores
+        slow = overlap_slowdown(msgspec.structs.replace(costs, contention=f))
+        alone = lambda value, share: value / (1.0 + (slow - 1.0) * share)  # noqa: E731
         costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train), gen_a=alone(a, o_gen),
                                         gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
         f = fit_contention(costs, setting, measured, steps)
@@ -232,19 +297,25 @@ def closed_form(costs: Costs, setting: Setting) -> float:
     never binding)."""
     c, P, G = costs, costs.prompts_per_step, setting.num_generators
     cycle = c.send_s + c.swap_s + c.overhead_s
+    shared = max(1.0, cpu_demand(c, G, False) / capacity(c))  # G generators decoding at once share the cores
     if setting.max_staleness == 0:
         per_gen = min(c.concurrency, math.ceil(P / G))
         waves = math.ceil(P / (G * per_gen))
         # all P groups finish together, then the scorers work through their P·n samples
-        gen_phase = waves * (c.gen_a + c.gen_b * per_gen) + P * c.group_size * c.score_s / c.num_scorers
+        gen_phase = waves * (c.gen_a + c.gen_b * per_gen) * shared + P * c.group_size * c.score_s / c.num_scorers
         return P * c.group_size / (gen_phase + c.train_s + cycle)
     m = c.concurrency
-    gen_rate = G * m / (c.gen_a + c.gen_b * m)  # groups/s with every slot busy
+    gen_rate = G * m / (c.gen_a + c.gen_b * m) / shared  # groups/s with every slot busy
     score_rate = c.num_scorers / max(c.score_s * c.group_size, 1e-12)
-    g, t = P / min(gen_rate, score_rate), c.train_s  # each phase's work per step, alone
+    if c.shared_interpreter:  # decoding and scoring take turns on the one interpreter lock
+        g = P / gen_rate + P / score_rate
+    else:  # generation and scoring pipeline: the slower sets the pace
+        g = P / min(gen_rate, score_rate)
+    t = c.train_s  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
     # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
-    return P * c.group_size / (max(g, t) + min(g, t) * (c.contention - 1.0) + cycle)
+    f = overlap_slowdown(c)
+    return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
 
 
 def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
@@ -283,9 +354,8 @@ def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
                 trainer.update(phase="train", left=c.train_s)
         generating = [g for g in range(G) if inflight[g] and not stall[g][0] <= t < stall[g][1]]
         scoring = sum(free > t for free in scorer_free)
-        computing = len(generating) + scoring + (trainer["phase"] == "train")
         slow = c.contention if ((generating or scoring) and trainer["phase"] == "train") else 1.0
-        slow = max(slow, computing * c.threads / c.cores)
+        slow = max(slow, cpu_demand(c, len(generating) + scoring, trainer["phase"] == "train") / capacity(c))
         # next event
         events = [scored[0][0]] if scored else []
         events += [free for free in scorer_free if free > t]  # contention changes when a scorer idles
@@ -365,7 +435,9 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
         f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s)",
         f"contention when generation and training overlap: x{c.contention:.2f} "
         f"({'fitted so that the simulation reproduces the calibration run' if c.contention_measured else 'not observable in an on-policy run: calibrate from an asynchronous one'}; "
-        f"at least r x {c.threads} thread(s) / {c.cores:g} cores with r roles computing)",
+        f"at least the CPU the roles computing at once want (gate phase {c.gate_cpu_share:.2f}, training "
+        f"{c.train_cpu_share:.2f} core-seconds per second, x {c.threads} thread(s)) / {capacity(c):g} core(s)"
+        f"{'; one interpreter lock shared by every role (in-process run)' if c.shared_interpreter else ''})",
         "",
         "| generators | max_staleness | samples/s (sim) | samples/s (closed form) | step s | generator busy | trainer busy | staleness mean | staleness histogram |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -383,8 +455,12 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
-def measured_throughput(run_dir: str | Path) -> float | None:
-    """Trained samples/s of a finished run (the figure the planner predicts)."""
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
-    return summarize_rows(rows).get("throughput/samples_per_s")
+def measured_throughput(run_dir: str | Path, *, skip: int = 0) -> float | None:
+    """Trained samples/s of a finished run (the figure the planner predicts), leaving out its first
+    `skip` train steps (warm-up: first-call allocations and kernel selection, which the model has no
+    term for)."""
+    rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "reward/mean" in r]
+    if skip >= len(rows):
+        raise ValueError(f"{run_dir}: cannot skip {skip} of its {len(rows)} train steps")
+    return summarize_rows(rows[skip:]).get("throughput/samples_per_s")
 

@@ -65,13 +65,15 @@ class Trainer:
         """Train step `step` (the learner holds version `step`); afterwards the version is step + 1."""
         if step != self.learner.version:
             raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         groups = await self.hub.take_step(step)
-        t1 = time.time()
-        self.recorder.record("wait_gate", t0, t1, step)
+        t1, c1 = time.time(), time.process_time()
+        # process CPU time beside the wall time: in process it is every role's, so the planner can tell
+        # computing from waiting in the gate wait (generation + scoring) and in the update
+        self.recorder.record("wait_gate", t0, t1, step, cpu_s=c1 - c0)
         metrics = await asyncio.to_thread(self.learner.update, groups)
-        t2 = time.time()
-        self.recorder.record("train", t1, t2, step)
+        t2, c2 = time.time(), time.process_time()
+        self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
         trajs = [t for g in groups for t in g.trajectories]
         metrics.update(staleness_stats([step - t.min_version for t in trajs]))
         token_lags = [step - v for t in trajs for v in t.versions]

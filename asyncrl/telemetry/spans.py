@@ -40,6 +40,10 @@ class Span(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     start: float        # time.time() seconds: comparable across processes on one machine
     end: float
     version: int = -1   # policy version the work ran under / produced; -1 = not applicable
+    # CPU seconds of the recording process (all its threads) during the span; -1 = not measured. In the
+    # in-process deployment that is every role's CPU: the planner's measure of how much of a phase's
+    # wall time was computing rather than waiting (on the interpreter lock, a thread hand-off, the OS).
+    cpu_s: float = -1.0
 
     @property
     def duration(self) -> float:
@@ -66,11 +70,12 @@ class SpanRecorder:
             end = max(self._clock(), start)
             self.record(kind, start, end, version)
 
-    def record(self, kind: str, start: float, end: float, version: int = -1) -> None:
-        """Record a span measured elsewhere (e.g. timestamps returned by an engine thread)."""
+    def record(self, kind: str, start: float, end: float, version: int = -1, cpu_s: float = -1.0) -> None:
+        """Record a span measured elsewhere (e.g. timestamps returned by an engine thread); `cpu_s`: the
+        process CPU seconds it took, where measured (`time.process_time()` difference)."""
         if end < start:
             raise ValueError(f"span {self.role}:{kind} ends before it starts ({end} < {start})")
-        item = Span(role=self.role, kind=kind, start=start, end=end, version=version)
+        item = Span(role=self.role, kind=kind, start=start, end=end, version=version, cpu_s=cpu_s)
         with self._lock:
             self._spans.append(item)
 
@@ -239,7 +244,7 @@ def chrome_trace_events(
                 "dur": (s.end - s.start) * 1e6,
                 "pid": pid,
                 "tid": tid,
-                "args": {"version": s.version, "role": s.role},
+                "args": {"version": s.version, "role": s.role, **({"cpu_s": s.cpu_s} if s.cpu_s >= 0 else {})},
             }
         )
     return events

@@ -84,5 +84,6 @@ def spans_from_trace(events: Iterable[Mapping[str, object]], origin: float = 0.0
         assert isinstance(args, dict)
         start = origin + float(e["ts"]) / 1e6  # type: ignore[arg-type]
         out.append(Span(role=str(args.get("role", e.get("tid"))), kind=str(e["name"]), start=start,
-                        end=start + float(e["dur"]) / 1e6, version=int(args.get("version", -1))))  # type: ignore[arg-type]
+                        end=start + float(e["dur"]) / 1e6, version=int(args.get("version", -1)),  # type: ignore[arg-type]
+                        cpu_s=float(args.get("cpu_s", -1.0))))  # type: ignore[arg-type]
     return out

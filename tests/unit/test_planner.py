@@ -79,8 +79,11 @@ def write_run(run_dir, n_steps=6):
             gen_s = 0.2 + 0.05 * in_flight  # a = 0.2, b = 0.05
             spans = [Span(role="generator/0", kind="generate", start=t, end=t + gen_s, version=step)
                      for _ in range(in_flight)]
-            spans.append(Span(role="trainer", kind="wait_gate", start=t, end=t + gen_s, version=step))
-            spans.append(Span(role="trainer", kind="train", start=t + gen_s, end=t + gen_s + 1.0, version=step))
+            # process CPU: the gate phase computed 40% of its wall time, training all of it
+            spans.append(Span(role="trainer", kind="wait_gate", start=t, end=t + gen_s, version=step,
+                              cpu_s=0.4 * gen_s))
+            spans.append(Span(role="trainer", kind="train", start=t + gen_s, end=t + gen_s + 1.0, version=step,
+                              cpu_s=1.0))
             spans.append(Span(role="trainer", kind="weights_send", start=t + gen_s + 1.0, end=t + gen_s + 1.1,
                               version=step + 1))
             trace.add_spans(spans)
@@ -124,3 +127,107 @@ def test_mean_in_flight_integrates_the_running_count_over_each_span():
 
     spans = [Span(role="generator/0", kind="generate", start=s, end=e) for s, e in ((0, 2), (1, 2), (3, 4))]
     assert _mean_in_flight(spans) == [1.5, 2.0, 1.0]
+
+
+def test_one_interpreter_lock_turns_overlap_into_taking_turns():
+    # in process every role shares one interpreter lock: capacity 1 core, whatever the machine has
+    c = costs(gen_a=0.5, train_s=1.0, cores=2.0)
+    apart = simulate(c, Setting(1, 1), steps=40)
+    shared = simulate(costs(gen_a=0.5, train_s=1.0, cores=2.0, shared_interpreter=True), Setting(1, 1), steps=40)
+    assert apart.step_s == pytest.approx(1.0, rel=0.03)
+    # generation (0.5 s) at half speed beside training: both progress 0.5 s of work in 1 s, then the
+    # remaining 0.5 s of training alone — the same 1.5 s as generating and training in turn
+    assert shared.step_s == pytest.approx(1.5, rel=0.03)
+    cf = closed_form(costs(gen_a=0.5, train_s=1.0, cores=2.0, shared_interpreter=True), Setting(1, 1))
+    assert cf == pytest.approx(shared.samples_per_s, rel=0.03)
+
+
+def test_a_second_generator_adds_capacity_only_with_cores_of_its_own():
+    # generation-bound (2 slots per generator, 4 groups per step, training almost free)
+    def sps(g, shared):
+        c = costs(gen_a=1.0, train_s=0.01, concurrency=2, cores=2.0, shared_interpreter=shared)
+        return simulate(c, Setting(g, 1), steps=20).samples_per_s
+
+    assert sps(2, shared=False) == pytest.approx(2 * sps(1, shared=False), rel=0.1)
+    assert sps(2, shared=True) == pytest.approx(sps(1, shared=True), rel=0.05)
+
+
+def test_calibrate_marks_an_in_process_run_and_keeps_its_alone_costs(tmp_path):
+    from asyncrl.planner import measure_cpu_shares
+
+    write_run(tmp_path / "run")
+    c = calibrate(tmp_path / "run", cores=2, shared_interpreter=True)
+    assert c.shared_interpreter and not c.contention_measured
+    assert c.gate_cpu_share == 1.0 and c.train_cpu_share == 1.0  # CPU shares are opt-in
+    # the trainer's spans carried process CPU seconds (through trace.json): in process, every role's
+    assert measure_cpu_shares(tmp_path / "run") == pytest.approx((0.4, 1.0))
+    shares = calibrate(tmp_path / "run", cores=2, shared_interpreter=True, cpu_shares=True)
+    assert shares.gate_cpu_share == pytest.approx(0.4) and shares.train_cpu_share == pytest.approx(1.0)
+    # in processes of their own the trainer's process saw only its own CPU: not a measure of the others
+    apart = calibrate(tmp_path / "run", cores=2, shared_interpreter=False, cpu_shares=True)
+    assert apart.gate_cpu_share == 1.0 and apart.train_cpu_share == 1.0
+    # on-policy: nothing overlapped, so no slowdown is divided out of the measured spans
+    assert c.train_s == pytest.approx(1.0) and c.gen_a == pytest.approx(0.2, abs=1e-6)
+
+
+def test_measured_throughput_leaves_out_the_warm_up_steps(tmp_path):
+    from asyncrl.planner import measured_throughput
+
+    with MetricsWriter(tmp_path / "metrics.jsonl") as writer:
+        writer.write({"step": 0, "eval/greedy_reward": 0.1})  # evaluation-only row: not a train step
+        for step, seconds in enumerate([2.0, 1.0, 1.0, 1.0], start=1):
+            writer.write({"step": step, "time/step_s": seconds, "reward/mean": 0.5, "trainer/samples": 8})
+    assert measured_throughput(tmp_path) == pytest.approx(32 / 5.0)
+    assert measured_throughput(tmp_path, skip=1) == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="cannot skip 4"):
+        measured_throughput(tmp_path, skip=4)
+
+
+def _validation_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_validation.py"
+    spec = importlib.util.spec_from_file_location("planner_validation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_pools_the_rounds_of_a_setting_without_their_warm_up(tmp_path):
+    script = _validation_script()
+    for name, seconds in (("round-1", [3.0, 1.0, 1.0]), ("round-2", [3.0, 2.0, 2.0])):
+        (tmp_path / name / "point").mkdir(parents=True)
+        (tmp_path / name / "sweep.json").write_text("[]")
+        with MetricsWriter(tmp_path / name / "point" / "metrics.jsonl") as writer:
+            for step, s in enumerate(seconds, start=1):
+                writer.write({"step": step, "time/step_s": s, "reward/mean": 0.5, "trainer/samples": 6})
+    # rounds in numeric order; each run leaves out its first step: 4 steps x 6 samples in 1+1+2+2 s
+    assert script.sweep_dirs(tmp_path) == [tmp_path / "round-1", tmp_path / "round-2"]
+    runs = [d / "point" for d in script.sweep_dirs(tmp_path)]
+    assert script.pooled_throughput(runs, skip=1) == pytest.approx(24 / 6.0)
+    with pytest.raises(SystemExit, match="cannot leave out 3"):
+        script.pooled_throughput(runs, skip=3)
+    with pytest.raises(SystemExit, match="not a validation sweep"):
+        script.sweep_dirs(tmp_path / "round-1" / "point")
+
+
+def test_a_phase_that_mostly_waits_overlaps_training_almost_for_free():
+    # in process: generation + scoring computes 30% of its 0.5 s, training all of its 1 s
+    c = costs(gen_a=0.5, train_s=1.0, cores=2.0, shared_interpreter=True, gate_cpu_share=0.3)
+    p = simulate(c, Setting(1, 1), steps=40)
+    # both want 1.3 cores of the one: each at 1/1.3 while they overlap — generation ends after 0.65 s,
+    # training has done 0.5 s of its work then and does the other 0.5 s alone: 1.15 s per step (1.5 in turns)
+    assert p.step_s == pytest.approx(1.15, rel=0.03)
+    assert closed_form(c, Setting(1, 1)) == pytest.approx(p.samples_per_s, rel=0.03)
+
+
+def test_span_cpu_seconds_survive_the_trace_round_trip():
+    from asyncrl.telemetry.spans import SpanRecorder, chrome_trace_events
+    from asyncrl.telemetry.trace import spans_from_trace
+
+    rec = SpanRecorder("trainer")
+    rec.record("train", 1.0, 2.0, 3, cpu_s=0.75)
+    rec.record("wait_gate", 0.0, 1.0, 3)  # not measured
+    back = spans_from_trace(chrome_trace_events(rec.drain()))
+    assert [(s.kind, s.version, s.cpu_s) for s in back] == [("train", 3, 0.75), ("wait_gate", 3, -1.0)]
