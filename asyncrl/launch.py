@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -129,5 +131,12 @@ def run_loop(coro: Any) -> Any:
         factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux/macOS
         factory = None
+    if threading.current_thread() is threading.main_thread():
+        # asyncio.Runner installs its Ctrl-C handler (cancel the run, so every `finally` shuts the actors
+        # down) only while SIGINT still has Python's default handler; an inherited SIG_IGN or a library's
+        # handler, or a SIGINT blocked in the mask this process inherited from its parent's thread, would
+        # make Ctrl-C do nothing. The CLI's contract is that the first Ctrl-C stops the run.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)

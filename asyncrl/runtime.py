@@ -178,7 +178,12 @@ class Controller:
     async def _guard(self, aw: Awaitable[Any]) -> Any:
         """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
         fut = asyncio.ensure_future(aw)
-        done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
+            fut.cancel()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
         if fut not in done:
             fut.cancel()
             dead = next(iter(done))

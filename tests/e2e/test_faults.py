@@ -149,8 +149,8 @@ def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_confi
             try:
                 rc = proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"launch did not exit within 30 s of SIGINT:\n"
-                                     f"{log_path.read_text()[-3000:]}") from None
+                raise AssertionError(f"launch did not exit within 30 s of SIGINT (its signal masks: "
+                                     f"{_signal_masks(proc.pid)}):\n{log_path.read_text()[-3000:]}") from None
             elapsed = time.monotonic() - t0
         finally:
             if proc.poll() is None:
@@ -162,3 +162,13 @@ def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_confi
     assert elapsed < 30
     _wait_for(lambda: not (_alive_role_actors() - before), 15, "the run's actors to die")
     assert len(read_metrics(run_dir / "metrics.jsonl")) < 500
+
+
+def _signal_masks(pid: int) -> str:
+    """The SigBlk / SigIgn / SigCgt lines of /proc/PID/status (bit 1 = SIGINT), to tell an ignored or
+    blocked Ctrl-C from one that was caught and then lost."""
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
