@@ -6,7 +6,7 @@
   asyncrl report RUN_DIR [--target-reward R]          plots + one-page report.md of a finished run
   asyncrl sweep CONFIG --set k=v1,v2 ... [--out DIR] [--ray] [--target-reward R]
                                                       one run per grid point, results table + plots
-  asyncrl plan RUN_DIR|CONFIG [--generators 1,2] [--max-staleness 0,1,2,4] [--steps N]
+  asyncrl plan RUN_DIR|CONFIG [--local] [--generators 1,2] [--max-staleness 0,1,2,4] [--steps N]
                                                       predict throughput/staleness, recommend a setting
                                                       (a CONFIG gets a short calibration run first)
 """
@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     planp.add_argument("--max-staleness", default="0,1,2,4", help="comma-separated staleness bounds")
     planp.add_argument("--steps", type=int, default=None, help="train steps to simulate (default: the run's)")
     planp.add_argument("--cores", type=float, default=None, help="CPU cores the roles share (default: this machine's)")
+    planp.add_argument("--local", action="store_true",
+                       help="RUN_DIR was run in-process (launch --local, the sweep's default): every role shares one "
+                            "interpreter; implied when CONFIG is given (its calibration run is in-process)")
     return p
 
 
@@ -76,8 +79,10 @@ def _calibration_run(config: str, steps: int) -> str:
     """A short in-process run of `config` (no evaluation, no checkpoint) to calibrate the planner from."""
     from asyncrl.launch import run_local
 
+    # On-policy (max_staleness = 0): the one setting where generation, scoring and training each run alone,
+    # so their costs are measured without the others' contention (docs/observability.md, the planner).
     overrides = [f"trainer.total_steps={steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
-                 "logging.live=false"]
+                 "logging.live=false", "staleness.max_staleness=0"]
     out = f"{load_config(config, overrides).run.output_dir}-calibration"
     cfg = load_config(config, [*overrides, f'run.output_dir="{out}"'])
     logging.getLogger("asyncrl").info("calibration run: %d steps of %s into %s", steps, config, out)
@@ -98,10 +103,10 @@ def _analysis(args: argparse.Namespace) -> int:
         generators = _ints(args.generators, "--generators")
         if 0 in generators:
             raise SystemExit("--generators: counts must be >= 1")
-        run_dir = args.run_dir
+        run_dir, in_process = args.run_dir, args.local
         if Path(run_dir).is_file():
-            run_dir = _calibration_run(run_dir, args.calibration_steps)
-        costs = calibrate(run_dir, cores=args.cores)
+            run_dir, in_process = _calibration_run(run_dir, args.calibration_steps), True
+        costs = calibrate(run_dir, cores=args.cores, shared_interpreter=in_process)
         steps = args.steps or costs.steps
         print(format_plan(costs, plan(costs, generators, _ints(args.max_staleness, "--max-staleness"), steps)))
         return 0
