@@ -119,9 +119,7 @@ def _analysis(args: argparse.Namespace) -> int:
         print(f"sweep error: {err}", file=sys.stderr)
         return 2
     except ConfigError as err:
-        for line in err.errors:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return _config_errors(err)
     out = args.out or f"{cfg.run.output_dir}-sweep"
     points = run_sweep(args.config, axes, out, ray=args.ray, target_reward=args.target_reward,
                        timeout_s=args.timeout, skip_existing=args.resume)
@@ -129,6 +127,13 @@ def _analysis(args: argparse.Namespace) -> int:
     print(f"sweep directory: {out} ({len(points) - len(failed)} of {len(points)} points ok)")
     print((Path(out) / "results.md").read_text())
     return 1 if failed and len(failed) == len(points) else 0
+
+
+def _config_errors(err: ConfigError) -> int:
+    """One stderr line per config problem; the exit status of a bad config."""
+    for line in err.errors:
+        print(f"config error: {line}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,18 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.command} error: {err}", file=sys.stderr)
             return 2
         except ConfigError as err:
-            for line in err.errors:
-                print(f"config error: {line}", file=sys.stderr)
-            return 2
+            return _config_errors(err)
     overrides = list(args.overrides)
     if getattr(args, "address", None):
         overrides.append(f'cluster.address="{args.address}"')
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
-        for line in err.errors:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return _config_errors(err)
     if args.command == "validate":
         print(f"{args.config}: ok")
         return 0

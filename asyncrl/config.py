@@ -256,11 +256,26 @@ def _rephrase(msg: str, value: Any, tp: Any) -> tuple[str, str]:
             kind, constraint = "a non-empty string", ""
         text = f"expected {kind}{constraint}"
     elif body.startswith("Invalid enum value"):
-        choices = typing.get_args(_unwrap(tp))
-        text = "expected one of " + ", ".join(repr(c) for c in choices)
+        text = "expected one of " + ", ".join(_choices(_unwrap(tp)))
     else:
         text = body[:1].lower() + body[1:]
     return loc, f"{text}, got {_show(value)}"
+
+
+def _choices(tp: Any) -> list[str]:
+    """The allowed values of a Literal (or a union of Literals and plain types) as TOML spells them:
+    Literal["auto"] | bool -> ["'auto'", "true", "false"]."""
+    out: list[str] = []
+    for arg in typing.get_args(tp) or (tp,):
+        if typing.get_origin(arg) is typing.Literal:
+            out += _choices(arg)
+        elif arg is bool:
+            out += ["true", "false"]
+        elif isinstance(arg, type):
+            out.append(f"a {arg.__name__}")
+        else:
+            out.append(repr(arg))
+    return out
 
 
 def _bounds(tp: Any) -> str:

@@ -93,6 +93,7 @@ CASES = [
     ("wrong_type_bool", {"data.shuffle": "yes"}, "data.shuffle: expected true or false, got 'yes' — reshuffle the prompt order"),
     ("group_size_0", {"rollout.group_size": 0}, "rollout.group_size: expected an integer >= 1, got 0 — samples per prompt"),
     ("bad_backend_literal", {"weight_sync.backend": "mpi"}, "weight_sync.backend: expected one of 'auto', 'gloo', 'nccl', got 'mpi'"),
+    ("literal_or_bool", {"logging.live": "yes"}, "logging.live: expected one of 'auto', true, false, got 'yes'"),
     ("list_element_type", {"trainer.betas": [0.9, "x"]}, "trainer.betas[1]: expected a number, got 'x'"),
     ("betas_out_of_range", {"trainer.betas": [0.9, 1.0]}, "trainer.betas: [0.9, 1.0] — each of AdamW's [b1, b2] must be in [0, 1)"),
     ("section_not_a_table", {"trainer": 5}, "trainer: expected a table [trainer], got 5"),
