@@ -82,7 +82,8 @@ class _Embedded:
         await self.inner.save_checkpoint(path)
 
     async def shutdown(self) -> None:
-        pass
+        """Deliberately nothing: the Controller calls this when training ends, but the user's loop may still
+        generate; `Runtime.__aexit__` shuts `inner` down."""
 
 
 class _PublishHook:
