@@ -1,6 +1,7 @@
 """Native `TorchEngine` vs Hugging Face `generate`: tokens/s, arrivals over time, one in-flight weight swap.
 
     python benchmarks/engine_throughput.py [--quick] [--threads N] [--repeats R] [--model bench|example]
+                                           [--device cpu|cuda] [--no-cuda-graphs]
 
 Issue 3's goal: the native engine at least 3x HF `generate` at batch 32. The script measures, in one run:
 
@@ -25,6 +26,10 @@ Fairness rules (a benchmark that measures the wrong thing is a defect):
 * Workload B's baseline is what a static batcher must do: take the requests that have arrived (arrival
   order, up to 32), pad them, run all to the batch's longest max_new_tokens, then take the next batch.
   Only requested tokens count as useful; both sides' clocks start at the first arrival.
+
+On a CUDA device (`--device cuda`) both sides run there, in fp32, and every timed call ends with
+`torch.cuda.synchronize()`; the native engine replays one CUDA graph per decode step (its default on
+CUDA; `--no-cuda-graphs` measures it launching every kernel, as HF does).
 
 The last line of output is one JSON object: native tok/s at batch 32 vs HF at batch 32 (target 3.0).
 Attributes that only the continuous-batching engine has (decode batch sizes, step times, swap pauses)
@@ -111,13 +116,14 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[int]:
     """Left-padded HF generate with EOS ignored; returns the number of new tokens of each row."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), hf.PAD_ID, dtype=torch.long)
+    device = model.device
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=1.0,
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=1.0,
             max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=hf.PAD_ID, use_cache=True,
         )
     return [out.shape[1] - width] * len(prompts)
@@ -135,6 +141,8 @@ def timed(fn, *args) -> tuple[float, int]:
     out = fn(*args)
     if asyncio.iscoroutine(out):
         out = asyncio.run(out)  # loop start-up is ~0.1 ms, far below any run here
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # nothing of the call may still be running on the GPU
     return time.perf_counter() - t0, sum(out)
 
 
@@ -248,7 +256,7 @@ def weight_swap(s: Settings, model, engine, vocab: int, label: str) -> None:
     timed(native_generate, engine, prompts, s.new_tokens)  # warm-up, excluded
     with torch.no_grad():  # staged before timing: the perturbed copy a trainer broadcast would deliver
         gen = torch.Generator().manual_seed(3)
-        staged = {n: p + 1e-3 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        staged = {n: p + 1e-3 * torch.randn(p.shape, generator=gen).to(p.device) for n, p in model.named_parameters()}
     steps = engine_attr(engine, "step_times_s")
     dec0, fw0 = engine_attr(engine, "num_decode_forwards"), engine.num_forwards
     ref_s, _ = timed(native_generate, engine, prompts, s.new_tokens)  # the same batch without a swap
@@ -303,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", choices=("bench", "example"), default="bench",
                     help="bench: 4 layers, hidden 256 (2.4M parameters); example: the learning examples' model "
                          "(2 layers, hidden 64)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]: both sides run there")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="on CUDA: the native engine launches every kernel (no graph replay)")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else (EXAMPLE if args.model == "example" else FULL)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -311,18 +322,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as path:
         hf.build_tiny_model(path, s.model)
-        model = hf.load_model(path, dtype="float32")
-        engine = TorchEngine(path, dtype="float32", max_prompt_len=s.model.max_positions, seed=0, eos_token_ids=[])
-        return run_all(s, path, model, engine, repeats)
+        model = hf.load_model(path, dtype="float32", device=args.device)
+        options = {"cuda_graphs": False} if args.no_cuda_graphs else {}
+        engine = TorchEngine(path, dtype="float32", device=args.device, max_prompt_len=s.model.max_positions, seed=0,
+                             eos_token_ids=[], **options)
+        return run_all(s, path, model, engine, repeats, options)
 
 
-def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int) -> dict:
+def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int, options: dict | None = None) -> dict:
+    options = options or {}
     vocab = model.get_input_embeddings().num_embeddings
     m = s.model
     print(f"model: {m.arch}, fp32, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
           f"{m.num_kv_heads} kv heads, MLP {m.intermediate_size}, vocab {vocab}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters; torch threads {torch.get_num_threads()}; "
           f"native engine {type(engine).__module__} (fast path: {getattr(engine, 'fast', 'n/a')})")
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        graphs = getattr(getattr(getattr(engine, "scheduler", None), "backend", None), "graphs", "n/a")
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; native decode graphs: {graphs}")
     try:
         table = fixed_batches(s, model, engine, vocab, repeats)
         staggered(s, model, engine, vocab)
@@ -331,7 +349,8 @@ def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int) ->
         asyncio.run(engine.close())
     if getattr(engine_attr(engine, "options"), "kv_on_update", None) == "recompute":
         # The default pause includes re-prefilling every unfinished sequence; "keep" shows the copy alone.
-        keep = TorchEngine(path, max_prompt_len=s.model.max_positions, seed=0, eos_token_ids=[], kv_on_update="keep")
+        keep = TorchEngine(path, device=str(device), max_prompt_len=s.model.max_positions, seed=0, eos_token_ids=[],
+                           kv_on_update="keep", **options)
         try:
             weight_swap(s, model, keep, vocab, "kv_on_update='keep' (old K/V reused, so the pause is the copy)")
         finally:
@@ -339,7 +358,8 @@ def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int) ->
 
     key = 32 if 32 in table else max(table)  # quick mode has no batch 32
     hf_tps, nat_tps = table[key]
-    result = {"benchmark": "engine_throughput", "value": round(nat_tps, 1), "unit": "tokens/s",
+    result = {"benchmark": "engine_throughput" if device.type == "cpu" else f"engine_throughput_{device.type}",
+              "value": round(nat_tps, 1), "unit": "tokens/s",
               "baseline": round(hf_tps, 1), "ratio": round(nat_tps / hf_tps, 3), "target": 3.0}
     print(f"\nbatch {key}: native {nat_tps:.0f} tok/s vs HF generate {hf_tps:.0f} tok/s = {nat_tps / hf_tps:.2f}x "
           f"(target 3.0x)")

@@ -177,10 +177,11 @@ class Scheduler:
         return swaps, interrupts
 
     def _iteration(self, inbox: list[Request], swaps: list[Swap], interrupts: list) -> None:
-        if inbox and not self._busy():
+        was_idle = not self._busy()
+        self._waiting.extend(inbox)  # first: should anything below raise, _fail_all fails these requests too
+        if inbox and was_idle:
             self.backend.refresh()  # idle -> busy: re-read the module's parameters (a shared module may
                                      # have had a Parameter replaced since the last request)
-        self._waiting.extend(inbox)
         if swaps:
             self._apply_swaps(swaps)
         if interrupts:

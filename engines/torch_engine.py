@@ -58,6 +58,8 @@ class EngineOptions:
     admit_window_s: float = 0.001      # idle -> busy: wait until no request came for this long (at most
                                        # 10x), so that a burst of concurrent calls is prefilled together
     max_prefill_tokens: int = 8192     # padded tokens per prefill forward (bounds prefill memory)
+    cuda_graphs: bool | None = None    # None: on for a CUDA device on the fast path; decode steps replay a
+                                       # CUDA graph per batch bucket (engines.torch_model._StaticDecode)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -136,8 +138,11 @@ class TorchEngine:
         self._detokenize = detokenize
         self._vocab_size = model.get_input_embeddings().num_embeddings
         reason = unsupported_reason(model) if options.fast is not False else "fast=False"
+        if options.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"TorchEngine cuda_graphs=True needs a CUDA device, got {device}")
         if reason is None:
-            backend = SlotDecoder(model, device, fuse=self._model_path is not None)
+            graphs = "cuda" if device.type == "cuda" and options.cuda_graphs is not False else "off"
+            backend = SlotDecoder(model, device, fuse=self._model_path is not None, graphs=graphs)
         else:
             log.warning("TorchEngine: HF fallback path (one forward per sequence and step): %s", reason)
             backend = HFDecoder(model, device)

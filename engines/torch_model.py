@@ -181,7 +181,13 @@ class SlotDecoder:
     whenever it starts from idle).
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, fuse: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, fuse: bool = False, graphs: str = "off"
+    ) -> None:
+        if graphs not in ("off", "cuda", "eager"):
+            raise ValueError(f"graphs must be 'off', 'cuda' or 'eager', got {graphs!r}")
+        if graphs == "cuda" and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
         self.device = device
         base = model.model
@@ -202,6 +208,12 @@ class SlotDecoder:
         self._kv_base = torch.zeros((0, self.kv_heads), dtype=torch.long, device=device)  # see capacity()
         # Decode attention: SDPA on accelerators; on CPU two matmuls beat SDPA's kernel at decode shapes.
         self.use_sdpa = device.type != "cpu"
+        # Static decode (see `_StaticDecode`): "cuda" captures one CUDA graph per batch bucket and replays it;
+        # "eager" runs the same fixed-shape step without capture (tests check it on CPU); "off": dynamic shapes.
+        self.graphs = graphs
+        self._static: dict[int, _StaticDecode] = {}
+        self._static_key: tuple = ()
+        self.num_graph_captures = 0
         self._fused: list[tuple[list, list]] = []
         if fuse:
             with torch.no_grad():
@@ -228,6 +240,7 @@ class SlotDecoder:
         # row of (slot s, KV head h, position 0) in a layer's cache viewed as [rows, D]; see _DecodeStep
         heads = torch.arange(self.kv_heads, device=self.device)
         self._kv_base = (torch.arange(new_slots, device=self.device)[:, None] * self.kv_heads + heads) * new_len
+        self._static.clear()  # they read the old cache
         self.refresh()
 
     def refresh(self) -> None:
@@ -238,8 +251,30 @@ class SlotDecoder:
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.model.model.rotary_emb(probe, pos[None])
         half = self.head_dim // 2
-        self._cos, self._arange = cos[0], pos
-        self._signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        if getattr(self, "_cos", None) is not None and self._cos.shape == cos[0].shape:
+            # the same storage, new values: a captured decode step reads these tables by address (made
+            # under inference mode by the scheduler, so written under it)
+            with torch.inference_mode():
+                self._cos.copy_(cos[0])
+                self._signed_sin.copy_(signed_sin)
+        else:
+            self._cos, self._arange, self._signed_sin = cos[0], pos, signed_sin
+        key = self._addresses()
+        if key != self._static_key:  # a Parameter was replaced (not written into): captured steps are stale
+            self._static.clear()
+            self._static_key = key
+
+    def _addresses(self) -> tuple:
+        """Storage addresses of every tensor a decode step reads (weights, tables, cache)."""
+        out: list[int] = [self.k.data_ptr(), self.v.data_ptr(), self._cos.data_ptr(), self._signed_sin.data_ptr()]
+        model = self.model.model
+        for t in (model.embed_tokens.weight, model.norm.weight, self.model.lm_head.weight, self.model.lm_head.bias):
+            out.append(0 if t is None else t.data_ptr())
+        for w in self._weights:
+            for t in (w.norm1, w.norm2, *(x for wb in (*w.qkv, w.o, *w.gate_up, w.down) for x in wb)):
+                out.append(0 if t is None else t.data_ptr())
+        return tuple(out)
 
     def _layer_weights(self, i: int, layer: torch.nn.Module) -> _LayerWeights:
         a, m = layer.self_attn, layer.mlp
@@ -325,6 +360,11 @@ class SlotDecoder:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
+        if self.graphs != "off":
+            logits = self._static_step(b).run(tokens)
+            self.lengths[:b] += 1
+            self._lens[:b] = [n + 1 for n in self._lens[:b]]
+            return logits
         step = self._decode_tables(b)
         x = F.embedding(tokens, self.model.model.embed_tokens.weight)
         for i, w in enumerate(self._weights):
@@ -394,6 +434,16 @@ class SlotDecoder:
         scores = torch.bmm(q, k.transpose(1, 2)) if mask is None else torch.baddbmm(mask, q, k.transpose(1, 2))
         return torch.bmm(scores.softmax(-1), v)
 
+    def _static_step(self, b: int) -> "_StaticDecode":
+        """The fixed-shape step for `b` running slots: batch padded to the next power of two (at most the
+        slot count), so a handful of captures serve every batch size."""
+        rows = min(self.slots, 1 << max(0, b - 1).bit_length())
+        step = self._static.get(rows)
+        if step is None:
+            step = self._static[rows] = _StaticDecode(self, rows, capture=self.graphs == "cuda")
+            self.num_graph_captures += self.graphs == "cuda"  # recorded at its first run
+        return step
+
     def forward_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits [S, V] at every position of one sequence, through the prefill path (tests use it).
         Overwrites slot 0."""
@@ -403,3 +453,71 @@ class SlotDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         norm, head = self.model.model.norm, self.model.lm_head
         return F.linear(_rms_norm(hidden, norm.weight, norm.variance_epsilon), head.weight, head.bias)
+
+
+class _StaticDecode:
+    """One decode step at fixed shapes, on buffers of its own: the batch padded to `rows` slots and
+    attention over every cache position under a length mask. Every tensor it reads keeps its address from
+    step to step (cache, weights, rotary tables, these buffers), which is what a CUDA graph needs: with
+    `capture=True` the step is recorded once and each later step is one `replay()` (a tiny model's decode
+    step is hundreds of kernel launches, each costing more host time than the kernel takes on the GPU).
+
+    Padded rows (slots b..rows-1, free: running slots are always 0..b-1) decode token 0 at position 0 and
+    write their K/V there, which nothing reads; their logits are dropped. Weight swaps copy into the same
+    parameter tensors, so a captured graph computes with the new weights; `SlotDecoder` drops its captures
+    when the cache is reallocated or a parameter is replaced.
+    """
+
+    def __init__(self, dec: SlotDecoder, rows: int, capture: bool) -> None:
+        self.dec = dec
+        self.rows = rows
+        self.capture = capture
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dec.device)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dec.device)
+        self.graph = None
+        self.out: torch.Tensor | None = None
+
+    def _capture(self) -> None:
+        """Record the step. Called with this step's real inputs in place: the warm-up runs (on a side
+        stream, for the allocator's and cuBLAS's sake) write the very K/V rows the replay then writes again."""
+        device = self.dec.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # a private memory pool per bucket: graphs replay in any order
+            self.out = self._forward()
+        self.graph = graph
+
+    def _forward(self) -> torch.Tensor:
+        d, rows, width = self.dec, self.rows, self.dec.max_len
+        pad = d._arange[:width] > self.pos[:, None]  # [rows, W]: positions after each row's new token
+        mask = torch.zeros((rows, d.kv_heads, 1, width), dtype=d.dtype, device=d.device)
+        mask.masked_fill_(pad[:, None, None], float("-inf"))
+        step = _DecodeStep(
+            b=rows, width=width, mask=mask.view(rows * d.kv_heads, 1, width),
+            cos=d._cos.index_select(0, self.pos)[:, None], sin=d._signed_sin.index_select(0, self.pos)[:, None],
+            kv_rows=d._kv_base[:rows] + self.pos[:, None],
+        )
+        x = F.embedding(self.tokens, d.model.model.embed_tokens.weight)
+        for i, w in enumerate(d._weights):
+            d._decode_layer(i, w, x, step)
+        return d._logits(x)
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [b, V] for the b running slots (b = len(tokens) <= rows), at their current lengths."""
+        b = tokens.shape[0]
+        self.tokens[:b].copy_(tokens)
+        self.pos[:b].copy_(self.dec.lengths[:b])
+        if b < self.rows:
+            self.tokens[b:].zero_()
+            self.pos[b:].zero_()
+        if not self.capture:
+            return self._forward()[:b]
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.out[:b]

@@ -317,3 +317,29 @@ def test_engine_is_interruptible_and_its_idle_thread_exits(ref_model):
     assert not thread.is_alive() and engine.scheduler._thread is None
     (c,) = run(engine, [PROMPTS[0]], greedy(2))[0]  # a new thread starts on demand
     assert len(c.response_ids) == 2
+
+
+def test_a_failing_refresh_fails_the_new_requests_instead_of_losing_them(ref_model):
+    """The idle -> busy refresh raising (e.g. a module left in a bad state) fails the requests that arrived
+    with it, with that error, and the engine serves the next request: nothing hangs."""
+    engine = TorchEngine.from_model(ref_model, eos_token_ids=[])
+    backend = engine.scheduler.backend
+    real = backend.refresh
+    calls = []
+
+    def refresh_once_broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("refresh broke")
+        real()
+
+    backend.refresh = refresh_once_broken
+
+    async def main():
+        with pytest.raises(RuntimeError, match="refresh broke"):
+            await asyncio.wait_for(engine.generate([PROMPTS[0]], greedy(3)), 30)
+        return await asyncio.wait_for(engine.generate([PROMPTS[0]], greedy(3)), 30)
+
+    (c,) = asyncio.run(main())[0]
+    assert len(c.response_ids) == 3
+    asyncio.run(engine.close())

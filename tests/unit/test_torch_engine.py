@@ -400,3 +400,56 @@ def test_unsupported_model_falls_back_with_a_warning(caplog):
     (c,) = generate(engine, [PROMPTS[1]], temperature=1.0, max_new_tokens=6, seed=0)[0]
     expected = teacher_forced_logprobs(model, PROMPTS[1], c.response_ids, 1.0)
     torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+STATIC_MODES = ["cpu-static"] + (["cuda-graphs"] if torch.cuda.is_available() else [])
+
+
+def static_engine(model_dir, mode: str) -> TorchEngine:
+    """cpu-static: the fixed-shape decode step a CUDA graph captures, run eagerly; cuda-graphs: the engine's
+    default on a CUDA device (captured and replayed)."""
+    if mode == "cuda-graphs":
+        engine = TorchEngine(str(model_dir), seed=0, device="cuda")
+        assert engine.scheduler.backend.graphs == "cuda"
+        return engine
+    engine = TorchEngine(str(model_dir), seed=0)
+    engine.scheduler.backend.graphs = "eager"
+    return engine
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+def test_static_decode_logprobs_and_in_flight_swap(model_dir, ref_model, mode):
+    """Through the scheduler (mixed prompt lengths, n = 2, sequences finishing at different steps, so the
+    batch bucket shrinks): every logprob equals the teacher-forced pass; after a weight swap the captured
+    step computes with the new weights."""
+    engine = static_engine(model_dir, mode)
+    try:
+        out = generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=1)
+        for prompt, group in zip(PROMPTS, out):
+            for c in group:
+                expected = teacher_forced_logprobs(ref_model, prompt, c.response_ids, 1.0)
+                torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+        gen = torch.Generator().manual_seed(0)
+        perturbed = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in ref_model.named_parameters()}
+        engine.load_weights(perturbed, version=1)
+        after = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=8)
+        saved = {k: v.clone() for k, v in ref_model.state_dict().items()}
+        try:
+            ref_model.load_state_dict(perturbed, strict=False)
+            for prompt, group in zip(PROMPTS, after):
+                c = group[0]
+                assert set(c.versions) == {1}
+                expected = teacher_forced_logprobs(ref_model, prompt, c.response_ids, 0.0)
+                torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+        finally:
+            ref_model.load_state_dict(saved)
+        assert engine.scheduler.backend._static  # decode went through the static step
+    finally:
+        asyncio.run(engine.close())
+
+
+def test_cuda_graphs_option_is_refused_without_cuda(model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        TorchEngine(str(model_dir), cuda_graphs=True)

@@ -219,3 +219,87 @@ def test_kv_only_prefill_writes_every_layers_cache():
         out = backend.decode(torch.tensor([40, 41]))
     for j, (p, tok) in enumerate(zip([PROMPTS[1], PROMPTS[3]], [40, 41])):
         torch.testing.assert_close(out[j], hf_last_logits(model, p + [tok]), atol=ATOL, rtol=0)
+
+
+# ---- static decode (the step a CUDA graph captures): checked eagerly on CPU, captured on CUDA ----------
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def static_backend(model, device: str, fuse: bool = True) -> SlotDecoder:
+    return SlotDecoder(model.to(device), torch.device(device), fuse=fuse, graphs="eager" if device == "cpu" else "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_static_decode_equals_hf(arch, device):
+    """Fixed shapes: 5 running slots padded to 8 rows, attention over the whole cache under a length mask
+    (prompts of different lengths), and the same logits as HF's forward."""
+    model = make(arch)
+    backend = static_backend(model, device)
+    model_cpu = make(arch)  # HF reference on the CPU (the same seed: the same weights)
+    repeats = [1, 2, 1, 1]
+    backend.capacity(8, 64)
+    seqs = [list(p) for p, r in zip(PROMPTS, repeats) for _ in range(r)]
+    with torch.inference_mode():
+        backend.prefill(PROMPTS, 0, repeats)
+        for step in range(4):
+            toks = [(7 * step + 3 * j + 4) % 50 for j in range(len(seqs))]
+            out = backend.decode(torch.tensor(toks, device=device)).cpu()
+            for j, seq in enumerate(seqs):
+                seq.append(toks[j])
+                torch.testing.assert_close(out[j], hf_last_logits(model_cpu, seq), atol=ATOL, rtol=0)
+    assert set(backend._static) == {8}
+    assert backend.num_graph_captures == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_decode_buckets_moves_growth_and_weight_writes(device):
+    """Batch sizes 3 -> 2 -> 1 use buckets 4, 2, 1; a slot move keeps the sequence; an in-place weight write
+    (what load_weights does) is computed by the captured step; growing the cache drops the captured steps;
+    a replaced Parameter drops them at the next refresh."""
+    model = make("qwen2")
+    backend = static_backend(model, device)
+    ref = make("qwen2")
+    backend.capacity(4, 16)
+    prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
+    seqs = [list(p) for p in prompts]
+
+    def step(toks):
+        out = backend.decode(torch.tensor(toks, device=device)).cpu()
+        for j, tok in enumerate(toks):
+            seqs[j].append(tok)
+            torch.testing.assert_close(out[j], hf_last_logits(ref, seqs[j]), atol=ATOL, rtol=0)
+
+    with torch.inference_mode():
+        backend.prefill(prompts, 0, [1, 1, 1])
+        step([11, 12, 13])
+        backend.move(2, 0)  # slot 0 retires; slot 2's sequence moves into it
+        seqs[0] = seqs.pop(2)
+        step([14, 15])
+        with torch.no_grad():  # in place, as load_weights copies: the same addresses, new values
+            for p_dev, p_ref in zip(model.parameters(), ref.parameters()):
+                p_ref.add_(0.01)
+                p_dev.copy_(p_ref)
+        backend.refresh()
+        assert backend._static  # still valid: nothing moved
+        # the K/V in the cache are the old weights'; recompute them as the scheduler does after a swap
+        backend.prefill([list(s) for s in seqs], 0, [1, 1], logits=False)
+        step([16, 17])
+        seqs.pop(1)
+        step([18])
+    assert set(backend._static) == {4, 2, 1}
+    backend.capacity(4, 80)
+    assert not backend._static
+    with torch.inference_mode():
+        backend.decode(torch.tensor([1], device=device))
+        attn = model.model.layers[0].self_attn
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach() * 1.0)
+        backend.refresh()
+    assert not backend._static
+
+
+def test_cuda_graphs_option_needs_cuda():
+    model = make("qwen2")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        SlotDecoder(model, torch.device("cpu"), graphs="cuda")
