@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ray
 
-from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, set_torch_threads
+from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.weights.bucketing import plan_buckets
@@ -59,6 +59,8 @@ class RoleActor:
 
     def __init__(self, kind: str, cfg: Config, index: int = 0, hub_handle: Any = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        role = "buffer" if kind == "hub" else kind  # its name in cluster.affinity
+        pin_cpus(getattr(cfg.cluster.affinity, role), role)
         set_torch_threads(cfg.cluster.torch_threads)
         self.kind = kind
         self.cfg = cfg

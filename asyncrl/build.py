@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,26 @@ def derive_seed(base: int, *keys: object) -> int:
     """A stable 31-bit seed per (base, keys): each generator and role gets its own stream."""
     digest = hashlib.sha256(repr((base, *keys)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def pin_cpus(cpus: list[int], who: str) -> None:
+    """Pin every thread of this process to `cpus` (`cluster.affinity.<who>`); threads started later inherit
+    it from their creator. Nothing happens for an empty list."""
+    if not cpus:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError(f"cluster.affinity.{who}: CPU pinning needs Linux (os.sched_setaffinity)")
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            raise RuntimeError(f"cluster.affinity.{who} = {cpus}: {exc.strerror or exc}") from None
 
 
 def set_torch_threads(n: int) -> None:
@@ -66,7 +87,7 @@ def training_sampling(cfg: Config) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
-                          stop=list(r.stop))
+                          stop=list(r.stop), ignore_eos=r.ignore_eos)
 
 
 def build_hub(cfg: Config) -> ReplayHub:

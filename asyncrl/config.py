@@ -21,6 +21,7 @@ import difflib
 import importlib
 import logging
 import math
+import os
 import re
 import tomllib
 import typing
@@ -545,6 +546,20 @@ def _check_env(cfg: Config) -> list[str]:
 
 _Check = Callable[[Config], list[str]]
 # (paths the check reads, check): a path that failed field validation skips the checks reading it.
+def _check_affinity(cfg: Config) -> list[str]:
+    """CPU ids must exist here when the cluster is local (a remote cluster's nodes are checked there)."""
+    aff, errors = cfg.cluster.affinity, []
+    if cfg.cluster.address:
+        return errors
+    count = os.cpu_count() or 1
+    for role in ("trainer", "generator", "scorer", "buffer", "controller"):
+        missing = sorted({c for c in getattr(aff, role) if c >= count})
+        if missing:
+            errors.append(f"cluster.affinity.{role}: CPU {', '.join(map(str, missing))} does not exist on this "
+                          f"machine (CPUs 0-{count - 1})")
+    return errors
+
+
 _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("data",), _check_data),
     (("reward.fn", "reward.answer_key"), _check_reward),
@@ -560,5 +575,6 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("rollout.top_p", "rollout.top_k"), _check_sampling),
     (("trainer.betas",), _check_betas),
     (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
+    (("cluster.affinity", "cluster.address"), _check_affinity),
     (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), _check_env),
 ]

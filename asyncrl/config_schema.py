@@ -63,6 +63,7 @@ class RolloutConfig(Section):
     kv_on_update: Annotated[Literal["recompute", "keep"], _d("after an in-flight swap, recompute the KV cache of unfinished sequences (exact) or keep it (a mixture of versions, recorded on the trajectory)")] = "recompute"
     stop_token_ids: Annotated[list[int], _d("token ids that end a response besides the model's eos, e.g. [2, 3]")] = []
     stop: Annotated[list[str], _d("strings that end a response once the decoded text contains them, e.g. [\"\\n\"]")] = []
+    ignore_eos: Annotated[bool, _d("the model's eos does not end a response: every response runs to max_new_tokens unless a stop token or string ends it (fixed-length rollouts for throughput experiments)")] = False
 
 
 class RewardConfig(Section):
@@ -155,6 +156,19 @@ class StalenessConfig(Section):
     max_staleness: Annotated[int, _d("k: trainer version minus a trajectory's min_version never exceeds this; 0 = on-policy", ge=0)] = 1
 
 
+class AffinityConfig(Section):
+    """Linux CPU ids each role's process may run on (`sched_setaffinity`); empty = not pinned. Used to give
+    the critical-path role a core of its own on a small machine, e.g. trainer = [1] and everything else
+    [0] on two cores. Ray deployment only (in process, every role shares one process), local clusters for
+    `controller`."""
+
+    trainer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the trainer actor")] = []
+    generator: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every generator actor")] = []
+    scorer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every scorer actor")] = []
+    buffer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the buffer (replay hub) actor")] = []
+    controller: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the driver process (the Controller) and of the local Ray cluster it starts")] = []
+
+
 class ClusterConfig(Section):
     address: Annotated[str, _d("existing Ray cluster address; empty = start a local one")] = ""
     num_cpus: Annotated[float, _d("logical CPUs of the local Ray cluster", gt=0)] = 2.0
@@ -165,6 +179,7 @@ class ClusterConfig(Section):
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
+    affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
 
 
 class RunConfig(Section):

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from asyncrl.actors import RayProxy, RemoteRoleActor
+from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.runtime import Controller
@@ -34,6 +35,9 @@ def start_ray(cfg: Config) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, log_to_driver=True)
         return False
+    # before ray.init: the local cluster's processes (raylet, GCS, workers) start from this one and inherit
+    # its CPUs; each actor then pins itself to its role's own (cluster.affinity)
+    pin_cpus(cfg.cluster.affinity.controller, "controller")
     ray.init(
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
         num_gpus=0 if resolve_backend(cfg.weight_sync.backend) == "gloo" else None,

@@ -26,6 +26,7 @@ class SamplingParams(Message):
     top_k: int = -1                 # -1 = whole vocabulary
     max_new_tokens: int = 16
     stop_token_ids: list[int] = []  # besides the model's eos token ids
+    ignore_eos: bool = False        # the model's eos does not end a response (stop_token_ids still do)
     stop: list[str] = []            # stop strings: a sequence ends once its decoded response contains one
     seed: int | None = None         # per-request seed; None = the engine's own generator
 

@@ -12,8 +12,9 @@
 
 Each train step: `train_step(s)` → broadcast of version s+1 to every generator (all members of the
 collective are called together) → `publish(s+1)` on the gate → (every `eval_every` steps) held-out
-evaluation → one metrics row. Generators and scorers run their own loops the whole time, so generation
-of later versions overlaps training up to the staleness bound.
+evaluation → `train_step(s+1)` is started → the roles' statistics of step s's window are gathered (while
+step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
+generation of later versions overlaps training up to the staleness bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
 actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
@@ -69,6 +70,7 @@ class Controller:
         self._scored_seen: dict[int, int] = {}
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
+        self._next_train: asyncio.Future | None = None  # the next train step, started early (_one_step)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -105,6 +107,10 @@ class Controller:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return self.rows
         finally:
+            if self._next_train is not None:  # a step started before a failure (or Ctrl-C) elsewhere
+                self._next_train.cancel()
+                self._next_train.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._next_train = None
             close_sinks(sinks)
             if self._trace is not None:
                 self._trace.close()
@@ -113,7 +119,8 @@ class Controller:
 
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
         d = self.d
-        metrics = await self._guard(d.trainer.train_step(step))
+        train, self._next_train = self._next_train, None  # started at the end of the previous step, if any
+        metrics = await self._guard(train if train is not None else d.trainer.train_step(step))
         version = step + 1
         results = await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                    *[g.receive_weights() for g in d.generators]))
@@ -125,6 +132,10 @@ class Controller:
         if every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps):
             row.update(await self._guard(d.trainer.evaluate()))
         t_end = time.time()
+        if version < self.cfg.trainer.total_steps:
+            # Start the next step now and gather this window's role statistics while it runs: they are
+            # bookkeeping, not part of the dataflow, and would otherwise idle the trainer every step.
+            self._next_train = asyncio.ensure_future(d.trainer.train_step(version))
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)

@@ -24,8 +24,18 @@ Why Ray by default: each role is its own process, so generation and training rea
 cores. In the in-process deployment (`--local`) they share one interpreter: torch ops release the GIL,
 but the engine's per-step Python and the scorer do not, so the overlap is partial (measure it with
 --local to see).
-The workload (model size, tokens, epochs) is chosen so that 0.75 <= G/T <= 1.33 on this 2-core machine;
-the script prints G/T and warns when a run lands outside that band.
+The workload (model size, tokens, prompts) is chosen so that 0.75 <= G/T <= 1.33 on this 2-core machine
+(G/T ~ 0.85 with the defaults: the trainer is the bottleneck and the generator keeps some slack for its
+weight receive and swap); the script prints G/T and warns when a run lands outside that band.
+
+Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`), so each one has exactly
+--tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
+vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
+
+Placement (Ray, default): `cluster.affinity` pins the trainer and the Controller to core 1 and the
+generator, scorer and replay hub to core 0 (PINNED below), in all three runs; --no-pin lets every process
+float, which on this machine let the light roles and Ray's own threads preempt the trainer ~10% of its
+update time.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ num_generators = 1
 concurrency = {prompts}
 group_size = {group}
 max_new_tokens = {tokens}
-stop_token_ids = []
+ignore_eos = true
 
 [reward]
 fn = "prefix_match"
@@ -82,6 +92,7 @@ generator_cpus = 0.5
 scorer_cpus = 0.25
 trainer_cpus = 0.5
 buffer_cpus = 0.25
+{affinity}
 
 [logging]
 live = false
@@ -107,10 +118,23 @@ def measure(rows: list[dict], warmup: int) -> dict[str, float]:
             "overlap": statistics.mean(r.get("overlap_ratio", 0.0) for r in steps)}
 
 
+# The pinned layout (default on Ray): the trainer, whose step is the longer one (G < T), gets core 1 to itself
+# with the Controller (whose per-step work sits between train steps, when the trainer is idle); the generator
+# and the light roles (scorer, replay hub) share core 0, where generation leaves slack. The same layout in
+# every run, so G and T are measured under it too.
+PINNED = {"trainer": [1], "controller": [1], "generator": [0], "scorer": [0], "buffer": [0]}
+
+
+def affinity_toml(args: argparse.Namespace) -> str:
+    if not args.pin:
+        return ""
+    return "[cluster.affinity]\n" + "".join(f"{role} = {cpus}\n" for role, cpus in PINNED.items())
+
+
 def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
     from asyncrl.launch import run_local, run_with_ray
 
-    text = CONFIG.format(model_dir=root / "model", run_dir=root / name, cpus=args.cpus, hidden=args.hidden,
+    text = CONFIG.format(affinity=affinity_toml(args), model_dir=root / "model", run_dir=root / name, cpus=args.cpus, hidden=args.hidden,
                          layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts, group=args.group,
                          tokens=args.tokens, steps=args.steps, micro=args.micro, epochs=args.epochs)
     path = root / f"{name}.toml"
@@ -133,14 +157,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=48, help="max_new_tokens (raises G more than T)")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per response (ignore_eos: every response has exactly this many; raises G more than T)")
     ap.add_argument("--epochs", type=int, default=1, help="trainer epochs per step (raises T)")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step (raises T more than G)")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per step (raises T more than G)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--out", default=None, help="keep the three run directories here (trace.json, metrics)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let every process float over the cores (default on Ray: cluster.affinity, see PINNED)")
     args = ap.parse_args(argv)
+    if args.local or (os.cpu_count() or 1) < 2:
+        args.pin = False  # in process there is one process to pin; on one CPU nothing to separate
     if args.quick:
+        args.pin = False
         args.local, args.steps, args.warmup, args.hidden, args.layers = True, 3, 1, 32, 1
         args.tokens, args.epochs, args.prompts, args.group, args.micro = 2, 1, 2, 2, 4
     started = False
@@ -150,6 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         # Ray starts its workers at niceness 15 by default; with other jobs on the machine they would
         # lose the cores to them while the driver (the Controller) does not. Same priority for all.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        if args.pin:  # the driver (Controller) and the cluster it starts: see PINNED
+            from asyncrl.build import pin_cpus
+
+            pin_cpus(PINNED["controller"], "controller")
         ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=256 * 2**20, log_to_driver=False)
         started = True
@@ -170,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     speedup = asyn["samples_per_s"] / sync["samples_per_s"]
     print(f"deployment: {'in-process (--local)' if args.local else 'Ray'}, {args.cpus} CPUs; model hidden "
           f"{args.hidden} x {args.layers} layers; {args.prompts} prompts x {args.group} samples per step, "
-          f"{args.tokens} new tokens, {args.epochs} epoch(s); {args.steps} steps, first {args.warmup} excluded")
+          f"{args.tokens} new tokens (eos ignored), {args.epochs} epoch(s); {args.steps} steps, first {args.warmup} "
+          f"excluded; " + (f"pinned {PINNED}" if args.pin else "not pinned"))
     print(f"sync run: G = {G:.3f} s, T = {T:.3f} s per step, G/T = {G / T:.2f}"
           + ("" if 0.75 <= G / T <= 1.33 else "  (outside 0.75..1.33: tune --tokens / --epochs)"))
     print()

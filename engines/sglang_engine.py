@@ -588,6 +588,8 @@ class SGLangEngine:
                                 "top_p": params.top_p, "top_k": params.top_k, "no_stop_trim": True}
         if params.stop_token_ids:
             base["stop_token_ids"] = list(params.stop_token_ids)
+        if params.ignore_eos:
+            base["ignore_eos"] = True
         if params.stop:
             base["stop"] = list(params.stop)
         if params.seed is None:

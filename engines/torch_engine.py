@@ -208,7 +208,8 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         req = Request(
             prompts=kept, truncated=[len(k) < len(p) for k, p in zip(kept, prompts)], params=params,
-            stop_ids=frozenset((*self.eos_token_ids, *params.stop_token_ids)), detokenize=detokenize,
+            stop_ids=frozenset((*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids)),
+            detokenize=detokenize,
             loop=loop, future=loop.create_future(),
         )
         self.scheduler.submit(req)

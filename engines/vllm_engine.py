@@ -329,7 +329,7 @@ class VLLMEngine:
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else 0,
             max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids) or None,
+            stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
             stop=list(params.stop) or None,
             seed=params.seed,
             logprobs=0,                      # the sampled token's logprob only

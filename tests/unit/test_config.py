@@ -261,3 +261,4 @@ def test_config_to_toml_omits_unset_optional_tables(workdir):
 def test_format_errors_counts_and_indents():
     assert format_errors(["a: x", "b: y"]) == "2 problems in the config:\n  a: x\n  b: y"
     assert format_errors(["a: x"]).startswith("1 problem in the config:")
+

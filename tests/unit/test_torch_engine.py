@@ -176,6 +176,19 @@ def test_model_eos_ids_stop_like_stop_token_ids(engine, ref_model):
                                atol=1e-5, rtol=0)
 
 
+def test_ignore_eos_runs_past_the_model_eos_but_not_past_stop_token_ids(engine, ref_model):
+    greedy = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=10)
+    stop = greedy[0][0].response_ids[3]
+    as_eos = TorchEngine.from_model(ref_model, eos_token_ids=[stop])
+    stopped = generate(as_eos, [PROMPTS[0]], temperature=0.0, max_new_tokens=10)[0][0]
+    assert stopped.finish_reason == "stop" and len(stopped.response_ids) == 4
+    full = generate(as_eos, [PROMPTS[0]], temperature=0.0, max_new_tokens=10, ignore_eos=True)[0][0]
+    assert full.finish_reason == "length" and full.response_ids[:4] == stopped.response_ids
+    assert len(full.response_ids) == 10
+    by_id = generate(as_eos, [PROMPTS[0]], temperature=0.0, max_new_tokens=10, ignore_eos=True, stop_token_ids=[stop])
+    assert by_id[0][0].finish_reason == "stop" and len(by_id[0][0].response_ids) == 4
+
+
 def test_generate_runs_off_the_event_loop(engine):
     async def main() -> int:
         task = asyncio.ensure_future(engine.generate(PROMPTS * 4, SamplingParams(n=4, max_new_tokens=48)))
