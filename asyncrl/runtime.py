@@ -114,8 +114,10 @@ class Controller:
             close_sinks(sinks)
             if self._trace is not None:
                 self._trace.close()
-            await self._stop_loops()
-            await d.shutdown()
+            try:
+                await self._stop_loops()
+            finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
+                await d.shutdown()
 
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
         d = self.d

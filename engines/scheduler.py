@@ -25,11 +25,13 @@ prefilled together rather than one by one.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -38,6 +40,20 @@ from engines.requests import Request, Sequence, Swap, sequence_seed
 from engines.sampling import RowParams, sample
 
 log = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Stop every engine thread before the interpreter finalizes. A daemon thread still running then (an
+    engine left open, its idle exit due) is killed the moment it waits for the GIL; if that happens inside
+    a torch deallocation (C++), the process aborts instead of exiting (seen with Ray's terminate handler)."""
+    for scheduler in list(_LIVE):
+        try:
+            scheduler.close(timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 class Scheduler:
@@ -76,6 +92,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Sequence] = []  # active[i] lives in backend slot i
         self._rows: RowParams | None = None  # sampling params of `_active`, rebuilt when it changes
+        _LIVE.add(self)
 
     # -- thread-safe entry points ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -105,13 +122,13 @@ class Scheduler:
         with self._cv:
             return len(self._swaps)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         with self._cv:
             self._closing = True
             self._cv.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout_s)
 
     def _post(self, action: Callable[[], None]) -> None:
         with self._cv:
