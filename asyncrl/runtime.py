@@ -11,9 +11,10 @@
 ```
 
 Each train step: `train_step(s)` → broadcast of version s+1 to every generator (all members of the
-collective are called together) → `publish(s+1)` on the gate → (every `eval_every` steps) held-out
-evaluation → `train_step(s+1)` is started → the roles' statistics of step s's window are gathered (while
-step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
+collective are called together) → `train_step(s+1)` starts once the trainer's send is done (while the
+generators swap) → `publish(s+1)` on the gate once every generator holds it → (every `eval_every` steps)
+held-out evaluation, before the next step starts → the roles' statistics of step s's window are gathered
+(while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
 generation of later versions overlaps training up to the staleness bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
@@ -124,17 +125,32 @@ class Controller:
         train, self._next_train = self._next_train, None  # started at the end of the previous step, if any
         metrics = await self._guard(train if train is not None else d.trainer.train_step(step))
         version = step + 1
-        results = await self._guard(asyncio.gather(d.trainer.send_weights(),
-                                                   *[g.receive_weights() for g in d.generators]))
+        every = self.cfg.trainer.eval_every
+        eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
+        more = version < self.cfg.trainer.total_steps
+        # The broadcast: the trainer sends, every generator receives into staging and then swaps at its next
+        # decode-step boundary (KV recompute included). Once the trainer's send is done its weights are free
+        # again, so the next step starts then, while the generators still swap: the step's groups are
+        # admitted by the gate at the versions the generators held, so the staleness bound holds as before.
+        receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
+        try:
+            sent = await self._guard(d.trainer.send_weights())
+            if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
+                self._next_train = asyncio.ensure_future(d.trainer.train_step(version))
+            await self._guard(asyncio.gather(*receives))
+        finally:
+            for f in receives:  # a failure above: no stray receive left running
+                if not f.done():
+                    f.cancel()
+                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
         await self._guard(d.hub.publish(version))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
-        row.update({k: v for k, v in results[0].items()})
-        every = self.cfg.trainer.eval_every
-        if every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps):
+        row.update(dict(sent))
+        if eval_due:
             row.update(await self._guard(d.trainer.evaluate()))
         t_end = time.time()
-        if version < self.cfg.trainer.total_steps:
+        if more and self._next_train is None:
             # Start the next step now and gather this window's role statistics while it runs: they are
             # bookkeeping, not part of the dataflow, and would otherwise idle the trainer every step.
             self._next_train = asyncio.ensure_future(d.trainer.train_step(version))
