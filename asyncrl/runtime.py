@@ -57,6 +57,13 @@ class RoleFailed(RuntimeError):
     pass
 
 
+def _discard(fut: asyncio.Future) -> None:
+    """Cancel `fut` if still pending, and retrieve its outcome when it ends (no "never retrieved" warning)."""
+    if not fut.done():
+        fut.cancel()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 class Controller:
     def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
                  config_text: str | None = None) -> None:
@@ -109,8 +116,7 @@ class Controller:
             return self.rows
         finally:
             if self._next_train is not None:  # a step started before a failure (or Ctrl-C) elsewhere
-                self._next_train.cancel()
-                self._next_train.add_done_callback(lambda f: f.cancelled() or f.exception())
+                _discard(self._next_train)
                 self._next_train = None
             close_sinks(sinks)
             if self._trace is not None:
@@ -140,9 +146,7 @@ class Controller:
             await self._guard(asyncio.gather(*receives))
         finally:
             for f in receives:  # a failure above: no stray receive left running
-                if not f.done():
-                    f.cancel()
-                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
+                _discard(f)
         await self._guard(d.hub.publish(version))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
@@ -210,8 +214,7 @@ class Controller:
         try:
             done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
-            fut.cancel()
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            _discard(fut)
             raise
         if fut not in done:
             fut.cancel()

@@ -52,8 +52,8 @@ def _close_all_at_exit() -> None:
     for scheduler in list(_LIVE):
         try:
             scheduler.close(timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+        except Exception as exc:  # noqa: BLE001 - exiting anyway
+            log.debug("engine thread not stopped at exit: %s", exc)
 
 
 class Scheduler:

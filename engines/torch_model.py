@@ -362,15 +362,17 @@ class SlotDecoder:
         b = tokens.shape[0]
         if self.graphs != "off":
             logits = self._static_step(b).run(tokens)
-            self.lengths[:b] += 1
-            self._lens[:b] = [n + 1 for n in self._lens[:b]]
-            return logits
-        step = self._decode_tables(b)
+        else:
+            logits = self._decode_forward(tokens, self._decode_tables(b))
+        self.lengths[:b] += 1
+        self._lens[:b] = [n + 1 for n in self._lens[:b]]
+        return logits
+
+    def _decode_forward(self, tokens: torch.Tensor, step: "_DecodeStep") -> torch.Tensor:
+        """Logits of one decode step over slots 0..step.b-1 (writes their new K/V; lengths not advanced)."""
         x = F.embedding(tokens, self.model.model.embed_tokens.weight)
         for i, w in enumerate(self._weights):
             self._decode_layer(i, w, x, step)
-        self.lengths[:b] += 1
-        self._lens[:b] = [n + 1 for n in self._lens[:b]]
         return self._logits(x)
 
     def _decode_tables(self, b: int) -> "_DecodeStep":
@@ -502,10 +504,7 @@ class _StaticDecode:
             cos=d._cos.index_select(0, self.pos)[:, None], sin=d._signed_sin.index_select(0, self.pos)[:, None],
             kv_rows=d._kv_base[:rows] + self.pos[:, None],
         )
-        x = F.embedding(self.tokens, d.model.model.embed_tokens.weight)
-        for i, w in enumerate(d._weights):
-            d._decode_layer(i, w, x, step)
-        return d._logits(x)
+        return d._decode_forward(self.tokens, step)
 
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [b, V] for the b running slots (b = len(tokens) <= rows), at their current lengths."""
