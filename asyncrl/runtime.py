@@ -10,11 +10,12 @@
                                          metrics.jsonl row
 ```
 
-Each train step: `train_step(s)` → broadcast of version s+1 to every generator (all members of the
-collective are called together) → `train_step(s+1)` starts once the trainer's send is done (while the
-generators swap) → `publish(s+1)` on the gate once every generator holds it → (every `eval_every` steps)
-held-out evaluation, before the next step starts → the roles' statistics of step s's window are gathered
-(while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
+Each train step: `train_step(s)` (it takes step s+1's groups from the hub while it trains, and starts
+the broadcast of version s+1 when its update ends) → every generator joins the broadcast (all members of
+the collective take part together) → `train_step(s+1)` is asked for at once and updates once the
+trainer's send is done (while the generators swap) → `publish(s+1)` on the gate once every generator
+holds it → (every `eval_every` steps) held-out evaluation, before the next step starts → the roles'
+statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
 generation of later versions overlaps training up to the staleness bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
@@ -129,20 +130,26 @@ class Controller:
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
         d = self.d
         train, self._next_train = self._next_train, None  # started at the end of the previous step, if any
-        metrics = await self._guard(train if train is not None else d.trainer.train_step(step))
+        metrics = await self._guard(train if train is not None else self._train(step))
         version = step + 1
         every = self.cfg.trainer.eval_every
         eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
         more = version < self.cfg.trainer.total_steps
-        # The broadcast: the trainer sends, every generator receives into staging and then swaps at its next
-        # decode-step boundary (KV recompute included). Once the trainer's send is done its weights are free
-        # again, so the next step starts then, while the generators still swap: the step's groups are
-        # admitted by the gate at the versions the generators held, so the staleness bound holds as before.
+        # The broadcast: the trainer started sending when its update ended (train_step(send=True)); every
+        # generator receives into staging and then swaps at its next decode-step boundary (KV recompute
+        # included). The next step is asked for at once: the trainer starts its update when its send is
+        # done (the send reads the weights), while the generators still swap, and its groups were already
+        # prefetched during this step. They were admitted by the gate at the versions the generators held,
+        # so the staleness bound holds as before.
         receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
         try:
-            sent = await self._guard(d.trainer.send_weights())
+            sending = asyncio.ensure_future(d.trainer.send_weights())
             if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
-                self._next_train = asyncio.ensure_future(d.trainer.train_step(version))
+                self._next_train = asyncio.ensure_future(self._train(version))
+            try:
+                sent = await self._guard(sending)
+            finally:
+                _discard(sending)
             await self._guard(asyncio.gather(*receives))
         finally:
             for f in receives:  # a failure above: no stray receive left running
@@ -157,12 +164,17 @@ class Controller:
         if more and self._next_train is None:
             # Start the next step now and gather this window's role statistics while it runs: they are
             # bookkeeping, not part of the dataflow, and would otherwise idle the trainer every step.
-            self._next_train = asyncio.ensure_future(d.trainer.train_step(version))
+            self._next_train = asyncio.ensure_future(self._train(version))
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
         self._window_end = t_end
         return row
+
+    def _train(self, step: int) -> Awaitable[dict[str, Any]]:
+        """Train step `step`: prefetch the next step's groups while it trains (when there is a next step)
+        and start the weight send when its update ends."""
+        return self.d.trainer.train_step(step, send=True, prefetch=step + 1 < self.cfg.trainer.total_steps)
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
         d = self.d

@@ -56,24 +56,40 @@ class Trainer:
         self.sender: WeightSender | None = None
         self.recorder = recorder or SpanRecorder("trainer")
         self.trained_tokens = 0
+        self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
+        self._sending: asyncio.Future | None = None    # the send of the current weights, while it reads them
+        self._unclaimed: asyncio.Future | None = None  # a send train_step started, for send_weights() to return
 
     @property
     def version(self) -> int:
         return self.learner.version
 
-    async def train_step(self, step: int) -> dict[str, float]:
-        """Train step `step` (the learner holds version `step`); afterwards the version is step + 1."""
+    async def train_step(self, step: int, *, send: bool = False, prefetch: bool = False) -> dict[str, float]:
+        """Train step `step` (the learner holds version `step`); afterwards the version is step + 1.
+
+        `prefetch`: once this step's groups are taken, start taking step + 1's from the hub, so they
+        travel while this step trains (the caller promises to train step + 1). `send`: start the
+        broadcast of the new weights as soon as the update ends; `send_weights()` returns its statistics.
+        A send still in flight (it reads the weights) is waited for before the update.
+        """
+        await self._wait_send()
         if step != self.learner.version:
             raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
         t0, c0 = time.time(), time.process_time()
-        groups = await self.hub.take_step(step)
+        groups = await self._take(step)
         t1, c1 = time.time(), time.process_time()
         # process CPU time beside the wall time: in process it is every role's, so the planner can tell
         # computing from waiting in the gate wait (generation + scoring) and in the update
         self.recorder.record("wait_gate", t0, t1, step, cpu_s=c1 - c0)
+        if prefetch:
+            task = asyncio.ensure_future(self.hub.take_step(step + 1))
+            task.add_done_callback(_retrieve)  # a take never claimed (a failure elsewhere) warns nobody
+            self._prefetch = (step + 1, task)
         metrics = await asyncio.to_thread(self.learner.update, groups)
         t2, c2 = time.time(), time.process_time()
         self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
+        if send:
+            self._unclaimed = self._begin_send()
         trajs = [t for g in groups for t in g.trajectories]
         metrics.update(staleness_stats([step - t.min_version for t in trajs]))
         token_lags = [step - v for t in trajs for v in t.versions]
@@ -89,6 +105,15 @@ class Trainer:
             await self._filtered_metrics(metrics)
         return metrics
 
+    async def _take(self, step: int) -> list[Group]:
+        """Step `step`'s groups: the prefetched ones if they are that step's, else take them now."""
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None:
+            if pending[0] == step:
+                return await pending[1]
+            _discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
+        return await self.hub.take_step(step)
+
     async def _filtered_metrics(self, metrics: dict[str, float]) -> None:
         """Zero-variance groups dropped by the scorers (their slots refilled with fresh prompts by the gate)."""
         stats = getattr(self.hub, "stats", None)
@@ -100,14 +125,50 @@ class Trainer:
         self._filtered_seen = total
 
     async def send_weights(self) -> dict[str, float]:
-        """Broadcast the current weights (stamped with the current version) to every generator."""
+        """Broadcast the current weights (stamped with the current version) to every generator.
+
+        If `train_step(send=True)` already started this broadcast, wait for it and return its statistics.
+        """
         if self.sender is None:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
-        version = self.learner.version
-        t0 = time.time()
-        stats = await asyncio.to_thread(self.sender.send, self.learner.state_dict_for_sync(), version)
-        self.recorder.record("weights_send", t0, time.time(), version)
-        return stats
+        task, self._unclaimed = self._unclaimed, None
+        if task is None:
+            await self._wait_send()
+            task = self._begin_send()
+        return await asyncio.shield(task)
+
+    def _begin_send(self) -> asyncio.Future:
+        if self.sender is None:
+            raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
+        sender, version, tensors = self.sender, self.learner.version, self.learner.state_dict_for_sync()
+
+        async def send() -> dict[str, float]:
+            t0 = time.time()
+            stats = await asyncio.to_thread(sender.send, tensors, version)
+            self.recorder.record("weights_send", t0, time.time(), version)
+            return stats
+
+        task = asyncio.ensure_future(send())
+        task.add_done_callback(_retrieve)  # its caller (send_weights) reports a failure
+        self._sending = task
+        return task
+
+    async def _wait_send(self) -> None:
+        """Wait for a send in flight: it reads the weights the next update would change."""
+        task = self._sending
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the send itself was cancelled; only our own cancellation propagates
+                return
+            raise
+        except Exception as exc:
+            raise RuntimeError(f"the weight send before this step failed: {exc}") from exc
+        finally:
+            if task.done() and self._sending is task:
+                self._sending = None
 
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
@@ -138,3 +199,15 @@ class Trainer:
     def stats(self) -> dict[str, Any]:
         return {"version": self.learner.version, "trained_tokens": self.trained_tokens,
                 "spans": self.recorder.drain()}
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a background future's outcome as seen (no "exception was never retrieved" warning)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _discard(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.cancel()
+    fut.add_done_callback(_retrieve)

@@ -319,3 +319,124 @@ def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
     assert hub.released["failed"] == [0, 1, 2]
     assert [g.group_id for g in hub.accepted] == [10]
     assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
+
+
+# -- Trainer: prefetch of the next step's groups, the send started at the end of the update ---------------
+class FakeLearner:
+    """Counts versions like the Learner; `update` records what it trained on and when."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.version = 0
+        self.log = log
+        self.weights = {"w": torch.zeros(2)}
+
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        self.log.append(f"update {self.version} {[g.group_id for g in groups]}")
+        time.sleep(0.05)  # long enough for a prefetch to land meanwhile
+        self.log.append(f"updated {self.version}")
+        self.version += 1
+        self.weights["w"] += 1
+        return {"trainer/samples": float(len(groups))}
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        return self.weights
+
+
+class StepHub:
+    """`take_step(s)` returns group s at once; records each call (and refuses a wrong step, like the gate)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.taken = 0
+
+    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
+        if step != self.taken:
+            raise ValueError(f"take_step: expected step {self.taken}, got {step}")
+        self.taken += 1
+        self.log.append(f"take {step}")
+        return [Group(group_id=step, min_version=step, trajectories=[])]
+
+
+class GatedSender:
+    """A blocking send (like a collective waiting for its receivers) that proceeds once `release` is set."""
+
+    def __init__(self, log: list[str], fail: bool = False) -> None:
+        self.log = log
+        self.release = threading.Event()
+        self.fail = fail
+        self.sent: list[tuple[int, float]] = []
+
+    def send(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        self.log.append(f"send {version} start")
+        assert self.release.wait(5)
+        if self.fail:
+            raise RuntimeError("receiver vanished")
+        self.sent.append((version, float(tensors["w"][0])))
+        self.log.append(f"send {version} done")
+        return {"sync/seconds": 0.001, "sync/version": float(version)}
+
+
+def make_trainer(log: list[str], sender: GatedSender | None = None) -> Any:
+    from asyncrl.roles.trainer import Trainer
+
+    trainer = Trainer(learner=FakeLearner(log), hub=StepHub(log))  # type: ignore[arg-type]
+    trainer.sender = sender
+    return trainer
+
+
+def test_trainer_prefetches_the_next_steps_groups_while_it_trains():
+    log: list[str] = []
+    trainer = make_trainer(log)
+
+    async def go() -> None:
+        await trainer.train_step(0, prefetch=True)
+        await trainer.train_step(1, prefetch=False)
+
+    run(go())
+    # step 1's groups were taken while step 0 trained, and taken once
+    assert log == ["take 0", "update 0 [0]", "take 1", "updated 0", "update 1 [1]", "updated 1"]
+    assert trainer.hub.taken == 2 and trainer._prefetch is None
+
+
+def test_trainer_send_starts_when_the_update_ends_and_the_next_update_waits_for_it():
+    log: list[str] = []
+    sender = GatedSender(log)
+    trainer = make_trainer(log, sender)
+
+    async def go() -> list[dict[str, float]]:
+        await trainer.train_step(0, send=True, prefetch=True)
+        await asyncio.sleep(0.05)
+        assert log[-1] == "send 1 start"  # began without anyone asking, and waits for its receivers
+        sending = asyncio.ensure_future(trainer.send_weights())
+        following = asyncio.ensure_future(trainer.train_step(1, send=True))
+        await asyncio.sleep(0.1)
+        assert "update 1 [1]" not in log  # the send reads the weights: the update waits for it
+        sender.release.set()
+        first = await sending
+        await following
+        second = await trainer.send_weights()
+        third = await trainer.send_weights()  # nothing started by train_step left: a fresh send
+        return [first, second, third]
+
+    stats = run(go())
+    assert [s["sync/version"] for s in stats] == [1.0, 2.0, 2.0]
+    assert sender.sent == [(1, 1.0), (2, 2.0), (2, 2.0)]  # each version's weights as the update left them
+    assert log.index("send 1 done") < log.index("update 1 [1]")
+
+
+def test_trainer_refuses_to_train_over_a_failed_send_and_the_sender_error_reaches_send_weights():
+    log: list[str] = []
+    sender = GatedSender(log, fail=True)
+    sender.release.set()
+    trainer = make_trainer(log, sender)
+
+    async def go() -> None:
+        await trainer.train_step(0, send=True)
+        with pytest.raises(RuntimeError, match="receiver vanished"):
+            await trainer.send_weights()
+        with pytest.raises(RuntimeError, match="the weight send before this step failed: receiver vanished"):
+            await trainer.train_step(1)
+        await trainer.train_step(1)  # reported once; the caller decides whether to go on
+
+    run(go())
+    assert log.count("update 1 []") == 0 and "update 1 [1]" in log
