@@ -80,6 +80,8 @@ class Controller:
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
         self._next_train: asyncio.Future | None = None  # the next train step, started early (_one_step)
+        self._arm = False  # every generator's receive may wait for the send (Generator.can_arm_receive)
+        self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -96,6 +98,7 @@ class Controller:
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
+            self._arm = all(await asyncio.gather(*[g.can_arm_receive() for g in d.generators]))
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
             if cfg.trainer.eval_every > 0:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
@@ -119,6 +122,9 @@ class Controller:
             if self._next_train is not None:  # a step started before a failure (or Ctrl-C) elsewhere
                 _discard(self._next_train)
                 self._next_train = None
+            for f in self._armed or []:  # (an armed receive ends when its group is closed at shutdown)
+                _discard(f)
+            self._armed = None
             close_sinks(sinks)
             if self._trace is not None:
                 self._trace.close()
@@ -130,18 +136,23 @@ class Controller:
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
         d = self.d
         train, self._next_train = self._next_train, None  # started at the end of the previous step, if any
+        receives, self._armed = self._armed, None  # armed at the end of the previous step, if any
+        if receives is None and self._arm:  # the first step: arm now, while it trains
+            receives = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
         metrics = await self._guard(train if train is not None else self._train(step))
         version = step + 1
         every = self.cfg.trainer.eval_every
         eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
         more = version < self.cfg.trainer.total_steps
         # The broadcast: the trainer started sending when its update ended (train_step(send=True)); every
-        # generator receives into staging and then swaps at its next decode-step boundary (KV recompute
-        # included). The next step is asked for at once: the trainer starts its update when its send is
-        # done (the send reads the weights), while the generators still swap, and its groups were already
-        # prefetched during this step. They were admitted by the gate at the versions the generators held,
-        # so the staleness bound holds as before.
-        receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
+        # generator receives into staging (armed during the step where it can wait for the send: then it
+        # joins at once, else it is called now) and then swaps at its next decode-step boundary (KV
+        # recompute included). The next step is asked for at once: the trainer starts its update when its
+        # send is done (the send reads the weights), while the generators still swap, and its groups were
+        # already prefetched during this step. They were admitted by the gate at the versions the
+        # generators held, so the staleness bound holds as before.
+        if receives is None:
+            receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
         try:
             sending = asyncio.ensure_future(d.trainer.send_weights())
             if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
@@ -154,6 +165,8 @@ class Controller:
         finally:
             for f in receives:  # a failure above: no stray receive left running
                 _discard(f)
+        if more and self._arm:  # the next version's receives wait for its send while the next step trains
+            self._armed = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
         await self._guard(d.hub.publish(version))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)

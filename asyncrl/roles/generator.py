@@ -12,6 +12,7 @@ A plain async class: no Ray here. The Ray actor in `asyncrl/actors.py` only adds
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.weights.base import STAT_SECONDS
 from engines.base import CollectiveWeightEngine, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,11 @@ class Generator:
         self.swap_s_total = 0.0
 
     # -- weights ---------------------------------------------------------------------------------
-    async def receive_weights(self) -> dict[str, float]:
-        """Take part in one broadcast: receive into staging off the event loop (generation goes on)."""
+    async def receive_weights(self, armed: bool = False) -> dict[str, float]:
+        """Take part in one broadcast: receive into staging off the event loop (generation goes on).
+
+        `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
+        it takes, without the group's timeout."""
         if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
             t0 = time.time()  # the engine's own workers receive and swap (vLLM / SGLang)
             version, stats = await self.engine.receive_weights()
@@ -87,15 +92,25 @@ class Generator:
             return stats
         if self.receiver is None:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
-        t0 = time.time()
-        tensors, version, stats = await asyncio.to_thread(self.receiver.receive)
-        self.recorder.record("weights_recv", t0, time.time(), version)
+        if armed and not self.can_arm_receive():
+            raise RuntimeError("receive_weights(armed=True): this generator's receiver cannot wait for the send")
+        receive = functools.partial(self.receiver.receive, armed=True) if armed else self.receiver.receive
+        tensors, version, stats = await asyncio.to_thread(receive)
+        t1 = time.time()
+        # the transfer only: an armed receive (can_arm_receive) waited for the send before it
+        self.recorder.record("weights_recv", t1 - stats.get(STAT_SECONDS, 0.0), t1, version)
         self._pending = (tensors, version)
         if self.weight_update == "in_flight":
             # The engine swaps at its next decode-step boundary; this returns once the swap landed, so
             # the controller publishes the version only when every generator holds it.
             await self._apply_pending_weights()
         return stats
+
+    def can_arm_receive(self) -> bool:
+        """Whether `receive_weights()` may be called before the trainer sends: it then waits, without the
+        group's timeout and without blocking generation, and joins the broadcast the moment it starts
+        (the collective receiver; not an engine whose own workers receive, nor the in-process channel)."""
+        return self.receiver is not None and bool(getattr(self.receiver, "arms_early", False))
 
     async def _apply_pending_weights(self) -> None:
         if self._pending is None:

@@ -15,7 +15,10 @@ Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), all members cal
     2. one broadcast per bucket: the source packs the bucket into one flat buffer, receivers
        broadcast into a preallocated staging buffer and unpack it into staging tensors (views).
 Buffers travel as their uint8 view, so any dtype (bfloat16, bool, ...) goes over any backend
-bit-identically.
+bit-identically. Before step 1 the source sets the store key of broadcast n (every member counts its
+broadcasts); receivers wait for that key before they enter the header broadcast. So a receiver may be
+called early (armed while the trainer still trains: `arm`) without the collective's timeout running,
+and it joins the moment the source starts, without a round trip through the controller.
 
 How the controller must drive it (blocking collectives deadlock when called one member at a time):
     store, port = create_store(world_size, timeout_s)          # in the controller or the trainer
@@ -57,6 +60,7 @@ if TYPE_CHECKING:  # the C++ base of ProcessGroupGloo/NCCL (not torch.distribute
 logger = logging.getLogger(__name__)
 
 SOURCE_RANK = 0  # the Trainer
+ANNOUNCE_POLL = timedelta(seconds=1.0)  # an armed receiver re-checks this often whether its group was closed
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -188,6 +192,9 @@ class WeightSyncGroup:
         self._timeout = timedelta(seconds=timeout_s)
         self._lock = threading.Lock()
         self._broken: str | None = None
+        # announcements of the weight broadcasts (see the module doc): their own prefix on the group's store
+        self._announce = dist.PrefixStore("asyncrl/announce", store) if store is not None else None
+        self._broadcasts = 0  # broadcast_weights calls so far; every member counts the same
 
     @property
     def is_source(self) -> bool:
@@ -218,27 +225,69 @@ class WeightSyncGroup:
             self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), "barrier")
 
     def broadcast_weights(
-        self, tensors: Mapping[str, Tensor] | None, meta: WeightsMeta, version: int | None
+        self, tensors: Mapping[str, Tensor] | None, meta: WeightsMeta, version: int | None, *, armed: bool = False
     ) -> tuple[dict[str, Tensor] | None, int, dict[str, float]]:
         """Broadcast one version of the weights from rank 0; every member calls it together.
 
         Source: `tensors` (matching `meta`) and `version` are required; returns (None, version, stats).
         Receivers: `tensors` is ignored; `version` is the expected version or None for any; returns
-        (staging tensors on this member's device, the source's version, stats).
+        (staging tensors on this member's device, the source's version, stats). A receiver waits up to the
+        group's timeout for the source to start, or, `armed`, until it does (or the group is closed).
         """
         with self._lock:
-            start = time.perf_counter()
             if self.is_source:
+                start = time.perf_counter()
                 if tensors is None or version is None:
                     raise ValueError("the weight-sync source (rank 0) needs tensors and a version")
                 check_matches(tensors, meta)
+                n, self._broadcasts = self._broadcasts, self._broadcasts + 1
+                # The key stays (a few bytes per broadcast): a receiver may still be on its way out of
+                # the wait when the source's sends are done, and a deleted key would strand it.
+                self._announce_set(n)
                 self._send(tensors, meta, version)
                 return None, version, sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
+            if self._broken is not None:
+                raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
+            n, self._broadcasts = self._broadcasts, self._broadcasts + 1
+            self._announce_wait(n, armed)
+            start = time.perf_counter()  # the transfer, not the armed wait before it
             received_version, staged = self._receive(meta)
             stats = sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
         if version is not None and received_version != version:
             raise ValueError(f"weight sync: expected version {version}, the source sent {received_version}")
         return staged, received_version, stats
+
+    def _announce_set(self, n: int) -> None:
+        if self._announce is None:
+            return
+        try:
+            self._announce.set(str(n), b"1")
+        except Exception as exc:
+            self._broken = f"announcing broadcast {n} failed on rank {self.rank}"
+            raise RuntimeError(f"weight sync: announcing broadcast {n} failed: {exc}") from exc
+
+    def _announce_wait(self, n: int, armed: bool) -> None:
+        """Wait for the source to announce broadcast n: up to the group's timeout, or (`armed`) for as long
+        as it takes, until the group is closed."""
+        if self._announce is None:
+            return
+        deadline = None if armed else time.monotonic() + self.timeout_s
+        while True:
+            if self._pg is None:
+                raise RuntimeError("weight-sync group is closed")
+            if deadline is not None and time.monotonic() >= deadline:
+                self._broken = f"header failed on rank {self.rank}"  # this member counted a broadcast that never came
+                raise TimeoutError(f"weight sync: header not completed within {self.timeout_s}s on rank "
+                                   f"{self.rank} (the source never announced its broadcast)")
+            poll = ANNOUNCE_POLL if deadline is None else min(ANNOUNCE_POLL, timedelta(seconds=max(
+                0.001, deadline - time.monotonic())))
+            try:
+                self._announce.wait([str(n)], poll)
+                return
+            except Exception as exc:
+                if not _is_timeout(exc):
+                    self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
+                    raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
 
     def _header(self, version: int, meta: WeightsMeta) -> Tensor:
         values = [version, len(meta.buckets), meta.total_bytes, meta_crc(meta)]
@@ -273,7 +322,7 @@ class WeightSyncGroup:
 
     def close(self) -> None:
         """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
-        pg, self._pg = self._pg, None
+        pg, self._pg = self._pg, None  # an armed receiver sees this within ANNOUNCE_POLL and raises
         close_process_group(pg, f"weight-sync group rank {self.rank}")
         self._store = None
 
@@ -300,7 +349,10 @@ class CollectiveSender:
 
 class CollectiveReceiver:
     """`WeightReceiver` over a `WeightSyncGroup`, on ranks >= 1 (the generators). `receive()` blocks
-    until the source sends (or the group timeout passes)."""
+    until the source sends; it may be called early (`arms_early`): it waits for the source's announcement
+    of the broadcast without a timeout (until the group is closed), then joins it."""
+
+    arms_early = True
 
     def __init__(self, group: WeightSyncGroup, meta: WeightsMeta) -> None:
         if group.is_source:
@@ -309,8 +361,9 @@ class CollectiveReceiver:
         self.meta = meta
         self.last_version: int | None = None
 
-    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        staged, version, stats = self.group.broadcast_weights(None, self.meta, None)
+    def receive(self, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        """The next broadcast. `armed`: called ahead of the send, so wait for it without the group's timeout."""
+        staged, version, stats = self.group.broadcast_weights(None, self.meta, None, armed=armed)
         assert staged is not None  # receivers always get tensors
         if self.last_version is not None and version < self.last_version:
             logger.warning("weight sync: version went back from %d to %d", self.last_version, version)

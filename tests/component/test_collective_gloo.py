@@ -107,6 +107,45 @@ def test_receiver_times_out_when_the_source_never_sends():
             g.close()
 
 
+def test_an_armed_receiver_waits_past_the_group_timeout_and_joins_when_the_source_sends():
+    groups = _form_group(2, timeout_s=1.0)
+    try:
+        state = _state(3)
+        meta = plan_buckets(state, 512)
+        sender, receiver = CollectiveSender(groups[0], meta), CollectiveReceiver(groups[1], meta)
+        assert receiver.arms_early
+        with ThreadPoolExecutor(2) as pool:
+            armed = pool.submit(receiver.receive, armed=True)  # ahead of the send, as the controller arms it
+            time.sleep(1.5)  # longer than the group's timeout: an unarmed receive would have failed
+            assert not armed.done()
+            send_stats = pool.submit(sender.send, state, 5).result(timeout=10)
+            staged, version, stats = armed.result(timeout=10)
+        assert version == 5 and all(torch.equal(_bits(staged[k]), _bits(v)) for k, v in state.items())
+        assert stats["sync/seconds"] < 1.0  # the transfer, not the wait before it
+        assert send_stats["sync/bytes"] == stats["sync/bytes"]
+        # the members still count the same broadcasts: an ordinary pair goes through next
+        _, version, _ = _together(lambda: sender.send(_state(4), 6), receiver.receive)[1]
+        assert version == 6
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_an_armed_receiver_ends_with_an_error_when_its_group_is_closed():
+    groups = _form_group(2, timeout_s=1.0)
+    try:
+        receiver = CollectiveReceiver(groups[1], plan_buckets(_state(0), 512))
+        with ThreadPoolExecutor(1) as pool:
+            armed = pool.submit(receiver.receive, armed=True)
+            time.sleep(0.2)
+            groups[1].close()
+            with pytest.raises(RuntimeError, match="closed"):
+                armed.result(timeout=5)
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_receiver_holding_a_different_meta_fails_loudly_instead_of_misreading():
     groups = _form_group(2, timeout_s=1.0)
     try:

@@ -269,6 +269,46 @@ def test_generator_applies_received_weights_before_its_next_admission(mode):
     assert all(t.min_version == 3 and t.versions == [3] for t in hub.rollouts)
 
 
+class ArmedReceiver:
+    """Like the collective receiver: may be called ahead of the send (`arms_early`) and waits for it."""
+
+    arms_early = True
+
+    def __init__(self) -> None:
+        self.sent = threading.Event()
+        self.calls: list[bool] = []
+
+    def receive(self, armed: bool = False) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        self.calls.append(armed)
+        assert self.sent.wait(5)
+        time.sleep(0.02)  # the transfer
+        return {"w": torch.ones(1)}, 4, {"sync/seconds": 0.02, "sync/bytes": 4.0}
+
+
+def test_generator_armed_receive_waits_for_the_send_and_records_only_the_transfer():
+    engine = FakeEngine()
+    gen = make_generator(FakeHub(), engine)
+    assert not gen.can_arm_receive()  # no receiver yet
+    gen.receiver = FakeReceiver(version=3)
+    assert not gen.can_arm_receive()  # a receiver that cannot wait for the send
+    with pytest.raises(RuntimeError, match="cannot wait"):
+        run(gen.receive_weights(armed=True))
+    gen.receiver = ArmedReceiver()
+    assert gen.can_arm_receive()
+
+    async def main() -> dict[str, float]:
+        armed = asyncio.ensure_future(gen.receive_weights(armed=True))
+        await asyncio.sleep(0.3)  # the trainer still trains; the loop is free meanwhile
+        assert not armed.done()
+        gen.receiver.sent.set()
+        return await armed
+
+    assert run(main())["sync/bytes"] == 4.0
+    assert gen.receiver.calls == [True] and engine.loads == [4]
+    (span,) = [sp for sp in gen.recorder.drain() if sp.kind == "weights_recv"]
+    assert span.end - span.start == pytest.approx(0.02, abs=0.01)  # not the 0.3 s spent armed
+
+
 def test_generator_stop_ends_run_promptly_while_the_gate_is_closed():
     hub = FakeHub(admit_ids=0)  # the gate never has room
     gen = make_generator(hub, FakeEngine())
