@@ -66,6 +66,7 @@ class AdmissionGate:
         self._signal = Signal()
         self._closed = False
         self._published = 0
+        self._held = 0  # the newest version a generator reported holding (note_held): wakes older admits
         self._steps_taken = 0
         self._next_id = 0
         # Ids grow with admission and dicts keep insertion order, so iteration is admission order.
@@ -109,8 +110,9 @@ class AdmissionGate:
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
         """Fresh group ids (<= max_groups) admitted at `version`, waiting until at least one fits.
 
-        Returns [] without admitting on timeout, on close, or once the published version is newer
-        than `version` while no group fits (load the newer weights, then ask again).
+        Returns [] without admitting on timeout, on close, or once the published version (or one a
+        generator already holds, `note_held`) is newer than `version` while no group fits (load the
+        newer weights, then ask again).
         """
         if max_groups < 1:
             raise ValueError(f"admit: max_groups must be >= 1, got {max_groups}")
@@ -124,7 +126,7 @@ class AdmissionGate:
             return self.capacity(version) - (self._accepted + self._running)
 
         _, waited = await timed_wait(
-            self._signal, lambda: self._closed or self._published > version or room() > 0, timeout
+            self._signal, lambda: self._closed or max(self._published, self._held) > version or room() > 0, timeout
         )
         self.admit_wait_s += waited
         n = min(max_groups, room())
@@ -195,6 +197,15 @@ class AdmissionGate:
             raise ValueError(f"publish: version {version} needs {version} steps taken, only {self._steps_taken} were")
         if version > self._published:
             self._published = version
+            self._signal.notify_all()
+
+    def note_held(self, version: int) -> None:
+        """A generator holds weights `version` (its swap landed): wake admits waiting at older versions now,
+        instead of at `publish`, which follows every generator's swap. Admission rules are unchanged."""
+        if version > self._steps_taken:
+            raise ValueError(f"note_held: version {version} needs {version} steps taken, only {self._steps_taken} were")
+        if version > self._held:
+            self._held = version
             self._signal.notify_all()
 
     # -- lifecycle ----------------------------------------------------------------------------

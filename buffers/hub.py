@@ -182,6 +182,10 @@ class ReplayHub:
             self._train_room.notify_all()
         return groups
 
+    async def note_held(self, version: int) -> None:
+        """A generator's swap to `version` landed: its admits waiting at older versions return now."""
+        self.gate.note_held(version)
+
     async def publish(self, version: int) -> None:
         self.gate.publish(version)
         if version > self._env_marked_version:  # re-publishing a version is a no-op, here too

@@ -35,6 +35,7 @@ class GroupSource(Protocol):
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
     async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+    # optional: `async def note_held(self, version: int) -> None` (wakes this generator's stale admit early)
 
 
 class WeightReceiver(Protocol):
@@ -89,6 +90,7 @@ class Generator:
             t0 = time.time()  # the engine's own workers receive and swap (vLLM / SGLang)
             version, stats = await self.engine.receive_weights()
             self.recorder.record("weights_recv", t0, time.time(), version)
+            self._note_held(version)
             return stats
         if self.receiver is None:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
@@ -104,7 +106,20 @@ class Generator:
             # The engine swaps at its next decode-step boundary; this returns once the swap landed, so
             # the controller publishes the version only when every generator holds it.
             await self._apply_pending_weights()
+            self._note_held(version)
         return stats
+
+    def _note_held(self, version: int) -> None:
+        """Tell the hub this generator holds `version`, so the run loop's admit, waiting at the older
+        version, returns at once and asks again with the new one (not only after the controller's
+        publish, a few round trips later). Fire and forget: publish wakes it anyway."""
+        note = getattr(self.hub, "note_held", None)
+        if note is None:
+            return
+        task = asyncio.ensure_future(note(version))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                               or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
+                                              version, t.exception()))
 
     def can_arm_receive(self) -> bool:
         """Whether `receive_weights()` may be called before the trainer sends: it then waits, without the

@@ -176,6 +176,27 @@ def test_admit_returns_empty_when_a_newer_version_is_published_while_waiting():
     assert fresh == [2]
 
 
+def test_admit_returns_empty_when_a_generator_reports_holding_a_newer_version_before_publish():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+        await gate.admit(2, 0)
+        for gid in (0, 1):
+            gate.accept(gid)
+        with pytest.raises(ValueError, match="steps taken"):
+            gate.note_held(1)  # weights of version 1 cannot exist before step 0 was taken
+        await gate.take_step(0)
+        waiter = asyncio.create_task(gate.admit(1, 0))  # full at version 0
+        await asyncio.sleep(SHORT)
+        waited = not waiter.done()
+        gate.note_held(1)  # one generator's swap landed; the controller has not published yet
+        result = await asyncio.wait_for(waiter, SHORT * 5)
+        return waited, result, gate.published_version, await gate.admit(1, 1, timeout=0)
+
+    waited, result, published, fresh = run(main())
+    assert waited and result == [] and published == 0
+    assert fresh == [2]  # asked again at the held version: admitted under the same capacity rule
+
+
 def test_take_step_waits_for_an_earlier_running_group_even_if_later_ones_are_accepted():
     async def main():
         gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
