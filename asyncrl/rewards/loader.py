@@ -136,6 +136,59 @@ async def call_reward_async(fn: RewardFn, prompt: str, completion: str, row: dic
     return await asyncio.wait_for(fut, timeout_s)
 
 
+async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str, Any]]],
+                             timeout_s: float) -> list[float | BaseException]:
+    """`call_reward` on each (prompt, completion, row), one call after the other on one daemon thread, each
+    call bounded by `timeout_s`. Returns, per call, its value or its exception (asyncio.TimeoutError for one
+    that hung).
+
+    The same guarantees as `call_reward_async` (one call at a time, except beside a call that already
+    timed out: a hung call holds only its own thread, and the calls after it go on on a fresh one), without
+    a thread start and a round trip through the event loop per call: the thread runs through the batch and
+    hands each result to the loop as it goes.
+    """
+    loop = asyncio.get_running_loop()
+    out: list[float | BaseException] = []
+    lock = threading.Lock()
+    while len(out) < len(calls):
+        results: asyncio.Queue[tuple[float | None, BaseException | None]] = asyncio.Queue()
+        # the next call this thread will make; None once the thread is abandoned (a call of it hung)
+        claim: list[int | None] = [len(out)]
+
+        def work(q: asyncio.Queue = results, claim: list[int | None] = claim) -> None:
+            while True:
+                with lock:  # claim the next call, unless abandoned meanwhile
+                    j = claim[0]
+                    if j is None or j >= len(calls):
+                        return
+                    claim[0] = j + 1
+                value, exc = None, None
+                try:
+                    value = call_reward(fn, *calls[j])
+                except Exception as e:  # noqa: BLE001 - user code; the caller reports it
+                    exc = e
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, (value, exc))
+                except RuntimeError:  # the loop closed while a call hung
+                    return
+
+        threading.Thread(target=work, name="reward", daemon=True).start()
+        while len(out) < len(calls):
+            try:
+                value, exc = await asyncio.wait_for(results.get(), timeout_s)
+            except asyncio.TimeoutError as timeout:
+                with lock:
+                    if claim[0] == len(out) + 1:  # still inside call len(out): abandon the thread
+                        claim[0] = None
+                if claim[0] is not None:  # it just finished that call: its result is on the way
+                    value, exc = await results.get()
+                else:
+                    out.append(timeout)
+                    break  # the next calls on a fresh thread
+            out.append(exc if exc is not None else value)  # type: ignore[arg-type]
+    return out
+
+
 def _adapt(spec: str, fn: Any) -> RewardFn:
     """Check a user function's signature and wrap it into the fn(prompt, completion, **fields) convention."""
     if not callable(fn):

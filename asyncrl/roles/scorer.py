@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.loader import call_reward_async
+from asyncrl.rewards.loader import call_reward_async, call_rewards_async
 from asyncrl.roles.reference import ReferencePolicy
 from asyncrl.telemetry.spans import SpanRecorder
 from buffers.grouping import GroupAssembler
@@ -86,8 +86,7 @@ class Scorer:
     async def score_batch(self, trajs: list[Trajectory]) -> None:
         t0 = time.time()
         done: list[Group] = []
-        for traj in trajs:
-            await self._score_one(traj)
+        await self._score_all(trajs)
         if self.reference is not None:
             await self._fill_ref_logprobs(trajs)
         for traj in trajs:
@@ -118,30 +117,40 @@ class Scorer:
             await self.hub.accept_groups(accepted)
         self.recorder.record("wait_queue", t0, time.time())
 
-    async def _score_one(self, traj: Trajectory) -> None:
-        self.counts["scored"] += 1
-        if traj.finish_reason == "error":
+    async def _score_all(self, trajs: list[Trajectory]) -> None:
+        """Rewards (and costs) of a batch: the user's function is called once per sample, one call after
+        the other on a worker thread (`call_rewards_async`); a call that raises, returns garbage or hangs
+        fails its sample."""
+        todo: list[tuple[Trajectory, str, dict[str, Any]]] = []  # (trajectory, completion, row)
+        for traj in trajs:
+            self.counts["scored"] += 1
+            if traj.finish_reason == "error":
+                continue
+            if traj.env_reward is not None and self.cost_fn is None:  # an env episode brings its own reward
+                traj.reward = traj.env_reward
+                continue
+            row = json.loads(traj.row_json) if traj.row_json else {}
+            todo.append((traj, self.decode(traj.response_ids), row))
+        # an episode submitted to asyncrl.Runtime brings its reward: only its cost is ours
+        need_reward = [(t, c, r) for t, c, r in todo if t.env_reward is None]
+        for t, _, _ in todo:
+            if t.env_reward is not None:
+                t.reward = t.env_reward
+        await self._call(self.reward_fn, "reward", need_reward)
+        if self.cost_fn is not None:
+            await self._call(self.cost_fn, "cost", [(t, c, r) for t, c, r in todo if t.finish_reason != "error"])
+
+    async def _call(self, fn: Any, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
+        if not items:
             return
-        if traj.env_reward is not None and self.cost_fn is None:  # an env episode brings its own reward
-            traj.reward = traj.env_reward
-            return
-        row = json.loads(traj.row_json) if traj.row_json else {}
-        completion = self.decode(traj.response_ids)
-        if traj.env_reward is not None:  # an episode submitted to asyncrl.Runtime: its reward, our cost
-            traj.reward = traj.env_reward
-        else:
-            try:
-                traj.reward = await call_reward_async(self.reward_fn, traj.prompt_text, completion, row,
-                                                      self.timeout_s)
-            except Exception as exc:  # user code: contain, count, fail the group
-                self._fail(traj, "reward", exc)
-                return
-        if self.cost_fn is None:
-            return
-        try:
-            traj.cost = await call_reward_async(self.cost_fn, traj.prompt_text, completion, row, self.timeout_s)
-        except Exception as exc:  # user code, like the reward
-            self._fail(traj, "cost", exc)
+        results = await call_rewards_async(fn, [(t.prompt_text, c, r) for t, c, r in items], self.timeout_s)
+        for (traj, _, _), result in zip(items, results):
+            if isinstance(result, BaseException):  # user code: contain, count, fail the group
+                self._fail(traj, what, result)  # type: ignore[arg-type]
+            elif what == "reward":
+                traj.reward = result
+            else:
+                traj.cost = result
 
     def _fail(self, traj: Trajectory, what: str, exc: Exception) -> None:
         reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"

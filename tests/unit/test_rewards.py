@@ -126,3 +126,44 @@ def test_numeric_results_are_converted_to_float(good, expected):
 
     value = call_reward(asyncrl_unit_fixtures.reward_returns(good), "q", "c", {})
     assert value == expected and type(value) is float
+
+
+def test_call_rewards_async_calls_one_at_a_time_contains_errors_and_moves_past_a_hung_call():
+    import asyncio
+    import threading
+    import time
+
+    from asyncrl.rewards.loader import call_rewards_async
+
+    active, overlaps, calls = set(), [], []
+    guard = threading.Lock()
+    release = threading.Event()
+
+    def fn(prompt, completion, **fields):
+        with guard:
+            if active:
+                overlaps.append(sorted(active | {completion}))
+            active.add(completion)
+            calls.append(completion)
+        try:
+            if completion == "hang":
+                release.wait(5)  # hangs past the timeout; the next calls must not wait for it
+            if completion == "boom":
+                raise RuntimeError("user bug")
+            return "x" if completion == "str" else len(completion)
+        finally:
+            with guard:
+                active.discard(completion)
+
+    items = ["a", "bb", "boom", "hang", "ccc", "str", "dddd"]
+    t0 = time.perf_counter()
+    out = asyncio.run(call_rewards_async(fn, [("p", c, {}) for c in items], timeout_s=0.3))
+    elapsed = time.perf_counter() - t0
+    release.set()
+    assert out[:2] == [1.0, 2.0] and out[4] == 3.0 and out[6] == 4.0
+    assert isinstance(out[2], RuntimeError) and isinstance(out[3], asyncio.TimeoutError)
+    assert isinstance(out[5], ValueError)  # a non-number result, as call_reward reports it
+    assert elapsed < 2.0
+    # one call at a time, except beside a call that already timed out (a hung thread cannot be stopped)
+    assert overlaps and all("hang" in o for o in overlaps)
+    assert calls == items  # each call made exactly once, in order
