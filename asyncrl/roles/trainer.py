@@ -11,6 +11,7 @@ A plain async class: no Ray here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -58,6 +59,7 @@ class Trainer:
         self.trained_tokens = 0
         self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
         self._sending: asyncio.Future | None = None    # the send of the current weights, while it reads them
+        self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
         self._unclaimed: asyncio.Future | None = None  # a send train_step started, for send_weights() to return
 
     @property
@@ -141,34 +143,44 @@ class Trainer:
         if self.sender is None:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
         sender, version, tensors = self.sender, self.learner.version, self.learner.state_dict_for_sync()
+        loop, released = asyncio.get_running_loop(), asyncio.Event()
+        call = sender.send
+        if getattr(sender, "releases_early", False):  # it says when it stops reading the weights
+            call = functools.partial(sender.send, released=lambda: loop.call_soon_threadsafe(released.set))
 
         async def send() -> dict[str, float]:
             t0 = time.time()
-            stats = await asyncio.to_thread(sender.send, tensors, version)
+            try:
+                stats = await asyncio.to_thread(call, tensors, version)
+            finally:
+                released.set()
             self.recorder.record("weights_send", t0, time.time(), version)
             return stats
 
         task = asyncio.ensure_future(send())
         task.add_done_callback(_retrieve)  # its caller (send_weights) reports a failure
-        self._sending = task
+        self._sending, self._released = task, released
         return task
 
     async def _wait_send(self) -> None:
-        """Wait for a send in flight: it reads the weights the next update would change."""
+        """Wait until a send in flight no longer reads the weights the next update would change: its end,
+        or earlier where the sender says so (the collective sender, once it has packed its last bucket;
+        the broadcast of that copy goes on beside the update)."""
         task = self._sending
         if task is None:
             return
+        released = asyncio.ensure_future(self._released.wait())
         try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.cancelled():  # the send itself was cancelled; only our own cancellation propagates
-                return
-            raise
-        except Exception as exc:
-            raise RuntimeError(f"the weight send before this step failed: {exc}") from exc
+            await asyncio.wait({task, released}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if task.done() and self._sending is task:
-                self._sending = None
+            released.cancel()
+        if not task.done():
+            return  # released: still broadcasting its own copy (its outcome goes to send_weights' caller)
+        if self._sending is task:
+            self._sending = None
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            raise RuntimeError(f"the weight send before this step failed: {exc}") from exc
 
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -225,7 +225,8 @@ class WeightSyncGroup:
             self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), "barrier")
 
     def broadcast_weights(
-        self, tensors: Mapping[str, Tensor] | None, meta: WeightsMeta, version: int | None, *, armed: bool = False
+        self, tensors: Mapping[str, Tensor] | None, meta: WeightsMeta, version: int | None, *, armed: bool = False,
+        released: Callable[[], None] | None = None,
     ) -> tuple[dict[str, Tensor] | None, int, dict[str, float]]:
         """Broadcast one version of the weights from rank 0; every member calls it together.
 
@@ -233,6 +234,8 @@ class WeightSyncGroup:
         Receivers: `tensors` is ignored; `version` is the expected version or None for any; returns
         (staging tensors on this member's device, the source's version, stats). A receiver waits up to the
         group's timeout for the source to start, or, `armed`, until it does (or the group is closed).
+        Source: `released()` is called once the source no longer reads `tensors` (the last bucket is
+        packed into its own buffer), before that bucket's broadcast: the caller may change them from then on.
         """
         with self._lock:
             if self.is_source:
@@ -244,7 +247,7 @@ class WeightSyncGroup:
                 # The key stays (a few bytes per broadcast): a receiver may still be on its way out of
                 # the wait when the source's sends are done, and a deleted key would strand it.
                 self._announce_set(n)
-                self._send(tensors, meta, version)
+                self._send(tensors, meta, version, released)
                 return None, version, sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
             if self._broken is not None:
                 raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
@@ -293,10 +296,20 @@ class WeightSyncGroup:
         values = [version, len(meta.buckets), meta.total_bytes, meta_crc(meta)]
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _send(self, tensors: Mapping[str, Tensor], meta: WeightsMeta, version: int) -> None:
+    def _send(self, tensors: Mapping[str, Tensor], meta: WeightsMeta, version: int,
+              released: Callable[[], None] | None = None) -> None:
+        def pack(index: int) -> Tensor:
+            flat = pack_bucket([tensors[meta.tensors[i].name] for i in meta.buckets[index]]).to(self.device)
+            if released is not None and index == len(meta.buckets) - 1:
+                released()  # pack_bucket copies (on CUDA the copy is queued before any later kernel)
+            return flat
+
+        if released is not None and not meta.buckets:
+            released()
+        first = pack(0) if meta.buckets else None  # before the header: one bucket is released at once
         self._broadcast(self._header(version, meta), "header")
-        for index, bucket in enumerate(meta.buckets):
-            flat = pack_bucket([tensors[meta.tensors[i].name] for i in bucket]).to(self.device)
+        for index in range(len(meta.buckets)):
+            flat = first if index == 0 and first is not None else pack(index)
             self._broadcast(flat, f"bucket {index + 1}/{len(meta.buckets)}")
 
     def _receive(self, meta: WeightsMeta) -> tuple[int, dict[str, Tensor]]:
@@ -342,8 +355,11 @@ class CollectiveSender:
         self.group = group
         self.meta = meta
 
-    def send(self, tensors: Mapping[str, Tensor], version: int) -> dict[str, float]:
-        _, _, stats = self.group.broadcast_weights(tensors, self.meta, version)
+    releases_early = True  # send(..., released=cb) calls cb once it no longer reads the tensors
+
+    def send(self, tensors: Mapping[str, Tensor], version: int,
+             released: Callable[[], None] | None = None) -> dict[str, float]:
+        _, _, stats = self.group.broadcast_weights(tensors, self.meta, version, released=released)
         return stats
 
 

@@ -131,6 +131,30 @@ def test_an_armed_receiver_waits_past_the_group_timeout_and_joins_when_the_sourc
             g.close()
 
 
+@pytest.mark.parametrize("bucket_bytes", [512, 1 << 20])  # several buckets; one bucket
+def test_the_source_releases_the_weights_once_packed_and_sends_what_they_were(bucket_bytes):
+    groups = _form_group(2, timeout_s=10.0)
+    try:
+        state = _state(5)
+        expected = {k: v.clone() for k, v in state.items()}
+        meta = plan_buckets(state, bucket_bytes)
+        sender, receiver = CollectiveSender(groups[0], meta), CollectiveReceiver(groups[1], meta)
+        assert sender.releases_early
+        calls = []
+
+        def released() -> None:  # the trainer's next update may write the weights from here on
+            calls.append(len(calls))
+            for t in state.values():
+                t.zero_()
+
+        _, (staged, version, _) = _together(lambda: sender.send(state, 9, released=released), receiver.receive)
+        assert calls == [0] and version == 9
+        assert all(torch.equal(_bits(staged[k]), _bits(v)) for k, v in expected.items())
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_an_armed_receiver_ends_with_an_error_when_its_group_is_closed():
     groups = _form_group(2, timeout_s=1.0)
     try:

@@ -480,3 +480,33 @@ def test_trainer_refuses_to_train_over_a_failed_send_and_the_sender_error_reache
 
     run(go())
     assert log.count("update 1 []") == 0 and "update 1 [1]" in log
+
+
+class ReleasingSender(GatedSender):
+    """A sender that, like the collective one, releases the weights (packed) before its broadcast ends."""
+
+    releases_early = True
+
+    def send(self, tensors: dict[str, torch.Tensor], version: int, released: Any = None) -> dict[str, float]:
+        copy = {k: v.clone() for k, v in tensors.items()}
+        self.log.append(f"send {version} packed")
+        released()
+        return super().send(copy, version)
+
+
+def test_trainer_next_update_starts_once_the_send_released_the_weights_not_when_it_ends():
+    log: list[str] = []
+    sender = ReleasingSender(log)
+    trainer = make_trainer(log, sender)
+
+    async def go() -> dict[str, float]:
+        await trainer.train_step(0, send=True, prefetch=True)
+        sending = asyncio.ensure_future(trainer.send_weights())
+        await trainer.train_step(1)  # the broadcast is still waiting for its receivers
+        assert not sending.done()
+        sender.release.set()
+        return await sending
+
+    assert run(go())["sync/version"] == 1.0
+    assert sender.sent == [(1, 1.0)]  # the copy taken at version 1, though the weights moved on
+    assert log.index("update 1 [1]") < log.index("send 1 done")
