@@ -11,11 +11,12 @@
 ```
 
 Each train step: `train_step(s)` (it takes step s+1's groups from the hub while it trains, and starts
-the broadcast of version s+1 when its update ends) → every generator joins the broadcast (all members of
-the collective take part together) → `train_step(s+1)` is asked for at once and updates once the
-trainer's send is done (while the generators swap) → `publish(s+1)` on the gate once every generator
-holds it → (every `eval_every` steps) held-out evaluation, before the next step starts → the roles'
-statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
+the broadcast of version s+1 when its update ends; `train_step(s+1)` is asked for at the same time and
+waits in the trainer behind it) → every generator joins the broadcast (their receives were armed during
+the step; all members of the collective take part together) → `train_step(s+1)` updates once the send
+released the weights (while the generators swap) → `publish(s+1)` on the gate once every generator
+holds it → (every `eval_every` steps) held-out evaluation, before the next step is asked for → the
+roles' statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
 generation of later versions overlaps training up to the staleness bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
@@ -139,24 +140,28 @@ class Controller:
         receives, self._armed = self._armed, None  # armed at the end of the previous step, if any
         if receives is None and self._arm:  # the first step: arm now, while it trains
             receives = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
-        metrics = await self._guard(train if train is not None else self._train(step))
+        if train is None:
+            train = asyncio.ensure_future(self._train(step))
         version = step + 1
         every = self.cfg.trainer.eval_every
         eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
         more = version < self.cfg.trainer.total_steps
+        if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
+            # Asked for now, it waits in the trainer behind this step (train steps run one at a time, in
+            # order) and starts the moment this step's update ended and its send released the weights,
+            # without a round trip through the controller.
+            self._next_train = asyncio.ensure_future(self._train(version))
+        metrics = await self._guard(train)
         # The broadcast: the trainer started sending when its update ended (train_step(send=True)); every
         # generator receives into staging (armed during the step where it can wait for the send: then it
         # joins at once, else it is called now) and then swaps at its next decode-step boundary (KV
-        # recompute included). The next step is asked for at once: the trainer starts its update when its
-        # send is done (the send reads the weights), while the generators still swap, and its groups were
-        # already prefetched during this step. They were admitted by the gate at the versions the
-        # generators held, so the staleness bound holds as before.
+        # recompute included). The next step, asked for above, updates once the send released the
+        # weights, while the generators still swap; its groups were prefetched during this step. They were
+        # admitted by the gate at the versions the generators held, so the staleness bound holds as before.
         if receives is None:
             receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
         try:
             sending = asyncio.ensure_future(d.trainer.send_weights())
-            if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
-                self._next_train = asyncio.ensure_future(self._train(version))
             try:
                 sent = await self._guard(sending)
             finally:
@@ -174,7 +179,7 @@ class Controller:
         if eval_due:
             row.update(await self._guard(d.trainer.evaluate()))
         t_end = time.time()
-        if more and self._next_train is None:
+        if more and self._next_train is None:  # after an evaluation
             # Start the next step now and gather this window's role statistics while it runs: they are
             # bookkeeping, not part of the dataflow, and would otherwise idle the trainer every step.
             self._next_train = asyncio.ensure_future(self._train(version))

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,7 +61,8 @@ class Trainer:
         self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
         self._sending: asyncio.Future | None = None    # the send of the current weights, while it reads them
         self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
-        self._unclaimed: asyncio.Future | None = None  # a send train_step started, for send_weights() to return
+        self._unclaimed: deque[asyncio.Future] = deque()  # sends train_step started, for send_weights()
+        self._step_lock = asyncio.Lock()  # train steps asked for ahead run one at a time, in order (FIFO)
 
     @property
     def version(self) -> int:
@@ -72,8 +74,13 @@ class Trainer:
         `prefetch`: once this step's groups are taken, start taking step + 1's from the hub, so they
         travel while this step trains (the caller promises to train step + 1). `send`: start the
         broadcast of the new weights as soon as the update ends; `send_weights()` returns its statistics.
-        A send still in flight (it reads the weights) is waited for before the update.
+        A send still in flight (it reads the weights) is waited for before the update. Steps asked for
+        ahead of time wait for the one before them (in the order asked).
         """
+        async with self._step_lock:
+            return await self._train_step(step, send, prefetch)
+
+    async def _train_step(self, step: int, send: bool, prefetch: bool) -> dict[str, float]:
         await self._wait_send()
         if step != self.learner.version:
             raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
@@ -91,7 +98,7 @@ class Trainer:
         t2, c2 = time.time(), time.process_time()
         self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
         if send:
-            self._unclaimed = self._begin_send()
+            self._unclaimed.append(self._begin_send())
         trajs = [t for g in groups for t in g.trajectories]
         metrics.update(staleness_stats([step - t.min_version for t in trajs]))
         token_lags = [step - v for t in trajs for v in t.versions]
@@ -133,7 +140,7 @@ class Trainer:
         """
         if self.sender is None:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
-        task, self._unclaimed = self._unclaimed, None
+        task = self._unclaimed.popleft() if self._unclaimed else None  # the oldest send no one asked for yet
         if task is None:
             await self._wait_send()
             task = self._begin_send()

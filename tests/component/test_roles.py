@@ -510,3 +510,25 @@ def test_trainer_next_update_starts_once_the_send_released_the_weights_not_when_
     assert run(go())["sync/version"] == 1.0
     assert sender.sent == [(1, 1.0)]  # the copy taken at version 1, though the weights moved on
     assert log.index("update 1 [1]") < log.index("send 1 done")
+
+
+def test_trainer_runs_a_step_asked_for_ahead_after_the_one_before_and_pairs_sends_in_order():
+    log: list[str] = []
+    sender = ReleasingSender(log)
+    sender.release.set()
+    trainer = make_trainer(log, sender)
+
+    async def go() -> list[dict[str, float]]:
+        # as the Controller asks: step 1 right behind step 0, then the sends, oldest first
+        first = asyncio.ensure_future(trainer.train_step(0, send=True, prefetch=True))
+        second = asyncio.ensure_future(trainer.train_step(1, send=True))
+        await first
+        sent = [await trainer.send_weights()]
+        await second
+        sent.append(await trainer.send_weights())
+        return sent
+
+    sent = run(go())
+    assert [s["sync/version"] for s in sent] == [1.0, 2.0]
+    assert log.index("updated 0") < log.index("update 1 [1]")  # one step at a time, in the order asked
+    assert sender.sent == [(1, 1.0), (2, 2.0)]
