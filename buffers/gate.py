@@ -67,6 +67,7 @@ class AdmissionGate:
         self._closed = False
         self._published = 0
         self._held = 0  # the newest version a generator reported holding (note_held): wakes older admits
+        self._held_notes = 0  # note_held calls that raised _held: an admit waiting across one returns []
         self._steps_taken = 0
         self._next_id = 0
         # Ids grow with admission and dicts keep insertion order, so iteration is admission order.
@@ -125,9 +126,15 @@ class AdmissionGate:
         def room() -> int:
             return self.capacity(version) - (self._accepted + self._running)
 
-        _, waited = await timed_wait(
-            self._signal, lambda: self._closed or max(self._published, self._held) > version or room() > 0, timeout
-        )
+        # A newer held version wakes only admits that were already waiting when it was noted: another
+        # generator, still on the older weights, asks again and waits (instead of returning [] at once,
+        # forever, until its own swap lands).
+        notes = self._held_notes
+
+        def newer() -> bool:
+            return self._published > version or (self._held_notes != notes and self._held > version)
+
+        _, waited = await timed_wait(self._signal, lambda: self._closed or newer() or room() > 0, timeout)
         self.admit_wait_s += waited
         n = min(max_groups, room())
         if self._closed or n <= 0:
@@ -206,6 +213,7 @@ class AdmissionGate:
             raise ValueError(f"note_held: version {version} needs {version} steps taken, only {self._steps_taken} were")
         if version > self._held:
             self._held = version
+            self._held_notes += 1
             self._signal.notify_all()
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -62,7 +62,11 @@ class Trainer:
         self._sending: asyncio.Future | None = None    # the send of the current weights, while it reads them
         self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
         self._unclaimed: deque[asyncio.Future] = deque()  # sends train_step started, for send_weights()
-        self._step_lock = asyncio.Lock()  # train steps asked for ahead run one at a time, in order (FIFO)
+        # train steps asked for ahead of time run one at a time, in step order (not arrival order: a Ray
+        # actor may start two calls in either order)
+        self._turn = asyncio.Condition()
+        self._busy = False
+        self._failed: BaseException | None = None  # the last train step that raised (wakes the ones after it)
 
     @property
     def version(self) -> int:
@@ -77,8 +81,21 @@ class Trainer:
         A send still in flight (it reads the weights) is waited for before the update. Steps asked for
         ahead of time wait for the one before them (in the order asked).
         """
-        async with self._step_lock:
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._failed is not None
+                                      or (not self._busy and self.learner.version >= step))
+            if self.learner.version < step:  # woken by a failure: the steps before this one will not come
+                raise RuntimeError(f"train_step({step}): an earlier train step failed ({self._failed!r})")
+            self._busy, self._failed = True, None
+        try:
             return await self._train_step(step, send, prefetch)
+        except Exception as exc:
+            self._failed = exc
+            raise
+        finally:
+            async with self._turn:
+                self._busy = False
+                self._turn.notify_all()
 
     async def _train_step(self, step: int, send: bool, prefetch: bool) -> dict[str, float]:
         await self._wait_send()

@@ -532,3 +532,29 @@ def test_trainer_runs_a_step_asked_for_ahead_after_the_one_before_and_pairs_send
     assert [s["sync/version"] for s in sent] == [1.0, 2.0]
     assert log.index("updated 0") < log.index("update 1 [1]")  # one step at a time, in the order asked
     assert sender.sent == [(1, 1.0), (2, 2.0)]
+
+
+def test_trainer_runs_steps_in_step_order_whatever_order_they_arrive_in_and_a_failure_ends_the_waiters():
+    log: list[str] = []
+    sender = ReleasingSender(log)
+    sender.release.set()
+    trainer = make_trainer(log, sender)
+
+    async def go() -> None:
+        second = asyncio.ensure_future(trainer.train_step(1, send=True))  # arrives first (Ray may do this)
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        await trainer.train_step(0, send=True, prefetch=True)
+        await second
+        for _ in range(2):
+            await trainer.send_weights()
+        # a step that fails wakes the one asked for behind it, with an error instead of a wait forever
+        trainer.learner.update = lambda groups: (_ for _ in ()).throw(RuntimeError("nan loss"))
+        behind = asyncio.ensure_future(trainer.train_step(3))
+        with pytest.raises(RuntimeError, match="nan loss"):
+            await trainer.train_step(2)
+        with pytest.raises(RuntimeError, match="an earlier train step failed"):
+            await behind
+
+    run(go())
+    assert log.index("updated 0") < log.index("update 1 [1]")

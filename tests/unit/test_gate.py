@@ -197,6 +197,24 @@ def test_admit_returns_empty_when_a_generator_reports_holding_a_newer_version_be
     assert fresh == [2]  # asked again at the held version: admitted under the same capacity rule
 
 
+def test_a_generator_still_on_the_older_version_waits_after_another_noted_a_newer_one():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+        await gate.admit(2, 0)
+        for gid in (0, 1):
+            gate.accept(gid)
+        await gate.take_step(0)
+        gate.note_held(1)  # generator A swapped; generator B has not
+        late = asyncio.create_task(gate.admit(1, 0))  # B asks at version 0 after the note
+        await asyncio.sleep(SHORT)
+        waiting = not late.done()  # no [] at once (B would spin on it), it waits as before
+        gate.publish(1)
+        return waiting, await asyncio.wait_for(late, SHORT * 5)
+
+    waiting, result = run(main())
+    assert waiting and result == []
+
+
 def test_take_step_waits_for_an_earlier_running_group_even_if_later_ones_are_accepted():
     async def main():
         gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
