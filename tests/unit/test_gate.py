@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 
@@ -157,18 +158,31 @@ def test_no_deadlock_when_every_group_of_a_step_is_filtered_once():
     assert stats["filtered"] >= steps * p
 
 
+async def _full_at_version_0(*, before_take: Any = None) -> AdmissionGate:
+    """k = 0, P = 2: step 0's two groups admitted, accepted and taken; version 0 has no room left."""
+    gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+    await gate.admit(2, 0)
+    for gid in (0, 1):
+        gate.accept(gid)
+    if before_take is not None:
+        before_take(gate)
+    await gate.take_step(0)
+    return gate
+
+
+async def _waiting_admit(gate: AdmissionGate, wake: Any) -> tuple[bool, list[int]]:
+    """An admit at version 0 (full): did it wait, and what did it return once `wake(gate)` ran?"""
+    waiter = asyncio.create_task(gate.admit(1, 0))
+    await asyncio.sleep(SHORT)
+    waited = not waiter.done()
+    wake(gate)
+    return waited, await asyncio.wait_for(waiter, SHORT * 5)
+
+
 def test_admit_returns_empty_when_a_newer_version_is_published_while_waiting():
     async def main():
-        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
-        await gate.admit(2, 0)
-        for gid in (0, 1):
-            gate.accept(gid)
-        await gate.take_step(0)
-        waiter = asyncio.create_task(gate.admit(1, 0))  # full at version 0
-        await asyncio.sleep(SHORT)
-        waited = not waiter.done()
-        gate.publish(1)
-        result = await asyncio.wait_for(waiter, SHORT * 5)
+        gate = await _full_at_version_0()
+        waited, result = await _waiting_admit(gate, lambda g: g.publish(1))
         return waited, result, gate.stats()["admitted"], await gate.admit(1, 1, timeout=0)
 
     waited, result, admitted, fresh = run(main())
@@ -177,19 +191,14 @@ def test_admit_returns_empty_when_a_newer_version_is_published_while_waiting():
 
 
 def test_admit_returns_empty_when_a_generator_reports_holding_a_newer_version_before_publish():
-    async def main():
-        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
-        await gate.admit(2, 0)
-        for gid in (0, 1):
-            gate.accept(gid)
+    def too_early(gate: AdmissionGate) -> None:
         with pytest.raises(ValueError, match="steps taken"):
             gate.note_held(1)  # weights of version 1 cannot exist before step 0 was taken
-        await gate.take_step(0)
-        waiter = asyncio.create_task(gate.admit(1, 0))  # full at version 0
-        await asyncio.sleep(SHORT)
-        waited = not waiter.done()
-        gate.note_held(1)  # one generator's swap landed; the controller has not published yet
-        result = await asyncio.wait_for(waiter, SHORT * 5)
+
+    async def main():
+        gate = await _full_at_version_0(before_take=too_early)
+        # one generator's swap landed; the controller has not published yet
+        waited, result = await _waiting_admit(gate, lambda g: g.note_held(1))
         return waited, result, gate.published_version, await gate.admit(1, 1, timeout=0)
 
     waited, result, published, fresh = run(main())
@@ -199,17 +208,10 @@ def test_admit_returns_empty_when_a_generator_reports_holding_a_newer_version_be
 
 def test_a_generator_still_on_the_older_version_waits_after_another_noted_a_newer_one():
     async def main():
-        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
-        await gate.admit(2, 0)
-        for gid in (0, 1):
-            gate.accept(gid)
-        await gate.take_step(0)
+        gate = await _full_at_version_0()
         gate.note_held(1)  # generator A swapped; generator B has not
-        late = asyncio.create_task(gate.admit(1, 0))  # B asks at version 0 after the note
-        await asyncio.sleep(SHORT)
-        waiting = not late.done()  # no [] at once (B would spin on it), it waits as before
-        gate.publish(1)
-        return waiting, await asyncio.wait_for(late, SHORT * 5)
+        # B asks at version 0 after the note: no [] at once (B would spin on it), it waits as before
+        return await _waiting_admit(gate, lambda g: g.publish(1))
 
     waiting, result = run(main())
     assert waiting and result == []
