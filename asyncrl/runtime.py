@@ -16,8 +16,9 @@ waits in the trainer behind it) → every generator joins the broadcast (their r
 the step; all members of the collective take part together) → `train_step(s+1)` updates once the send
 released the weights (while the generators swap) → `publish(s+1)` on the gate once every generator
 holds it → (every `eval_every` steps) held-out evaluation, before the next step is asked for → the
-roles' statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators and scorers run their own loops the whole time, so
-generation of later versions overlaps training up to the staleness bound.
+roles' statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators
+and scorers run their own loops the whole time, so generation of later versions overlaps training up to
+the staleness bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
 actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
+from asyncrl.aio import discard
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
@@ -57,13 +59,6 @@ class Deployment(Protocol):
 
 class RoleFailed(RuntimeError):
     pass
-
-
-def _discard(fut: asyncio.Future) -> None:
-    """Cancel `fut` if still pending, and retrieve its outcome when it ends (no "never retrieved" warning)."""
-    if not fut.done():
-        fut.cancel()
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class Controller:
@@ -121,10 +116,10 @@ class Controller:
             return self.rows
         finally:
             if self._next_train is not None:  # a step started before a failure (or Ctrl-C) elsewhere
-                _discard(self._next_train)
+                discard(self._next_train)
                 self._next_train = None
             for f in self._armed or []:  # (an armed receive ends when its group is closed at shutdown)
-                _discard(f)
+                discard(f)
             self._armed = None
             close_sinks(sinks)
             if self._trace is not None:
@@ -161,15 +156,11 @@ class Controller:
         if receives is None:
             receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
         try:
-            sending = asyncio.ensure_future(d.trainer.send_weights())
-            try:
-                sent = await self._guard(sending)
-            finally:
-                _discard(sending)
+            sent = await self._guard(d.trainer.send_weights())
             await self._guard(asyncio.gather(*receives))
         finally:
             for f in receives:  # a failure above: no stray receive left running
-                _discard(f)
+                discard(f)
         if more and self._arm:  # the next version's receives wait for its send while the next step trains
             self._armed = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
         await self._guard(d.hub.publish(version))
@@ -244,7 +235,7 @@ class Controller:
         try:
             done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
-            _discard(fut)
+            discard(fut)
             raise
         if fut not in done:
             fut.cancel()

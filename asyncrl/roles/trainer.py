@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.aio import discard, retrieve
 from asyncrl.messages import Group
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.learner import Learner
@@ -109,7 +110,7 @@ class Trainer:
         self.recorder.record("wait_gate", t0, t1, step, cpu_s=c1 - c0)
         if prefetch:
             task = asyncio.ensure_future(self.hub.take_step(step + 1))
-            task.add_done_callback(_retrieve)  # a take never claimed (a failure elsewhere) warns nobody
+            task.add_done_callback(retrieve)  # a take never claimed (a failure elsewhere) warns nobody
             self._prefetch = (step + 1, task)
         metrics = await asyncio.to_thread(self.learner.update, groups)
         t2, c2 = time.time(), time.process_time()
@@ -137,7 +138,7 @@ class Trainer:
         if pending is not None:
             if pending[0] == step:
                 return await pending[1]
-            _discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
+            discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
         return await self.hub.take_step(step)
 
     async def _filtered_metrics(self, metrics: dict[str, float]) -> None:
@@ -155,8 +156,6 @@ class Trainer:
 
         If `train_step(send=True)` already started this broadcast, wait for it and return its statistics.
         """
-        if self.sender is None:
-            raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
         task = self._unclaimed.popleft() if self._unclaimed else None  # the oldest send no one asked for yet
         if task is None:
             await self._wait_send()
@@ -182,7 +181,7 @@ class Trainer:
             return stats
 
         task = asyncio.ensure_future(send())
-        task.add_done_callback(_retrieve)  # its caller (send_weights) reports a failure
+        task.add_done_callback(retrieve)  # its caller (send_weights) reports a failure
         self._sending, self._released = task, released
         return task
 
@@ -236,14 +235,3 @@ class Trainer:
         return {"version": self.learner.version, "trained_tokens": self.trained_tokens,
                 "spans": self.recorder.drain()}
 
-
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark a background future's outcome as seen (no "exception was never retrieved" warning)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _discard(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.cancel()
-    fut.add_done_callback(_retrieve)
