@@ -1,6 +1,6 @@
 """Overlap benchmark: asynchronous vs synchronous training of the same workload, against the ideal overlap.
 
-    python benchmarks/overlap.py                # Ray, 2 CPUs, about 2-3 minutes
+    python benchmarks/overlap.py                # Ray, 2 CPUs, 4 rounds of 40 steps: about 7 minutes
     python benchmarks/overlap.py --local        # in-process deployment instead of Ray
     python benchmarks/overlap.py --quick        # tiny smoke run (used by the test); says nothing about the target
 
@@ -9,10 +9,24 @@ Issue 7's goal: with the same model, task and number of trained samples, asynchr
 (max_staleness = 0), where the ideal is (G + T) / max(G, T): G = generation time per step and T =
 training time per step, both measured in the synchronous run.
 
-Runs, in one process, one after the other (same Ray cluster, same model folder, same seed):
+Runs, in one process (same Ray cluster, same model folder, same seed), --rounds rounds of
   sync        max_staleness = 0, torch_threads = 1 per role   -> G, T and the baseline throughput
-  async       max_staleness = K (--staleness), torch_threads = 1 per role (same threads as sync)
+  async       max_staleness = K (--staleness, default 2), torch_threads = 1 per role (same threads as sync)
+in the order sync, async in odd rounds and async, sync in even ones (a steady drift of the machine's speed
+then favours neither side), then one
   sync-2t     max_staleness = 0, torch_threads = 2: each phase gets both cores while the other waits
+The figure is the round whose share of the ideal is the median one (the lower of the two middle ones for an
+even number of rounds).
+
+Why max_staleness 2 and `rollout.weight_update = "between_requests"` by default (both runs get the same
+config; in the synchronous run no group is in flight when weights arrive, so the setting changes nothing
+there): with K = 1 the generator's whole chain for the next step (receive, swap, admit, generate, score,
+the trainer's prefetch) must fit inside one update, on a core that also carries the scorer, the replay hub,
+the Controller and Ray's processes; at G/T ~ 0.85 that left a gate wait in the async step in many rounds.
+K = 2 gives the chain a second update of slack, and swapping between requests (the groups in flight are
+within the bound at the version they started with) avoids the in-flight swap's KV recompute, which cost
+23-31 ms of generation per step with K = 2 in flight. `--staleness 1` and `--set
+rollout.weight_update=in_flight` measure the other settings.
 
 Definitions (per train step, the first --warmup steps excluded from every figure):
   G   the trainer's wait for the step's groups (`trainer/gate_wait_s`): generation + scoring, which the
@@ -32,10 +46,10 @@ Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`)
 --tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
 
-Placement (Ray, default): `cluster.affinity` pins the trainer and the Controller to core 1 and the
-generator, scorer and replay hub to core 0 (PINNED below), in all three runs; --no-pin lets every process
-float, which on this machine let the light roles and Ray's own threads preempt the trainer ~10% of its
-update time.
+Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, scorer,
+replay hub and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin
+lets every process float, which on this machine let the light roles and Ray's own threads preempt the
+trainer 4-10% of its update time.
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ concurrency = {prompts}
 group_size = {group}
 max_new_tokens = {tokens}
 ignore_eos = true
+weight_update = "{weight_update}"
 
 [reward]
 fn = "prefix_match"
@@ -138,7 +153,7 @@ def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -
 
     text = CONFIG.format(affinity=affinity_toml(args), model_dir=root / "model", run_dir=root / name, cpus=args.cpus, hidden=args.hidden,
                          layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts, group=args.group,
-                         tokens=args.tokens, steps=args.steps, micro=args.micro, epochs=args.epochs)
+                         tokens=args.tokens, weight_update=args.weight_update, steps=args.steps, micro=args.micro, epochs=args.epochs)
     path = root / f"{name}.toml"
     path.write_text(text)
     cfg = load_config(path, overrides)
@@ -153,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--local", action="store_true", help="in-process deployment instead of Ray")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (no meaningful figures)")
-    ap.add_argument("--staleness", type=int, default=1, help="max_staleness of the async run")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async run")
+    ap.add_argument("--weight-update", default="between_requests", choices=["in_flight", "between_requests"],
+                    help="rollout.weight_update of every run (see the module docstring)")
+    ap.add_argument("--rounds", type=int, default=4,
                     help="sync and async runs alternate this many times (the machine's speed drifts between runs)")
     ap.add_argument("--cpus", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=40, help="train steps per run (longer runs average out the machine's drift within a run)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -166,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=10, help="prompts per step (raises T more than G)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--micro", type=int, default=64)
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run (e.g. rollout.kv_on_update=keep); repeatable")
     ap.add_argument("--out", default=None, help="keep the run directories here (trace.json, metrics)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let every process float over the cores (default on Ray: cluster.affinity, see PINNED)")
@@ -192,17 +211,20 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=256 * 2**20, log_to_driver=False)
         started = True
-    one = ["cluster.torch_threads=1"]
+    one = ["cluster.torch_threads=1", *args.sets]
     rounds: list[tuple[dict[str, float], dict[str, float]]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
             root = Path(args.out or tmp)
             root.mkdir(parents=True, exist_ok=True)
             for i in range(1, args.rounds + 1):
-                sync = run(f"sync-{i}", args, root, ["staleness.max_staleness=0", *one])
-                asyn = run(f"async-{i}", args, root, [f"staleness.max_staleness={args.staleness}", *one])
+                pair = {"sync": ["staleness.max_staleness=0", *one],
+                        "async": [f"staleness.max_staleness={args.staleness}", *one]}
+                order = ["sync", "async"] if i % 2 else ["async", "sync"]  # ABBA: a steady drift favours neither
+                out = {name: run(f"{name}-{i}", args, root, pair[name]) for name in order}
+                sync, asyn = out["sync"], out["async"]
                 rounds.append((sync, asyn))
-            sync2 = run("sync-2t", args, root, ["staleness.max_staleness=0", "cluster.torch_threads=2"])
+            sync2 = run("sync-2t", args, root, ["staleness.max_staleness=0", *args.sets, "cluster.torch_threads=2"])
     finally:
         if started:
             import ray
@@ -211,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"deployment: {'in-process (--local)' if args.local else 'Ray'}, {args.cpus} CPUs; model hidden "
           f"{args.hidden} x {args.layers} layers; {args.prompts} prompts x {args.group} samples per step, "
           f"{args.tokens} new tokens (eos ignored), {args.epochs} epoch(s); {args.steps} steps, first {args.warmup} "
-          f"excluded; " + (f"pinned {PINNED}" if args.pin else "not pinned"))
+          f"excluded; weight_update {args.weight_update}; " + (f"pinned {PINNED}" if args.pin else "not pinned")
+          + (f"; overrides {args.sets}" if args.sets else ""))
     print()
     print("| round | run | max_staleness | threads/role | G s | T s | G/T | step s | samples/s | vs sync | ideal | "
           "share of ideal | staleness mean | overlap | run s |")
