@@ -1,6 +1,6 @@
 """Overlap benchmark: asynchronous vs synchronous training of the same workload, against the ideal overlap.
 
-    python benchmarks/overlap.py                # Ray, 2 CPUs, 4 rounds of 40 steps: about 7 minutes
+    python benchmarks/overlap.py                # Ray, 2 CPUs, 5 rounds of 40 steps: about 8 minutes
     python benchmarks/overlap.py --local        # in-process deployment instead of Ray
     python benchmarks/overlap.py --quick        # tiny smoke run (used by the test); says nothing about the target
 
@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async run")
     ap.add_argument("--weight-update", default="between_requests", choices=["in_flight", "between_requests"],
                     help="rollout.weight_update of every run (see the module docstring)")
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="sync and async runs alternate this many times (the machine's speed drifts between runs)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="sync and async runs alternate this many times (the machine's speed drifts between runs); "
+                    "default 5 (1 with --quick)")
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40, help="train steps per run (longer runs average out the machine's drift within a run)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -189,13 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let every process float over the cores (default on Ray: cluster.affinity, see PINNED)")
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     if args.local or (os.cpu_count() or 1) < 2:
         args.pin = False  # in process there is one process to pin; on one CPU nothing to separate
     if args.quick:
         args.pin = False
-        args.local, args.steps, args.warmup, args.hidden, args.layers, args.rounds = True, 3, 1, 32, 1, 1
+        args.local, args.steps, args.warmup, args.hidden, args.layers = True, 3, 1, 32, 1
         args.tokens, args.epochs, args.prompts, args.group, args.micro = 2, 1, 2, 2, 4
     started = False
     if not args.local:

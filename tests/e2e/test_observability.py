@@ -83,17 +83,28 @@ def test_sweep_runs_the_grid_and_records_a_failed_point(tmp_path, tiny_config_fi
 
 
 @pytest.mark.slow
-def test_overlap_benchmark_quick_mode_ends_with_its_json_line(capsys):
+def test_overlap_benchmark_quick_mode_ends_with_its_json_line(capsys, tmp_path):
     import importlib.util
     from pathlib import Path
+
+    from asyncrl.config import load_config
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "overlap.py"
     spec = importlib.util.spec_from_file_location("overlap_benchmark", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.main(["--quick"])
+    result = module.main(["--quick", "--rounds", "2", "--set", "rollout.kv_on_update=keep", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| sync | 0 | 1 |" in out and "| async | 1 | 1 |" in out and "| sync-2t | 0 | 2 |" in out
+    assert "| 1 | sync | 0 | 1 |" in out and "| 2 | async | 2 | 1 |" in out and "| sync-2t | 0 | 2 |" in out
     last = json.loads(out.strip().splitlines()[-1])
     assert last == result and last["benchmark"] == "overlap" and last["target"] == 0.95
     assert last["ratio"] == pytest.approx(last["value"] / last["baseline"], rel=1e-3)
+    # ABBA: sync first in round 1, async first in round 2 (each run writes its config just before it starts)
+    started = {name: (tmp_path / f"{name}.toml").stat().st_mtime_ns
+               for name in ("sync-1", "async-1", "sync-2", "async-2", "sync-2t")}
+    assert started["sync-1"] < started["async-1"] < started["async-2"] < started["sync-2"] < started["sync-2t"]
+    # every run gets the --set override and the benchmark's weight_update; each run its own staleness
+    for name, k in (("sync-1", 0), ("async-2", 2), ("sync-2t", 0)):
+        run_cfg = load_config(tmp_path / name / "config.toml")
+        assert run_cfg.rollout.kv_on_update == "keep" and run_cfg.rollout.weight_update == "between_requests"
+        assert run_cfg.staleness.max_staleness == k
