@@ -14,7 +14,14 @@ The model, in one screen:
                groups in flight per generator
   training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, sends weights W;
                every generator stops for the swap S; the version is published; O seconds of controller work
-  scoring      each scorer takes the next generated group and scores its n samples, σ seconds each
+  scoring      each scorer takes the next generated group and scores its n samples, σ seconds each;
+               the group reaches the trainer H seconds later (hand-offs: put, take, publish → admit; the
+               part of an on-policy run's gate wait that generation and scoring do not explain)
+  spread       each train step takes T times a factor drawn from the calibration run's train spans over
+               their median, each version's generation its time times a factor drawn likewise (the
+               residuals of the batching fit); a prediction is the mean of several seeded simulations.
+               The spread is what makes k = 1 wait on the gate when generation is nearly as long as
+               training (a slow generation can not be made up within one step) while k = 2 absorbs it
   contention   while generation or scoring runs beside training, all of them slow down by f: the value under
                which the simulation of an asynchronous calibration run reproduces its measured throughput
                (from an on-policy run f is not observable: 1); never less than r·threads / C for r roles
@@ -37,6 +44,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import random
 import os
 import statistics
 import tomllib
@@ -51,6 +59,8 @@ from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import read_trace, spans_from_trace
 
 TIE_SHARE = 0.02  # settings within 2% of the best predicted throughput count as tied
+REPLICATES = 8    # simulations averaged per prediction when the costs carry a spread (seeds 0..7)
+JITTER_WARMUP = 3  # first steps of a calibration run left out of T and the spread (first-call allocations)
 
 
 class Costs(msgspec.Struct, kw_only=True):
@@ -62,6 +72,15 @@ class Costs(msgspec.Struct, kw_only=True):
     send_s: float                 # the trainer's weight send
     swap_s: float                 # a generator's weight swap (generation stops meanwhile)
     overhead_s: float             # per step controller work: publish, metrics, amortised evaluation
+    # latency from a group's generation end to the trainer having it, beyond the scoring modelled: the
+    # hand-offs (publish, admit, put, the scorer's take, the trainer's take) and the spread of the groups'
+    # starts and ends. Measured in an on-policy run (the part of its gate wait that the generation and
+    # scoring model does not explain); 0 from an asynchronous run, whose gate wait does not show it
+    handoff_s: float = 0.0
+    # each step's train time and each version's generation time over their medians in the calibration
+    # run (warm-up left out): the spread the simulation draws from. Empty: every step takes the median
+    train_jitter: list[float] = []
+    gen_jitter: list[float] = []
     score_s: float                # scorer seconds per sample (a group of n costs n·score_s)
     num_scorers: int              # scorers pulling from the rollout queue (first free takes the next group)
     contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
@@ -209,6 +228,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         raise ValueError(f"{run_dir} has fewer than 2 train steps: too short to calibrate from")
     kind = lambda k: [s for s in spans if s.kind == k]  # noqa: E731
     gen, train = kind("generate"), kind("train")
+    train_by_step = {s.version: s.duration for s in train}
     gen_iv = [(s.start, s.end) for s in gen]
     train_iv = [(s.start, s.end) for s in train]
     score = kind("score")
@@ -220,7 +240,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     o_train = _mean([_overlaps(s, busy_iv) for s in train])
     o_gen = _mean([_overlaps(s, train_iv) for s in gen])
     o_score = _mean([_overlaps(s, train_iv) for s in score])
-    train_med = _median([s.duration for s in train])
+    train_med = _median([train_by_step[k] for k in _after_warmup(train_by_step)])
     a, b = _in_flight_fit(gen)
     steps = len(rows)
     trainer_steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
@@ -250,6 +270,10 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         concurrency=int(cfg["rollout"]["concurrency"]), steps=steps, source=str(run_dir),
     )
     setting = Setting(int(cfg["rollout"].get("num_generators", 1)), int(cfg.get("staleness", {}).get("max_staleness", 1)))
+    costs = msgspec.structs.replace(
+        costs, train_jitter=_spread(train_by_step, train_med),
+        gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),
+        handoff_s=_handoff(costs, gen, kind("wait_gate")) if setting.max_staleness == 0 else 0.0)
     measured = summarize_rows(rows).get("throughput/samples_per_s")
     if setting.max_staleness == 0 or not measured:
         return costs  # on-policy: generation and training never overlap, contention is not observable
@@ -264,6 +288,55 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
                                         gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
         f = fit_contention(costs, setting, measured, steps)
     return msgspec.structs.replace(costs, contention=f, contention_measured=True)
+
+
+def _fit_residuals(gen: list[Span], a: float, b: float) -> dict[int, list[float]]:
+    """Per weights version, each generate span's duration over the batching fit a + b·m̄ (m̄: groups in
+    flight beside it): the spread that the number in flight does not explain."""
+    by_role: dict[str, list[Span]] = {}
+    for sp in gen:
+        if sp.duration > 0:
+            by_role.setdefault(sp.role, []).append(sp)
+    out: dict[int, list[float]] = {}
+    for spans in by_role.values():
+        for sp, m in zip(spans, _mean_in_flight(spans)):
+            out.setdefault(sp.version, []).append(sp.duration / max(a + b * m, 1e-12))
+    return out
+
+
+def _after_warmup(by_step: dict[int, float]) -> list[int]:
+    """The steps of a calibration run in order, its first JITTER_WARMUP left out when enough remain."""
+    steps = sorted(by_step)
+    return steps[JITTER_WARMUP:] if len(steps) > 2 * JITTER_WARMUP else steps
+
+
+def _spread(by_step: dict[int, float], base: float) -> list[float]:
+    """Each step's value over `base` (the cost the simulation multiplies), in step order, the warm-up
+    left out: what the simulation draws a step's factor from."""
+    values = [by_step[k] for k in _after_warmup(by_step) if by_step[k] > 0]
+    return [round(v / base, 4) for v in values] if base > 0 and len(values) >= 2 else []
+
+
+def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
+    """On-policy run: the median over steps of the trainer's gate wait minus what the model explains for
+    that step (each generator's groups: a + b·m per wave of at most `concurrency`; then the scorers'
+    P·n samples), at least 0."""
+    c = costs
+    per_gen: dict[int, dict[str, int]] = {}
+    for sp in gen:
+        per_gen.setdefault(sp.version, {})
+        per_gen[sp.version][sp.role] = per_gen[sp.version].get(sp.role, 0) + 1
+    residuals = []
+    for w in waits:
+        if w.role != "trainer" or w.version not in per_gen:
+            continue
+        gen_phase = 0.0
+        for n in per_gen[w.version].values():
+            m = min(n, c.concurrency)
+            gen_phase = max(gen_phase, math.ceil(n / m) * (c.gen_a + c.gen_b * m))
+        score = c.prompts_per_step * c.group_size * c.score_s / max(1, c.num_scorers)
+        residuals.append(w.duration - gen_phase - score)
+    return max(0.0, _median(residuals))
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -303,7 +376,7 @@ def closed_form(costs: Costs, setting: Setting) -> float:
         waves = math.ceil(P / (G * per_gen))
         # all P groups finish together, then the scorers work through their P·n samples
         gen_phase = waves * (c.gen_a + c.gen_b * per_gen) * shared + P * c.group_size * c.score_s / c.num_scorers
-        return P * c.group_size / (gen_phase + c.train_s + cycle)
+        return P * c.group_size / (gen_phase + c.handoff_s + c.train_s * _mean_factor(c.train_jitter) + cycle)
     m = c.concurrency
     gen_rate = G * m / (c.gen_a + c.gen_b * m) / shared  # groups/s with every slot busy
     score_rate = c.num_scorers / max(c.score_s * c.group_size, 1e-12)
@@ -311,23 +384,53 @@ def closed_form(costs: Costs, setting: Setting) -> float:
         g = P / gen_rate + P / score_rate
     else:  # generation and scoring pipeline: the slower sets the pace
         g = P / min(gen_rate, score_rate)
-    t = c.train_s  # each phase's work per step, alone
+    t = c.train_s * _mean_factor(c.train_jitter)  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
     # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
     f = overlap_slowdown(c)
     return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
 
 
+def _mean_factor(factors: list[float]) -> float:
+    return sum(factors) / len(factors) if factors else 1.0
+
+
 def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
-    """Discrete-event simulation of `steps` train steps of the real protocol (see the module docstring)."""
+    """The discrete-event simulation (`simulate_once`), averaged over REPLICATES seeds when the costs
+    carry a spread (the same seeds every call, so predictions are repeatable and comparable)."""
+    if not (costs.train_jitter or costs.gen_jitter):
+        return simulate_once(costs, setting, steps)
+    runs = [simulate_once(costs, setting, steps, seed=i) for i in range(REPLICATES)]
+    hist: dict[int, float] = {}
+    for r in runs:
+        for s, share in r.staleness_hist.items():
+            hist[s] = hist.get(s, 0.0) + share / len(runs)
+    wall = sum(r.step_s for r in runs)  # every replicate trains the same samples: pool their time
+    return Prediction(
+        setting=setting, samples_per_s=runs[0].samples_per_s * runs[0].step_s * len(runs) / wall,
+        closed_form_samples_per_s=runs[0].closed_form_samples_per_s, step_s=wall / len(runs),
+        generator_busy=_mean([r.generator_busy for r in runs]), trainer_busy=_mean([r.trainer_busy for r in runs]),
+        staleness_mean=_mean([r.staleness_mean for r in runs]), staleness_hist=dict(sorted(hist.items())))
+
+
+def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None = None) -> Prediction:
+    """Discrete-event simulation of `steps` train steps of the real protocol (see the module docstring).
+    With a `seed`, each train step takes train_s times a factor drawn from `train_jitter`, and each
+    generator's groups of one weights version take their time times a factor drawn from `gen_jitter`."""
     c, P, k, G = costs, costs.prompts_per_step, setting.max_staleness, setting.num_generators
+    rng = random.Random(seed) if seed is not None else None
+
+    def draw(factors: list[float]) -> float:
+        return rng.choice(factors) if rng is not None and factors else 1.0
+
+    gen_factor = [draw(c.gen_jitter) for _ in range(G)]
     t = 0.0
     published = 0
     engine_version = [0] * G
     inflight: list[dict[int, float]] = [{} for _ in range(G)]   # group id -> remaining work (0..1]
     admitted_at: dict[int, int] = {}
     next_gid = 0
-    scorer_free = [0.0] * c.num_scorers
+    score_q: list[list[list[float]]] = [[] for _ in range(c.num_scorers)]  # per scorer: [group id, work left]
     scored: list[tuple[float, int]] = []                        # (time accepted, group id), a heap
     accepted_ids: set[int] = set()
     stall = [(0.0, 0.0)] * G                                    # (from, until): swapping weights
@@ -351,17 +454,17 @@ def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
                 for i in need:
                     s = trainer["step"] - admitted_at[i]
                     hist[s] = hist.get(s, 0) + 1
-                trainer.update(phase="train", left=c.train_s)
+                trainer.update(phase="train", left=c.train_s * draw(c.train_jitter))
         generating = [g for g in range(G) if inflight[g] and not stall[g][0] <= t < stall[g][1]]
-        scoring = sum(free > t for free in scorer_free)
+        scoring = sum(1 for q in score_q if q)
         slow = c.contention if ((generating or scoring) and trainer["phase"] == "train") else 1.0
         slow = max(slow, cpu_demand(c, len(generating) + scoring, trainer["phase"] == "train") / capacity(c))
         # next event
         events = [scored[0][0]] if scored else []
-        events += [free for free in scorer_free if free > t]  # contention changes when a scorer idles
+        events += [t + q[0][1] * slow for q in score_q if q]  # a group scored (and the contention changes)
         rates = {}
         for g in generating:
-            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow)
+            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow * gen_factor[g])
             rates[g] = rate
             events.append(t + min(inflight[g].values()) / rate)
         events += [x for g in range(G) for x in stall[g] if x > t]
@@ -377,15 +480,19 @@ def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
             gen_busy += dt * len(generating) / G
         if trainer["phase"] in ("train", "sync"):
             trainer_busy += dt
+        for q in score_q:  # each scorer's head group progresses at the slowdown of the moment, as generation
+            if q:
+                q[0][1] -= dt / slow
+                while q and q[0][1] <= 1e-9:
+                    heapq.heappush(scored, (t_next + c.handoff_s, int(q.pop(0)[0])))
         for g in generating:
             for gid in list(inflight[g]):
                 inflight[g][gid] -= dt * rates[g]
                 if inflight[g][gid] <= 1e-9:
                     del inflight[g][gid]
-                    j = min(range(c.num_scorers), key=scorer_free.__getitem__)
-                    # the slowdown of the moment the scoring starts (an approximation: scoring is short)
-                    scorer_free[j] = max(t_next, scorer_free[j]) + c.score_s * c.group_size * slow
-                    heapq.heappush(scored, (scorer_free[j], gid))
+                    # the scorer with the least work queued takes it
+                    j = min(range(c.num_scorers), key=lambda i: sum(w for _, w in score_q[i]))
+                    score_q[j].append([gid, c.score_s * c.group_size])
         while scored and scored[0][0] <= t_next + 1e-12:
             accepted_ids.add(heapq.heappop(scored)[1])
         if trainer["phase"] == "train":
@@ -400,6 +507,7 @@ def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
                 if trainer["phase"] == "sync":
                     published += 1
                     engine_version = [published] * G
+                    gen_factor = [draw(c.gen_jitter) for _ in range(G)]
                     trainer.update(phase="overhead", left=c.overhead_s)
                 else:
                     trainer.update(phase="wait", step=trainer["step"] + 1)
@@ -432,7 +540,11 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
     lines = [
         f"calibrated from {c.source}: generation a={c.gen_a:.4f}s + b={c.gen_b:.4f}s per group in flight, "
         f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, overhead {c.overhead_s:.4f}s, "
-        f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s)",
+        f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s), hand-off {c.handoff_s:.4f}s"
+        f"{'' if c.handoff_s or not c.contention_measured else ' (not observable in an asynchronous run)'}",
+        f"spread drawn from (value / median, per step): train {_range(c.train_jitter)}, generation "
+        f"{_range(c.gen_jitter)}" + (f"; each prediction the mean of {REPLICATES} simulations"
+                                     if c.train_jitter or c.gen_jitter else ""),
         f"contention when generation and training overlap: x{c.contention:.2f} "
         f"({'fitted so that the simulation reproduces the calibration run' if c.contention_measured else 'not observable in an on-policy run: calibrate from an asynchronous one'}; "
         f"at least the CPU the roles computing at once want (gate phase {c.gate_cpu_share:.2f}, training "
@@ -453,6 +565,13 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
                   f"({r.samples_per_s:.2f} samples/s predicted, mean staleness {r.staleness_mean:.2f}; "
                   f"ties within {TIE_SHARE:.0%} go to lower staleness)"]
     return "\n".join(lines)
+
+
+def _range(factors: list[float]) -> str:
+    if not factors:
+        return "none"
+    q = sorted(factors)
+    return f"p10 {q[len(q) // 10]:.2f} / p90 {q[(9 * len(q)) // 10]:.2f} ({len(q)} steps)"
 
 
 def measured_throughput(run_dir: str | Path, *, skip: int = 0) -> float | None:

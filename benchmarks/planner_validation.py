@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     preds = {p.setting: p for p in plan(costs, sorted({setting_of(p).num_generators for p in ok}),
                                         sorted({setting_of(p).max_staleness for p in ok}), costs.steps)}
     print(f"calibrated on generators={g}, max_staleness={k} ({dirs[0] / calib.name})")
-    print("costs:", json.dumps({f: round(v, 5) if isinstance(v, float) else v
+    print("costs:", json.dumps({f: round(v, 5) if isinstance(v, float) else
+                                (f"{len(v)} factors, mean {sum(v) / len(v):.3f}" if isinstance(v, list) and v else v)
                                 for f, v in msgspec.to_builtins(costs).items()}))
     if shares is not None:
         print(f"calibration run's process CPU per wall second: gate wait {shares[0]:.2f}, train {shares[1]:.2f}"

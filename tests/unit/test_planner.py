@@ -231,3 +231,54 @@ def test_span_cpu_seconds_survive_the_trace_round_trip():
     rec.record("wait_gate", 0.0, 1.0, 3)  # not measured
     back = spans_from_trace(chrome_trace_events(rec.drain()))
     assert [(s.kind, s.version, s.cpu_s) for s in back] == [("train", 3, 0.75), ("wait_gate", 3, -1.0)]
+
+
+def test_a_spread_of_step_times_makes_k1_wait_on_the_gate_and_k2_absorbs_it():
+    # generation nearly as long as training; each step 0.7x or 1.3x its median at random
+    steady = costs(gen_a=0.9, train_s=1.0)
+    jittery = costs(gen_a=0.9, train_s=1.0, train_jitter=[0.7, 1.3], gen_jitter=[0.7, 1.3])
+    assert simulate(steady, Setting(1, 1), steps=60).step_s == pytest.approx(1.0, rel=0.03)
+    k1 = simulate(jittery, Setting(1, 1), steps=60)
+    k2 = simulate(jittery, Setting(1, 2), steps=60)
+    # a slow generation beside a fast update leaves the trainer waiting with k = 1; a second version of
+    # slack lets the generator make it up, so k = 2 gets (nearly) the mean train time back
+    assert k1.step_s > 1.05 and k2.step_s < k1.step_s - 0.03
+    assert k2.step_s == pytest.approx(1.0, rel=0.04)
+    # the same seeds every call: predictions repeat exactly
+    assert simulate(jittery, Setting(1, 1), steps=60) == k1
+
+
+def write_jittery_run(run_dir, train_s, handoff):
+    """An on-policy run: 4 groups generated together in 0.4 s, `handoff` s before the trainer has them,
+    then train_s[step] of training."""
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(
+        "[rollout]\ngroup_size = 2\nconcurrency = 4\n[trainer]\nprompts_per_step = 4\n"
+        "[cluster]\ntorch_threads = 1\n[reward]\nnum_scorers = 1\n[staleness]\nmax_staleness = 0\n")
+    trace = TraceWriter(run_dir / "trace.json", origin=0.0)
+    t = 0.0
+    with MetricsWriter(run_dir / "metrics.jsonl") as writer:
+        for step, train in enumerate(train_s):
+            spans = [Span(role="generator/0", kind="generate", start=t, end=t + 0.4, version=step) for _ in range(4)]
+            wait_end = t + 0.4 + handoff
+            spans.append(Span(role="trainer", kind="wait_gate", start=t, end=wait_end, version=step))
+            spans.append(Span(role="trainer", kind="train", start=wait_end, end=wait_end + train, version=step))
+            trace.add_spans(spans)
+            t_end = wait_end + train
+            writer.write({"step": step + 1, "time/elapsed_s": t_end, "time/step_s": t_end - t,
+                          "reward/mean": 0.5, "trainer/samples": 8})
+            t = t_end
+    trace.close()
+
+
+def test_calibrate_measures_the_hand_off_and_the_spread_of_an_on_policy_run(tmp_path):
+    train = [3.0, 3.0, 3.0, 0.8, 1.0, 1.2, 1.0, 0.8, 1.2, 1.0]  # the first 3 (warm-up) are left out
+    write_jittery_run(tmp_path / "run", train, handoff=0.15)
+    c = calibrate(tmp_path / "run", cores=2)
+    assert c.handoff_s == pytest.approx(0.15, abs=1e-6)
+    assert c.train_s == pytest.approx(1.0) and sorted(c.train_jitter) == [0.8, 0.8, 1.0, 1.0, 1.0, 1.2, 1.2]
+    assert c.gen_jitter == [1.0] * 7  # every version's groups took what the batching fit says
+    # the on-policy step the model rebuilds: 0.4 generation + 0.15 hand-off + 1.0 mean training
+    p = simulate(c, Setting(1, 0), steps=40)
+    assert p.step_s == pytest.approx(1.55, rel=0.03)
+    assert closed_form(c, Setting(1, 0)) == pytest.approx(8 / 1.55, rel=0.01)
