@@ -146,7 +146,12 @@ class Controller:
             # order) and starts the moment this step's update ended and its send released the weights,
             # without a round trip through the controller.
             self._next_train = asyncio.ensure_future(self._train(version))
-        metrics = await self._guard(train)
+        try:
+            metrics = await self._guard(train)
+        except BaseException:
+            for f in receives or []:  # a failed step: its armed receives are not awaited below
+                discard(f)
+            raise
         # The broadcast: the trainer started sending when its update ended (train_step(send=True)); every
         # generator receives into staging (armed during the step where it can wait for the send: then it
         # joins at once, else it is called now) and then swaps at its next decode-step boundary (KV
