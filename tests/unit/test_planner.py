@@ -65,13 +65,18 @@ def test_recommend_prefers_lower_staleness_among_near_ties():
     assert recommend(preds).setting == Setting(1, 1)
 
 
-def write_run(run_dir, n_steps=6):
-    """A synthetic on-policy run: each step 4 groups generated together (0.4 s), then 1 s of training."""
+def start_run(run_dir):
+    """A run directory with the synthetic runs' config (4 prompts x 2 samples, on-policy) and its trace."""
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(
         "[rollout]\ngroup_size = 2\nconcurrency = 4\n[trainer]\nprompts_per_step = 4\n"
         "[cluster]\ntorch_threads = 1\n[reward]\nnum_scorers = 1\n[staleness]\nmax_staleness = 0\n")
-    trace = TraceWriter(run_dir / "trace.json", origin=0.0)
+    return TraceWriter(run_dir / "trace.json", origin=0.0)
+
+
+def write_run(run_dir, n_steps=6):
+    """A synthetic on-policy run: each step 4 groups generated together (0.4 s), then 1 s of training."""
+    trace = start_run(run_dir)
     t = 0.0
     with MetricsWriter(run_dir / "metrics.jsonl") as writer:
         for step in range(n_steps):
@@ -251,11 +256,7 @@ def test_a_spread_of_step_times_makes_k1_wait_on_the_gate_and_k2_absorbs_it():
 def write_jittery_run(run_dir, train_s, handoff):
     """An on-policy run: 4 groups generated together in 0.4 s, `handoff` s before the trainer has them,
     then train_s[step] of training."""
-    run_dir.mkdir()
-    (run_dir / "config.toml").write_text(
-        "[rollout]\ngroup_size = 2\nconcurrency = 4\n[trainer]\nprompts_per_step = 4\n"
-        "[cluster]\ntorch_threads = 1\n[reward]\nnum_scorers = 1\n[staleness]\nmax_staleness = 0\n")
-    trace = TraceWriter(run_dir / "trace.json", origin=0.0)
+    trace = start_run(run_dir)
     t = 0.0
     with MetricsWriter(run_dir / "metrics.jsonl") as writer:
         for step, train in enumerate(train_s):
