@@ -44,8 +44,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-import random
 import os
+import random
 import statistics
 import tomllib
 from collections.abc import Sequence
@@ -326,6 +326,7 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
     for sp in gen:
         per_gen.setdefault(sp.version, {})
         per_gen[sp.version][sp.role] = per_gen[sp.version].get(sp.role, 0) + 1
+    score = c.prompts_per_step * c.group_size * c.score_s / max(1, c.num_scorers)
     residuals = []
     for w in waits:
         if w.role != "trainer" or w.version not in per_gen:
@@ -334,13 +335,12 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
         for n in per_gen[w.version].values():
             m = min(n, c.concurrency)
             gen_phase = max(gen_phase, math.ceil(n / m) * (c.gen_a + c.gen_b * m))
-        score = c.prompts_per_step * c.group_size * c.score_s / max(1, c.num_scorers)
         residuals.append(w.duration - gen_phase - score)
     return max(0.0, _median(residuals))
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: Sequence[float], default: float = 0.0) -> float:
+    return sum(values) / len(values) if values else default
 
 
 def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, *, top: float = 4.0) -> float:
@@ -376,7 +376,7 @@ def closed_form(costs: Costs, setting: Setting) -> float:
         waves = math.ceil(P / (G * per_gen))
         # all P groups finish together, then the scorers work through their P·n samples
         gen_phase = waves * (c.gen_a + c.gen_b * per_gen) * shared + P * c.group_size * c.score_s / c.num_scorers
-        return P * c.group_size / (gen_phase + c.handoff_s + c.train_s * _mean_factor(c.train_jitter) + cycle)
+        return P * c.group_size / (gen_phase + c.handoff_s + c.train_s * _mean(c.train_jitter, 1.0) + cycle)
     m = c.concurrency
     gen_rate = G * m / (c.gen_a + c.gen_b * m) / shared  # groups/s with every slot busy
     score_rate = c.num_scorers / max(c.score_s * c.group_size, 1e-12)
@@ -384,15 +384,11 @@ def closed_form(costs: Costs, setting: Setting) -> float:
         g = P / gen_rate + P / score_rate
     else:  # generation and scoring pipeline: the slower sets the pace
         g = P / min(gen_rate, score_rate)
-    t = c.train_s * _mean_factor(c.train_jitter)  # each phase's work per step, alone
+    t = c.train_s * _mean(c.train_jitter, 1.0)  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
     # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
     f = overlap_slowdown(c)
     return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
-
-
-def _mean_factor(factors: list[float]) -> float:
-    return sum(factors) / len(factors) if factors else 1.0
 
 
 def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
@@ -405,10 +401,10 @@ def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
     for r in runs:
         for s, share in r.staleness_hist.items():
             hist[s] = hist.get(s, 0.0) + share / len(runs)
-    wall = sum(r.step_s for r in runs)  # every replicate trains the same samples: pool their time
+    step_s = _mean([r.step_s for r in runs])  # every replicate trains the same samples: pool their time
     return Prediction(
-        setting=setting, samples_per_s=runs[0].samples_per_s * runs[0].step_s * len(runs) / wall,
-        closed_form_samples_per_s=runs[0].closed_form_samples_per_s, step_s=wall / len(runs),
+        setting=setting, samples_per_s=costs.prompts_per_step * costs.group_size / step_s,
+        closed_form_samples_per_s=runs[0].closed_form_samples_per_s, step_s=step_s,
         generator_busy=_mean([r.generator_busy for r in runs]), trainer_busy=_mean([r.trainer_busy for r in runs]),
         staleness_mean=_mean([r.staleness_mean for r in runs]), staleness_hist=dict(sorted(hist.items())))
 
