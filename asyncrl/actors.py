@@ -25,23 +25,34 @@ log = logging.getLogger(__name__)
 
 
 class RayProxy:
-    """`await proxy.method(*args)` → `await handle.call.remote("method", *args)` on a RoleActor."""
+    """`await proxy.method(*args)` → `await handle.call.remote("method", *args)` on a RoleActor.
 
-    def __init__(self, handle: Any) -> None:
+    With `role` set, the calls go to that role hosted inside the actor beside its own (the scorers of
+    `cluster.scorer_placement = "hub"` live in the buffer actor): `handle.call_hosted.remote(role, index,
+    "method", *args)`.
+    """
+
+    def __init__(self, handle: Any, role: str | None = None, index: int = 0) -> None:
         self._handle = handle
+        self._role = role
+        self._index = index
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
-        handle = self._handle
+        handle, role, index = self._handle, self._role, self._index
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await handle.call.remote(name, *args, **kwargs)
+        if role is None:
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                return await handle.call.remote(name, *args, **kwargs)
+        else:
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                return await handle.call_hosted.remote(role, index, name, *args, **kwargs)
 
         return call
 
     def __reduce__(self):  # travels to other actors as the handle it wraps
-        return (RayProxy, (self._handle,))
+        return (RayProxy, (self._handle, self._role, self._index))
 
 
 def _build(kind: str, cfg: Config, index: int, hub: Any) -> Any:
@@ -54,8 +65,16 @@ def _build(kind: str, cfg: Config, index: int, hub: Any) -> Any:
     return builders[kind]()
 
 
+async def _invoke(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
+    result = getattr(obj, method)(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
 class RoleActor:
-    """Hosts one role ("hub", "generator", "scorer" or "trainer") in its own process."""
+    """Hosts one role ("hub", "generator", "scorer" or "trainer") in its own process; the hub's actor also
+    hosts the scorers with `cluster.scorer_placement = "hub"`."""
 
     def __init__(self, kind: str, cfg: Config, index: int = 0, hub_handle: Any = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -65,6 +84,11 @@ class RoleActor:
         self.kind = kind
         self.cfg = cfg
         self.role = _build(kind, cfg, index, RayProxy(hub_handle) if hub_handle is not None else None)
+        # roles that run inside this actor's process beside its own, called through `call_hosted`
+        self.hosted: dict[str, list[Any]] = {}
+        if kind == "hub" and cfg.cluster.scorer_placement == "hub":
+            # in-process: the scorers await the hub's methods directly (same event loop, no actor calls)
+            self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
         self._group = None
 
@@ -72,10 +96,11 @@ class RoleActor:
         return self.kind
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.role, method)(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        return await _invoke(self.role, method, args, kwargs)
+
+    async def call_hosted(self, role: str, index: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A method of a role hosted in this process (see `hosted`)."""
+        return await _invoke(self.hosted[role][index], method, args, kwargs)
 
     # -- weight-sync lifecycle (trainer is rank 0, generators 1..N) -------------------------------
     def weights_meta(self) -> WeightsMeta:

@@ -118,7 +118,9 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
     c = cfg.cluster
     return [
         ActorPlan(role="generator", count=cfg.rollout.num_generators, cpus=c.generator_cpus),
-        ActorPlan(role="scorer", count=cfg.reward.num_scorers, cpus=c.scorer_cpus),
+        # scorer_placement = "hub": the scorers live in the buffer actor's process and ask for nothing
+        ActorPlan(role="scorer", count=cfg.reward.num_scorers if c.scorer_placement == "actor" else 0,
+                  cpus=c.scorer_cpus),
         ActorPlan(role="trainer", count=1, cpus=c.trainer_cpus),
         ActorPlan(role="buffer", count=1, cpus=c.buffer_cpus),
     ]

@@ -175,7 +175,8 @@ class ClusterConfig(Section):
     object_store_mb: Annotated[int, _d("object store size of the local cluster in MiB", ge=64)] = 256
     dashboard: Annotated[bool, _d("start the Ray dashboard with the local cluster")] = False
     generator_cpus: Annotated[float, _d("logical CPUs each generator actor asks for", ge=0)] = 0.5
-    scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for", ge=0)] = 0.25
+    scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for (scorer_placement = 'actor')", ge=0)] = 0.25
+    scorer_placement: Annotated[Literal["actor", "hub"], _d("actor: each scorer is its own actor (process); hub: the scorers run inside the buffer (replay hub) actor's process and call the hub without actor calls (light rule rewards: one process and two actor calls per batch fewer; reward functions still run on worker threads)")] = "actor"
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1

@@ -61,12 +61,15 @@ class RayDeployment:
         self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.hub_actor)
         self.generator_actors = [actor("generator").remote("generator", cfg, i, self.hub_actor)
                                  for i in range(cfg.rollout.num_generators)]
-        self.scorer_actors = [actor("scorer").remote("scorer", cfg, i, self.hub_actor)
-                              for i in range(cfg.reward.num_scorers)]
+        # scorer_placement = "hub": the buffer actor built the scorers beside the hub (RoleActor.hosted)
+        in_hub = cfg.cluster.scorer_placement == "hub"
+        self.scorer_actors = [] if in_hub else [actor("scorer").remote("scorer", cfg, i, self.hub_actor)
+                                                for i in range(cfg.reward.num_scorers)]
         self.hub = RayProxy(self.hub_actor)
         self.trainer = RayProxy(self.trainer_actor)
         self.generators = [RayProxy(a) for a in self.generator_actors]
-        self.scorers = [RayProxy(a) for a in self.scorer_actors]
+        self.scorers = ([RayProxy(self.hub_actor, "scorer", i) for i in range(cfg.reward.num_scorers)] if in_hub
+                        else [RayProxy(a) for a in self.scorer_actors])
 
     @property
     def actors(self) -> list[Any]:

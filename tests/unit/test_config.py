@@ -226,6 +226,14 @@ def test_plan_resources_lists_every_role_with_its_cpus():
     assert sum(p.total_cpus for p in plan_resources(cfg)) == 2.0
 
 
+def test_scorers_placed_in_the_hub_ask_for_no_actors_or_cpus():
+    cfg = load_config(write_config({"reward.num_scorers": 2, "cluster.scorer_placement": "hub"}))
+    scorer = next(p for p in plan_resources(cfg) if p.role == "scorer")
+    assert scorer.count == 0 and derived(cfg)["cpus_requested"] == 1.25
+    with pytest.raises(ConfigError, match="scorer_placement"):
+        load_config(write_config({"cluster.scorer_placement": "driver"}))
+
+
 def test_derived_numbers_for_a_known_config():
     cfg = load_config(write_config({"trainer.prompts_per_step": 8, "rollout.group_size": 4, "trainer.mini_batches": 4,
                                     "trainer.epochs": 2, "trainer.micro_batch_size": 3, "staleness.max_staleness": 2}))
