@@ -39,17 +39,20 @@ cores. In the in-process deployment (`--local`) they share one interpreter: torc
 but the engine's per-step Python and the scorer do not, so the overlap is partial (measure it with
 --local to see).
 The workload (model size, tokens, prompts) is chosen so that 0.75 <= G/T <= 1.33 on this 2-core machine
-(G/T ~ 0.85 with the defaults: the trainer is the bottleneck and the generator keeps some slack for its
+(G/T 0.78-0.86 with the defaults: the trainer is the bottleneck and the generator keeps some slack for its
 weight receive and swap); the script prints G/T and warns when a run lands outside that band.
 
 Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`), so each one has exactly
 --tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
 
-Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, scorer,
-replay hub and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin
-lets every process float, which on this machine let the light roles and Ray's own threads preempt the
-trainer 4-10% of its update time.
+Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, replay hub
+and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin lets every
+process float, which on this machine let the light roles and Ray's own threads preempt the trainer 4-10%
+of its update time. The scorer runs inside the hub's actor (`cluster.scorer_placement = "hub"`, every
+run): as its own actor, its process cost core 0 about 50 ms of CPU a step (actor calls, Ray's per-process
+work) against 7 ms of scoring, and the synchronous run does that work while the trainer trains, the
+asynchronous one beside generation.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ generator_cpus = 0.5
 scorer_cpus = 0.25
 trainer_cpus = 0.5
 buffer_cpus = 0.25
+scorer_placement = "hub"
 {affinity}
 
 [logging]
@@ -134,7 +138,7 @@ def measure(rows: list[dict], warmup: int) -> dict[str, float]:
 
 
 # The pinned layout (default on Ray): the trainer, whose step is the longer one (G < T), gets core 1 to
-# itself; the generator, the light roles (scorer, replay hub), the Controller and Ray's own processes (they
+# itself; the generator, the replay hub (hosting the scorer), the Controller and Ray's own processes (they
 # start from the Controller's process and inherit its CPUs) share core 0, where generation leaves slack.
 # With the Controller beside the trainer, its per-step work and Ray's threads descheduled the update 4-9%
 # of its time (train span wall vs process CPU); here 0.3-1%. The same layout in every run, so G and T are
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=24, help="new tokens per response (ignore_eos: every response has exactly this many; raises G more than T)")
+    ap.add_argument("--tokens", type=int, default=28, help="new tokens per response (ignore_eos: every response has exactly this many; raises G more than T)")
     ap.add_argument("--epochs", type=int, default=1, help="trainer epochs per step (raises T)")
     ap.add_argument("--prompts", type=int, default=10, help="prompts per step (raises T more than G)")
     ap.add_argument("--group", type=int, default=8)
