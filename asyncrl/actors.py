@@ -40,14 +40,13 @@ class RayProxy:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
-        handle, role, index = self._handle, self._role, self._index
-
-        if role is None:
-            async def call(*args: Any, **kwargs: Any) -> Any:
-                return await handle.call.remote(name, *args, **kwargs)
+        if self._role is None:
+            remote, route = self._handle.call.remote, (name,)
         else:
-            async def call(*args: Any, **kwargs: Any) -> Any:
-                return await handle.call_hosted.remote(role, index, name, *args, **kwargs)
+            remote, route = self._handle.call_hosted.remote, (self._role, self._index, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await remote(*route, *args, **kwargs)
 
         return call
 
