@@ -17,9 +17,10 @@ import ray
 from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
+from asyncrl.weights.base import SENDERS
 from asyncrl.weights.bucketing import plan_buckets
-from engines.base import CollectiveWeightEngine
-from asyncrl.weights.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
+from asyncrl.weights.collective import CollectiveReceiver, create_store, join_group
+from engines.base import CollectiveWeightEngine, weight_transport
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,6 @@ class RoleActor:
             # in-process: the scorers await the hub's methods directly (same event loop, no actor calls)
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
-        self._group = None
 
     def ready(self) -> str:
         return self.kind
@@ -122,22 +122,16 @@ class RoleActor:
             await engine.join_weight_group(host=host, port=port, rank=rank, world_size=world_size,
                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s, meta=meta)
             return
-        if rank == 0 and self.cfg.rollout.engine == "sglang":
-            # SGLang receives one typed broadcast per tensor over its own group protocol, not asyncrl's
-            # header + buckets, so the trainer sends in that format (engines/sglang_engine.py).
-            from engines.sglang_engine import PerTensorSender, join_sglang_sender
-
-            group = await asyncio.to_thread(join_sglang_sender, store=self._store, world_size=world_size,
-                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s)
-            self.role.sender = PerTensorSender(group, meta)
+        timeout_s = self.cfg.weight_sync.timeout_s
+        if rank == 0:  # the trainer sends in the format the generators' engine receives (weights/base.py)
+            join_sender = SENDERS.get(weight_transport(self.cfg.rollout.engine))
+            self.role.sender = await asyncio.to_thread(
+                join_sender, store=self._store, host=host, port=port, world_size=world_size, backend=backend,
+                timeout_s=timeout_s, meta=meta)
             return
-        self._group = await asyncio.to_thread(
-            join_group, host=host, port=port, rank=rank, world_size=world_size, backend=backend,
-            timeout_s=self.cfg.weight_sync.timeout_s, store=self._store)
-        if rank == 0:
-            self.role.sender = CollectiveSender(self._group, meta)
-        else:
-            self.role.receiver = CollectiveReceiver(self._group, meta)
+        group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
+                                        backend=backend, timeout_s=timeout_s)
+        self.role.receiver = CollectiveReceiver(group, meta)
 
     def save_checkpoint(self, path: str) -> str:
         from engines.hf import load_tokenizer

@@ -80,6 +80,18 @@ ENGINES.register_lazy("torch", "engines.torch_engine:TorchEngine")
 ENGINES.register_lazy("vllm", "engines.vllm_engine:VLLMEngine")
 ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 
+# The wire format each engine's receiving side speaks, by the name of the trainer's sender in
+# `asyncrl.weights.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
+WEIGHT_TRANSPORTS = {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
+
+
+def weight_transport(engine: str) -> str:
+    """The weight transport the trainer must send with to generators running `engine`."""
+    if engine not in WEIGHT_TRANSPORTS:
+        raise KeyError(f"rollout engine {engine!r} declares no weight transport; known: "
+                       f"{', '.join(sorted(WEIGHT_TRANSPORTS))}")
+    return WEIGHT_TRANSPORTS[engine]
+
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     """Raise ValueError with one line for an empty prompt or a token id outside the vocabulary."""

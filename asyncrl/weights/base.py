@@ -1,14 +1,21 @@
-"""The weight-transport Protocols: how new policy weights go from the Trainer to the generators.
+"""The weight-transport Protocols and the transports by name: how new policy weights go from the Trainer
+to the generators.
 
-Place in the dataflow: after each train step the Trainer calls `WeightSender.send(state, version)`;
-every Generator calls `WeightReceiver.receive()` and hands the returned staging tensors to its
-engine's `load_weights`. Two implementations:
+Place in the dataflow: after each update the step pipeline (asyncrl/pipeline.py) calls
+`WeightSender.send(state, version, released=...)` on the Trainer; every Generator calls
+`WeightReceiver.receive(armed=...)` and hands the returned staging tensors to its engine's `load_weights`.
+Transports, sender and receiver side together in this package:
 
-- `collective.CollectiveSender` / `CollectiveReceiver`: a bucketed broadcast over a standalone
-  gloo/NCCL group (actors in separate processes). Sender and receivers must be called together.
-- `local.LocalWeightChannel`: an in-process channel (running the runtime without Ray, and tests).
+| name | sender | receiver | between |
+|---|---|---|---|
+| `local` | `local.LocalWeightChannel` | `local.LocalReceiver` | roles in one process (`--local`, tests) |
+| `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`, or the vLLM worker's member | processes: a bucketed broadcast over a gloo/NCCL group |
+| `per_tensor` | `sglang.PerTensorSender` | `engines.sglang_engine.SGLangEngine` | SGLang's own weight-update group |
 
-Stats returned by both sides (one meaning each; see ARCHITECTURE.md "Metric definitions"):
+A Ray deployment picks the sender by the name the rollout engine declares (`engines.base.weight_transport`)
+from `SENDERS`; in-process runs always use `local`.
+
+Stats returned by both sides (one meaning each; see docs/metrics.md):
     sync/seconds   wall time of the transfer on this member
     sync/bytes     bytes of tensor data transferred
     sync/gbps      sync/bytes / sync/seconds / 1e9
@@ -17,10 +24,12 @@ Stats returned by both sides (one meaning each; see ARCHITECTURE.md "Metric defi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
+
+from asyncrl.registry import Registry
 
 STAT_SECONDS = "sync/seconds"
 STAT_BYTES = "sync/bytes"
@@ -39,19 +48,53 @@ def sync_stats(nbytes: int, seconds: float, buckets: int) -> dict[str, float]:
     }
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """torch.distributed reports timeouts as RuntimeErrors; recognise them by their text."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
 @runtime_checkable
 class WeightSender(Protocol):
     """The Trainer's side: publish one version of the weights."""
 
-    def send(self, tensors: Mapping[str, Tensor], version: int) -> dict[str, float]:
-        """Send `tensors` stamped with `version`; return sync stats. Blocks until sent."""
+    def send(self, tensors: Mapping[str, Tensor], version: int, *,
+             released: Callable[[], None] | None = None) -> dict[str, float]:
+        """Send `tensors` stamped with `version`; return sync stats. Blocks until sent.
+
+        `released()` is called (from the sending thread) once the sender no longer reads `tensors`: from
+        then on the trainer may update them while the send goes on with its own copy. A sender that reads
+        them to the end calls it last (or not at all): the caller treats the end of `send`, returned or
+        raised, as the release too."""
         ...
 
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """A Generator's side: take the next (collective) or latest (local) published weights."""
+    """A Generator's side: take the next published weights."""
 
-    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        """Return (staging tensors the caller owns and may hand to engine.load_weights, version, stats)."""
+    arms_early: bool
+    """Whether `receive(armed=True)` is worth calling before the send: True where the transfer is a
+    collective every member must join (the generator's receive then joins the moment the send starts, with
+    no round trip through the Controller); False for the in-process channel, whose copy is instant and
+    whose waiting thread would come from the event loop's shared pool."""
+
+    def receive(self, *, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        """Return (staging tensors the caller owns and may hand to engine.load_weights, version, stats).
+
+        `armed`: called ahead of the send (while the trainer still trains), so wait for it as long as it
+        takes (until the transport is closed) instead of the transport's timeout; stats time the transfer,
+        not that wait."""
         ...
+
+
+class JoinSender(Protocol):
+    """Builds the Trainer's sender of one transport, once every member joins (they all call together)."""
+
+    def __call__(self, *, store: Any, host: str, port: int, world_size: int, backend: str,
+                 timeout_s: float, meta: Any) -> WeightSender: ...
+
+
+SENDERS: Registry[JoinSender] = Registry("weight transport")
+SENDERS.register_lazy("bucketed", "asyncrl.weights.collective:join_sender")
+SENDERS.register_lazy("per_tensor", "asyncrl.weights.sglang:join_sender")

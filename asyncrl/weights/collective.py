@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.messages import WeightsMeta
-from asyncrl.weights.base import sync_stats
+from asyncrl.weights.base import is_timeout, sync_stats
 from asyncrl.weights.bucketing import (
     bucket_metas,
     check_matches,
@@ -92,11 +92,6 @@ def create_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]
     return store, store.port
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
-
-
 def join_group(
     *,
     host: str,
@@ -134,7 +129,7 @@ def join_group(
             dev = torch.device("cpu")
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     except RuntimeError as exc:
-        if _is_timeout(exc):
+        if is_timeout(exc):
             raise TimeoutError(
                 f"weight-sync join (rank {rank} of {world_size}, store {host}:{port}): not all members "
                 f"joined within {timeout_s}s; the controller must send the join to every member together"
@@ -213,7 +208,7 @@ class WeightSyncGroup:
             work.wait(self._timeout)
         except Exception as exc:
             self._broken = f"{what} failed on rank {self.rank}"
-            if _is_timeout(exc):
+            if is_timeout(exc):
                 raise TimeoutError(
                     f"weight sync: {what} not completed within {self.timeout_s}s on rank {self.rank}"
                 ) from exc
@@ -288,7 +283,7 @@ class WeightSyncGroup:
                 self._announce.wait([str(n)], poll)
                 return
             except Exception as exc:
-                if not _is_timeout(exc):
+                if not is_timeout(exc):
                     self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
                     raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
 
@@ -355,18 +350,18 @@ class CollectiveSender:
         self.group = group
         self.meta = meta
 
-    releases_early = True  # send(..., released=cb) calls cb once it no longer reads the tensors
-
-    def send(self, tensors: Mapping[str, Tensor], version: int,
+    def send(self, tensors: Mapping[str, Tensor], version: int, *,
              released: Callable[[], None] | None = None) -> dict[str, float]:
+        """`released()` once the last bucket is packed into its own buffer, before its broadcast: the
+        broadcast of the packed copy goes on while the trainer updates its weights."""
         _, _, stats = self.group.broadcast_weights(tensors, self.meta, version, released=released)
         return stats
 
 
 class CollectiveReceiver:
     """`WeightReceiver` over a `WeightSyncGroup`, on ranks >= 1 (the generators). `receive()` blocks
-    until the source sends; it may be called early (`arms_early`): it waits for the source's announcement
-    of the broadcast without a timeout (until the group is closed), then joins it."""
+    until the source sends; armed, it waits for the source's announcement of the broadcast without a
+    timeout (until the group is closed), then joins it."""
 
     arms_early = True
 
@@ -377,7 +372,7 @@ class CollectiveReceiver:
         self.meta = meta
         self.last_version: int | None = None
 
-    def receive(self, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+    def receive(self, *, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
         """The next broadcast. `armed`: called ahead of the send, so wait for it without the group's timeout."""
         staged, version, stats = self.group.broadcast_weights(None, self.meta, None, armed=armed)
         assert staged is not None  # receivers always get tensors
@@ -385,3 +380,11 @@ class CollectiveReceiver:
             logger.warning("weight sync: version went back from %d to %d", self.last_version, version)
         self.last_version = version
         return staged, version, stats
+
+
+def join_sender(*, store: dist.Store, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                meta: WeightsMeta) -> CollectiveSender:
+    """The "bucketed" transport's sender: join the group as rank 0 over the store this process holds."""
+    group = join_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
+                       timeout_s=timeout_s, store=store)
+    return CollectiveSender(group, meta)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
@@ -18,11 +18,11 @@ from asyncrl.weights.base import sync_stats
 
 
 class LocalWeightChannel:
-    """Both a `WeightSender` and a `WeightReceiver`. Thread-safe.
+    """A `WeightSender`; `receiver()` gives each generator its `WeightReceiver`. Thread-safe.
 
     `send` stores detached clones (the trainer may keep updating its parameters in place);
     `receive` returns fresh clones (the caller may hand them to an engine that keeps them).
-    `receive` waits up to `timeout_s` for the first version; it never waits for a newer one.
+    `receive` waits up to `timeout_s` (armed: until `close()`) for a version newer than the caller's.
     """
 
     def __init__(self, timeout_s: float = 60.0) -> None:
@@ -30,6 +30,7 @@ class LocalWeightChannel:
         self._cond = threading.Condition()
         self._tensors: dict[str, Tensor] | None = None
         self._version = -1
+        self._closed = False
 
     @property
     def version(self) -> int:
@@ -37,9 +38,12 @@ class LocalWeightChannel:
         with self._cond:
             return self._version
 
-    def send(self, tensors: Mapping[str, Tensor], version: int) -> dict[str, float]:
+    def send(self, tensors: Mapping[str, Tensor], version: int, *,
+             released: Callable[[], None] | None = None) -> dict[str, float]:
         start = time.perf_counter()
         copies = {name: t.detach().clone() for name, t in tensors.items()}
+        if released is not None:
+            released()  # the copies are the channel's own
         nbytes = sum(t.numel() * t.element_size() for t in copies.values())
         with self._cond:
             self._tensors = copies
@@ -47,21 +51,31 @@ class LocalWeightChannel:
             self._cond.notify_all()
         return sync_stats(nbytes, time.perf_counter() - start, 1)
 
-    def receive(self, after_version: int = -1) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        """The latest weights, waiting (up to `timeout_s`) until their version is > `after_version`."""
-        start = time.perf_counter()
+    def close(self) -> None:
+        """Wake every waiting receiver with an error (the run is over)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._tensors is not None and self._version > after_version,
-                                       timeout=self.timeout_s):
+            self._closed = True
+            self._cond.notify_all()
+
+    def receive(self, after_version: int = -1, *,
+                armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        """The latest weights, waiting until their version is > `after_version`: up to `timeout_s`, or,
+        `armed`, until `close()`. Stats time the copy, not the wait."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or (self._tensors is not None
+                                                                and self._version > after_version),
+                                       timeout=None if armed else self.timeout_s):
                 raise TimeoutError(f"local weight channel: no version > {after_version} was sent "
                                    f"within {self.timeout_s}s")
+            if self._closed:
+                raise RuntimeError("local weight channel is closed")
             latest, version = self._tensors, self._version
+        start = time.perf_counter()
         assert latest is not None
         # Clone outside the lock: `send` swaps in a new dict, it never mutates `latest`.
         copies = {name: t.clone() for name, t in latest.items()}
         nbytes = sum(t.numel() * t.element_size() for t in copies.values())
         return copies, version, sync_stats(nbytes, time.perf_counter() - start, 1)
-
 
     def receiver(self) -> "LocalReceiver":
         """A receiver that, like a collective member, waits for the broadcast after the one it had."""
@@ -71,11 +85,13 @@ class LocalWeightChannel:
 class LocalReceiver:
     """A `WeightReceiver` view of a LocalWeightChannel that remembers the last version it took."""
 
+    arms_early = False  # see WeightReceiver.arms_early
+
     def __init__(self, channel: LocalWeightChannel) -> None:
         self.channel = channel
         self.last_version = -1
 
-    def receive(self) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        tensors, version, stats = self.channel.receive(after_version=self.last_version)
+    def receive(self, *, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        tensors, version, stats = self.channel.receive(after_version=self.last_version, armed=armed)
         self.last_version = version
         return tensors, version, stats

@@ -139,7 +139,6 @@ def test_the_source_releases_the_weights_once_packed_and_sends_what_they_were(bu
         expected = {k: v.clone() for k, v in state.items()}
         meta = plan_buckets(state, bucket_bytes)
         sender, receiver = CollectiveSender(groups[0], meta), CollectiveReceiver(groups[1], meta)
-        assert sender.releases_early
         calls = []
 
         def released() -> None:  # the trainer's next update may write the weights from here on
@@ -221,7 +220,7 @@ def test_resolve_backend():
 
 def test_local_channel_hands_out_copies_of_the_latest_version():
     channel = LocalWeightChannel(timeout_s=0.05)
-    assert isinstance(channel, WeightSender) and isinstance(channel, WeightReceiver)
+    assert isinstance(channel, WeightSender) and isinstance(channel.receiver(), WeightReceiver)
     with pytest.raises(TimeoutError):
         channel.receive()
     state = _state(0)
