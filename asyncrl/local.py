@@ -47,12 +47,13 @@ class LocalDeployment:
         self.trainer = AsyncFacade(self.trainer_obj)
         self.generators = [AsyncFacade(g) for g in self.generator_objs]
         self.scorers = [AsyncFacade(s) for s in self.scorer_objs]
+        self.channel: LocalWeightChannel | None = None
 
     async def setup_weight_sync(self) -> None:
-        channel = LocalWeightChannel()
-        self.trainer_obj.sender = channel
+        self.channel = LocalWeightChannel()
+        self.trainer_obj.sender = self.channel
         for g in self.generator_objs:
-            g.receiver = channel.receiver()
+            g.receiver = self.channel.receiver()
 
     async def save_checkpoint(self, path: str) -> None:
         from engines.hf import load_tokenizer
@@ -60,5 +61,7 @@ class LocalDeployment:
         self.trainer_obj.save_checkpoint(path, load_tokenizer(self.cfg.model.path))
 
     async def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()  # a receive still waiting ends with an error
         for g in self.generator_objs:
             await g.engine.close()

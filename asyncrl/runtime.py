@@ -10,18 +10,15 @@
                                          metrics.jsonl row
 ```
 
-Each train step: `train_step(s)` (it takes step s+1's groups from the hub while it trains, and starts
-the broadcast of version s+1 when its update ends; `train_step(s+1)` is asked for at the same time and
-waits in the trainer behind it) → every generator joins the broadcast (their receives were armed during
-the step; all members of the collective take part together) → `train_step(s+1)` updates once the send
-released the weights (while the generators swap) → `publish(s+1)` on the gate once every generator
-holds it → (every `eval_every` steps) held-out evaluation, before the next step is asked for → the
-roles' statistics of step s's window are gathered (while step s+1 trains) → one metrics row. Generators
-and scorers run their own loops the whole time, so generation of later versions overlaps training up to
-the staleness bound.
+Each train step runs through the step pipeline (asyncrl/pipeline.py, which shows the whole sequence):
+`train_step(s)` → the weight send every generator joins → `publish(s+1)` on the gate; step s+1 is asked
+for at once and trains meanwhile (after the evaluation, every `eval_every` steps). Then the roles'
+statistics of step s's window are gathered and one metrics row is written. Generators and scorers run
+their own loops the whole time, so generation of later versions overlaps training up to the staleness
+bound.
 
-The Controller talks to roles through `Deployment`: in-process objects (`LocalDeployment`, here) or Ray
-actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
+or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from typing import Any, Awaitable, Protocol
 from asyncrl.aio import discard
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
+from asyncrl.pipeline import StepPipeline
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
@@ -75,9 +73,9 @@ class Controller:
         self._scored_seen: dict[int, int] = {}
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
-        self._next_train: asyncio.Future | None = None  # the next train step, started early (_one_step)
-        self._arm = False  # every generator's receive may wait for the send (Generator.can_arm_receive)
-        self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
+        # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
+        self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
+                                  hub=deployment.hub, total_steps=cfg.trainer.total_steps, watch=self._guard)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -94,13 +92,13 @@ class Controller:
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
-            self._arm = all(await asyncio.gather(*[g.can_arm_receive() for g in d.generators]))
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
             if cfg.trainer.eval_every > 0:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
                 _log_row(sinks, first)
                 self.rows.append(first)
+            await self.steps.start()
             t_prev = time.time()
             for step in range(cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
@@ -115,12 +113,7 @@ class Controller:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return self.rows
         finally:
-            if self._next_train is not None:  # a step started before a failure (or Ctrl-C) elsewhere
-                discard(self._next_train)
-                self._next_train = None
-            for f in self._armed or []:  # (an armed receive ends when its group is closed at shutdown)
-                discard(f)
-            self._armed = None
+            self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
             close_sinks(sinks)
             if self._trace is not None:
                 self._trace.close()
@@ -130,65 +123,25 @@ class Controller:
                 await d.shutdown()
 
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
-        d = self.d
-        train, self._next_train = self._next_train, None  # started at the end of the previous step, if any
-        receives, self._armed = self._armed, None  # armed at the end of the previous step, if any
-        if receives is None and self._arm:  # the first step: arm now, while it trains
-            receives = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
-        if train is None:
-            train = asyncio.ensure_future(self._train(step))
+        """Train step `step` through publish (the step pipeline), then evaluation when due, then the
+        window's metrics row. An evaluation reads the trainer's weights, so the next step is asked for
+        after it; otherwise it is asked for at once and trains while the row is gathered."""
         version = step + 1
         every = self.cfg.trainer.eval_every
         eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
-        more = version < self.cfg.trainer.total_steps
-        if more and not eval_due:  # (an evaluation reads the trainer's weights: it goes first)
-            # Asked for now, it waits in the trainer behind this step (train steps run one at a time, in
-            # order) and starts the moment this step's update ended and its send released the weights,
-            # without a round trip through the controller.
-            self._next_train = asyncio.ensure_future(self._train(version))
-        try:
-            metrics = await self._guard(train)
-        except BaseException:
-            for f in receives or []:  # a failed step: its armed receives are not awaited below
-                discard(f)
-            raise
-        # The broadcast: the trainer started sending when its update ended (train_step(send=True)); every
-        # generator receives into staging (armed during the step where it can wait for the send: then it
-        # joins at once, else it is called now) and then swaps at its next decode-step boundary (KV
-        # recompute included). The next step, asked for above, updates once the send released the
-        # weights, while the generators still swap; its groups were prefetched during this step. They were
-        # admitted by the gate at the versions the generators held, so the staleness bound holds as before.
-        if receives is None:
-            receives = [asyncio.ensure_future(g.receive_weights()) for g in d.generators]
-        try:
-            sent = await self._guard(d.trainer.send_weights())
-            await self._guard(asyncio.gather(*receives))
-        finally:
-            for f in receives:  # a failure above: no stray receive left running
-                discard(f)
-        if more and self._arm:  # the next version's receives wait for its send while the next step trains
-            self._armed = [asyncio.ensure_future(g.receive_weights(armed=True)) for g in d.generators]
-        await self._guard(d.hub.publish(version))
+        metrics, sent = await self.steps.step(step, ask_next=not eval_due)
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
         row.update(dict(sent))
         if eval_due:
-            row.update(await self._guard(d.trainer.evaluate()))
+            row.update(await self._guard(self.d.trainer.evaluate()))
         t_end = time.time()
-        if more and self._next_train is None:  # after an evaluation
-            # Start the next step now and gather this window's role statistics while it runs: they are
-            # bookkeeping, not part of the dataflow, and would otherwise idle the trainer every step.
-            self._next_train = asyncio.ensure_future(self._train(version))
+        self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
         self._window_end = t_end
         return row
-
-    def _train(self, step: int) -> Awaitable[dict[str, Any]]:
-        """Train step `step`: prefetch the next step's groups while it trains (when there is a next step)
-        and start the weight send when its update ends."""
-        return self.d.trainer.train_step(step, send=True, prefetch=step + 1 < self.cfg.trainer.total_steps)
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
         d = self.d

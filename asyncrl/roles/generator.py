@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.weights.base import STAT_SECONDS
+from asyncrl.weights.base import STAT_SECONDS, WeightReceiver
 from engines.base import CollectiveWeightEngine, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,9 @@ class GroupSource(Protocol):
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
     async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
-    # optional: `async def note_held(self, version: int) -> None` (wakes this generator's stale admit early)
-
-
-class WeightReceiver(Protocol):
-    def receive(self) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]: ...
+    async def note_held(self, version: int) -> None:
+        """This generator holds `version` now: its admit waiting at an older version returns early."""
+        ...
 
 
 class Generator:
@@ -81,8 +79,9 @@ class Generator:
         self.swap_s_total = 0.0
 
     # -- weights ---------------------------------------------------------------------------------
-    async def receive_weights(self, armed: bool = False) -> dict[str, float]:
+    async def receive_weights(self, *, armed: bool = False) -> dict[str, float]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on).
+        Called by the step pipeline (asyncrl/pipeline.py, `StepPipeline`).
 
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
         it takes, without the group's timeout."""
@@ -96,8 +95,7 @@ class Generator:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
         if armed and not self.can_arm_receive():
             raise RuntimeError("receive_weights(armed=True): this generator's receiver cannot wait for the send")
-        receive = functools.partial(self.receiver.receive, armed=True) if armed else self.receiver.receive
-        tensors, version, stats = await asyncio.to_thread(receive)
+        tensors, version, stats = await asyncio.to_thread(functools.partial(self.receiver.receive, armed=armed))
         t1 = time.time()
         # the transfer only: an armed receive (can_arm_receive) waited for the send before it
         self.recorder.record("weights_recv", t1 - stats.get(STAT_SECONDS, 0.0), t1, version)
@@ -113,10 +111,7 @@ class Generator:
         """Tell the hub this generator holds `version`, so the run loop's admit, waiting at the older
         version, returns at once and asks again with the new one (not only after the controller's
         publish, a few round trips later). Fire and forget: publish wakes it anyway."""
-        note = getattr(self.hub, "note_held", None)
-        if note is None:
-            return
-        task = asyncio.ensure_future(note(version))
+        task = asyncio.ensure_future(self.hub.note_held(version))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
                                               version, t.exception()))
@@ -124,8 +119,8 @@ class Generator:
     def can_arm_receive(self) -> bool:
         """Whether `receive_weights()` may be called before the trainer sends: it then waits, without the
         group's timeout and without blocking generation, and joins the broadcast the moment it starts
-        (the collective receiver; not an engine whose own workers receive, nor the in-process channel)."""
-        return self.receiver is not None and bool(getattr(self.receiver, "arms_early", False))
+        (a receiver that `arms_early`; not an engine whose own workers receive)."""
+        return self.receiver is not None and self.receiver.arms_early
 
     async def _apply_pending_weights(self) -> None:
         if self._pending is None:

@@ -62,6 +62,9 @@ class FakeHub:
     async def release_groups(self, group_ids: list[int], reason: str) -> None:
         self.released[reason].extend(group_ids)
 
+    async def note_held(self, version: int) -> None:
+        self.held = version
+
 
 def traj(group_id: int, j: int, text: str, group_size: int = 2) -> Trajectory:
     """One scored-to-be trajectory whose decoded completion is `text` (see `decode` below)."""
@@ -205,10 +208,14 @@ class FakeEngine:
 
 
 class FakeReceiver:
+    """Like the in-process channel: the weights are there when asked for, so it is not armed early."""
+
+    arms_early = False
+
     def __init__(self, version: int) -> None:
         self.version = version
 
-    def receive(self) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+    def receive(self, *, armed: bool = False) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         return {"w": torch.zeros(1)}, self.version, {"sync/bytes": 4.0}
 
 
@@ -278,7 +285,7 @@ class ArmedReceiver:
         self.sent = threading.Event()
         self.calls: list[bool] = []
 
-    def receive(self, armed: bool = False) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+    def receive(self, *, armed: bool = False) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         self.calls.append(armed)
         assert self.sent.wait(5)
         time.sleep(0.02)  # the transfer
@@ -359,202 +366,3 @@ def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
     assert hub.released["failed"] == [0, 1, 2]
     assert [g.group_id for g in hub.accepted] == [10]
     assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
-
-
-# -- Trainer: prefetch of the next step's groups, the send started at the end of the update ---------------
-class FakeLearner:
-    """Counts versions like the Learner; `update` records what it trained on and when."""
-
-    def __init__(self, log: list[str]) -> None:
-        self.version = 0
-        self.log = log
-        self.weights = {"w": torch.zeros(2)}
-
-    def update(self, groups: list[Group]) -> dict[str, float]:
-        self.log.append(f"update {self.version} {[g.group_id for g in groups]}")
-        time.sleep(0.05)  # long enough for a prefetch to land meanwhile
-        self.log.append(f"updated {self.version}")
-        self.version += 1
-        self.weights["w"] += 1
-        return {"trainer/samples": float(len(groups))}
-
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        return self.weights
-
-
-class StepHub:
-    """`take_step(s)` returns group s at once; records each call (and refuses a wrong step, like the gate)."""
-
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-        self.taken = 0
-
-    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
-        if step != self.taken:
-            raise ValueError(f"take_step: expected step {self.taken}, got {step}")
-        self.taken += 1
-        self.log.append(f"take {step}")
-        return [Group(group_id=step, min_version=step, trajectories=[])]
-
-
-class GatedSender:
-    """A blocking send (like a collective waiting for its receivers) that proceeds once `release` is set."""
-
-    def __init__(self, log: list[str], fail: bool = False) -> None:
-        self.log = log
-        self.release = threading.Event()
-        self.fail = fail
-        self.sent: list[tuple[int, float]] = []
-
-    def send(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        self.log.append(f"send {version} start")
-        assert self.release.wait(5)
-        if self.fail:
-            raise RuntimeError("receiver vanished")
-        self.sent.append((version, float(tensors["w"][0])))
-        self.log.append(f"send {version} done")
-        return {"sync/seconds": 0.001, "sync/version": float(version)}
-
-
-def make_trainer(log: list[str], sender: GatedSender | None = None) -> Any:
-    from asyncrl.roles.trainer import Trainer
-
-    trainer = Trainer(learner=FakeLearner(log), hub=StepHub(log))  # type: ignore[arg-type]
-    trainer.sender = sender
-    return trainer
-
-
-def test_trainer_prefetches_the_next_steps_groups_while_it_trains():
-    log: list[str] = []
-    trainer = make_trainer(log)
-
-    async def go() -> None:
-        await trainer.train_step(0, prefetch=True)
-        await trainer.train_step(1, prefetch=False)
-
-    run(go())
-    # step 1's groups were taken while step 0 trained, and taken once
-    assert log == ["take 0", "update 0 [0]", "take 1", "updated 0", "update 1 [1]", "updated 1"]
-    assert trainer.hub.taken == 2 and trainer._prefetch is None
-
-
-def test_trainer_send_starts_when_the_update_ends_and_the_next_update_waits_for_it():
-    log: list[str] = []
-    sender = GatedSender(log)
-    trainer = make_trainer(log, sender)
-
-    async def go() -> list[dict[str, float]]:
-        await trainer.train_step(0, send=True, prefetch=True)
-        await asyncio.sleep(0.05)
-        assert log[-1] == "send 1 start"  # began without anyone asking, and waits for its receivers
-        sending = asyncio.ensure_future(trainer.send_weights())
-        following = asyncio.ensure_future(trainer.train_step(1, send=True))
-        await asyncio.sleep(0.1)
-        assert "update 1 [1]" not in log  # the send reads the weights: the update waits for it
-        sender.release.set()
-        first = await sending
-        await following
-        second = await trainer.send_weights()
-        third = await trainer.send_weights()  # nothing started by train_step left: a fresh send
-        return [first, second, third]
-
-    stats = run(go())
-    assert [s["sync/version"] for s in stats] == [1.0, 2.0, 2.0]
-    assert sender.sent == [(1, 1.0), (2, 2.0), (2, 2.0)]  # each version's weights as the update left them
-    assert log.index("send 1 done") < log.index("update 1 [1]")
-
-
-def test_trainer_refuses_to_train_over_a_failed_send_and_the_sender_error_reaches_send_weights():
-    log: list[str] = []
-    sender = GatedSender(log, fail=True)
-    sender.release.set()
-    trainer = make_trainer(log, sender)
-
-    async def go() -> None:
-        await trainer.train_step(0, send=True)
-        with pytest.raises(RuntimeError, match="receiver vanished"):
-            await trainer.send_weights()
-        with pytest.raises(RuntimeError, match="the weight send before this step failed: receiver vanished"):
-            await trainer.train_step(1)
-        await trainer.train_step(1)  # reported once; the caller decides whether to go on
-
-    run(go())
-    assert log.count("update 1 []") == 0 and "update 1 [1]" in log
-
-
-class ReleasingSender(GatedSender):
-    """A sender that, like the collective one, releases the weights (packed) before its broadcast ends."""
-
-    releases_early = True
-
-    def send(self, tensors: dict[str, torch.Tensor], version: int, released: Any = None) -> dict[str, float]:
-        copy = {k: v.clone() for k, v in tensors.items()}
-        self.log.append(f"send {version} packed")
-        released()
-        return super().send(copy, version)
-
-
-def test_trainer_next_update_starts_once_the_send_released_the_weights_not_when_it_ends():
-    log: list[str] = []
-    sender = ReleasingSender(log)
-    trainer = make_trainer(log, sender)
-
-    async def go() -> dict[str, float]:
-        await trainer.train_step(0, send=True, prefetch=True)
-        sending = asyncio.ensure_future(trainer.send_weights())
-        await trainer.train_step(1)  # the broadcast is still waiting for its receivers
-        assert not sending.done()
-        sender.release.set()
-        return await sending
-
-    assert run(go())["sync/version"] == 1.0
-    assert sender.sent == [(1, 1.0)]  # the copy taken at version 1, though the weights moved on
-    assert log.index("update 1 [1]") < log.index("send 1 done")
-
-
-def test_trainer_runs_a_step_asked_for_ahead_after_the_one_before_and_pairs_sends_in_order():
-    log: list[str] = []
-    sender = ReleasingSender(log)
-    sender.release.set()
-    trainer = make_trainer(log, sender)
-
-    async def go() -> list[dict[str, float]]:
-        # as the Controller asks: step 1 right behind step 0, then the sends, oldest first
-        first = asyncio.ensure_future(trainer.train_step(0, send=True, prefetch=True))
-        second = asyncio.ensure_future(trainer.train_step(1, send=True))
-        await first
-        sent = [await trainer.send_weights()]
-        await second
-        sent.append(await trainer.send_weights())
-        return sent
-
-    sent = run(go())
-    assert [s["sync/version"] for s in sent] == [1.0, 2.0]
-    assert log.index("updated 0") < log.index("update 1 [1]")  # one step at a time, in the order asked
-    assert sender.sent == [(1, 1.0), (2, 2.0)]
-
-
-def test_trainer_runs_steps_in_step_order_whatever_order_they_arrive_in_and_a_failure_ends_the_waiters():
-    log: list[str] = []
-    sender = ReleasingSender(log)
-    sender.release.set()
-    trainer = make_trainer(log, sender)
-
-    async def go() -> None:
-        second = asyncio.ensure_future(trainer.train_step(1, send=True))  # arrives first (Ray may do this)
-        await asyncio.sleep(0.05)
-        assert not second.done()
-        await trainer.train_step(0, send=True, prefetch=True)
-        await second
-        for _ in range(2):
-            await trainer.send_weights()
-        # a step that fails wakes the one asked for behind it, with an error instead of a wait forever
-        trainer.learner.update = lambda groups: (_ for _ in ()).throw(RuntimeError("nan loss"))
-        behind = asyncio.ensure_future(trainer.train_step(3))
-        with pytest.raises(RuntimeError, match="nan loss"):
-            await trainer.train_step(2)
-        with pytest.raises(RuntimeError, match="an earlier train step failed"):
-            await behind
-
-    run(go())
-    assert log.index("updated 0") < log.index("update 1 [1]")

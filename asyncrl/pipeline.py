@@ -1,0 +1,341 @@
+"""The step and weight-sync pipeline: prefetch → update → send → arm/receive → release → publish.
+
+Place in the dataflow: between the train store (ReplayHub) and the generators. Its two halves share one
+sequence and live in two processes: `UpdatePipeline` in the Trainer's (it holds the weights), `StepPipeline`
+in the Controller's (it drives the trainer, the generators and the gate). Nothing else keeps pipeline state.
+
+One train step s (version s → s + 1), in the order the events happen:
+
+```
+ Controller (StepPipeline)            Trainer (UpdatePipeline)                Generator
+ ──────────────────────────────────── ─────────────────────────────────────── ─────────────────────────────
+ train_step(s) asked; train_step(s+1) wait until step s−1's send released
+   asked right behind it (no round      take step s's groups (prefetched)
+   trip between two updates)            prefetch step s+1's groups
+                                        update on a worker thread               receive(armed) waits for the send
+                                        send(version s+1) starts, unasked ───►  joins it, stages, swaps
+                                          released(): weights packed
+ send_weights() claims that send       train_step(s+1) may update now
+ every receive returned ◄───────────────────────────────────────────────────── holds s+1 (swap landed)
+ arm the receives of s+2
+ hub.publish(s+1): the gate admits at s+1
+```
+
+An evaluation reads the trainer's weights, so on an evaluation step the Controller asks for step s+1 only
+after it (`ask_next`). A generator whose receiver cannot wait for a send (an engine whose own workers
+receive: vLLM, SGLang) is asked to receive once the send has begun. The staleness bound holds as before:
+the gate admitted every prefetched group at the version its generator held.
+
+The sequence, run with fakes in one process (`log` records what each side did; threads and the event
+loop interleave, so the example checks the order that the pipeline guarantees):
+
+>>> import asyncio
+>>> from asyncrl.pipeline import StepPipeline, UpdatePipeline
+>>> log, sent = [], []
+>>> class Learner:
+...     version = 0
+...     def update(self, groups):
+...         self.version += 1; return {}
+...     def state_dict_for_sync(self):
+...         return {}
+>>> class Store:
+...     async def take_step(self, step, timeout=None):
+...         log.append(f"take {step}"); return []
+>>> class Sender:  # a broadcast: each version once, in order
+...     def send(self, tensors, version, *, released=None):
+...         released(); sent.append(version); log.append(f"send {version}"); return {}
+>>> class Generator:
+...     held = 0
+...     async def can_arm_receive(self):
+...         return True
+...     async def receive_weights(self, *, armed=False):
+...         while len(sent) <= self.held:  # armed: waits for the next send
+...             await asyncio.sleep(0.001)
+...         self.held = sent[self.held]; log.append(f"holds {self.held}"); return {}
+>>> class Gate:
+...     async def publish(self, version):
+...         log.append(f"publish {version}")
+>>> trainer = UpdatePipeline(learner=Learner(), source=Store())
+>>> trainer.sender = Sender()
+>>> steps = StepPipeline(trainer=trainer, generators=[Generator()], hub=Gate(), total_steps=2)
+>>> async def run():
+...     await steps.start()
+...     for s in range(2):
+...         await steps.step(s)
+...     steps.close()
+>>> asyncio.run(run())
+>>> [e for e in log if e.startswith(("take", "publish"))]
+['take 0', 'take 1', 'publish 1', 'publish 2']
+>>> log.index("take 1") < log.index("send 1")  # step 1's groups were taken while step 0 trained
+True
+>>> all(log.index(f"send {v}") < log.index(f"holds {v}") < log.index(f"publish {v}") for v in (1, 2))
+True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+from torch import Tensor
+
+from asyncrl.aio import discard, retrieve
+from asyncrl.messages import Group
+from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.weights.base import WeightSender
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+# -- the trainer's half ----------------------------------------------------------------------------
+class Updater(Protocol):
+    """The learner, as far as the pipeline uses it."""
+
+    @property
+    def version(self) -> int: ...
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        """One train step over `groups` (on a worker thread); the version goes up by 1."""
+        ...
+    def state_dict_for_sync(self) -> Mapping[str, Tensor]: ...
+
+
+class StepSource(Protocol):
+    """The train store (ReplayHub), as far as the pipeline uses it."""
+
+    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
+
+
+class StepOutcome:
+    """What one update did: its groups, the learner's metrics and its two phases' wall times."""
+
+    __slots__ = ("groups", "metrics", "gate_wait_s", "train_s")
+
+    def __init__(self, groups: list[Group], metrics: dict[str, float], gate_wait_s: float, train_s: float) -> None:
+        self.groups, self.metrics, self.gate_wait_s, self.train_s = groups, metrics, gate_wait_s, train_s
+
+
+class UpdatePipeline:
+    """The trainer's half: one update at a time, in step order; each update waits only until the send
+    before it released the weights, and starts its own send when it ends.
+
+    Invariants: steps run in step order whatever order they are asked in (a Ray actor may start two calls
+    in either order); an update never starts while a send still reads the weights it would change; every
+    started send is claimed by exactly one `send_weights()`, oldest first; a failed step fails the steps
+    asked for behind it instead of leaving them waiting.
+    """
+
+    def __init__(self, *, learner: Updater, source: StepSource, recorder: SpanRecorder | None = None) -> None:
+        self.learner = learner
+        self.source = source
+        self.recorder = recorder or SpanRecorder("trainer")
+        self.sender: WeightSender | None = None  # set when the weight-sync group forms
+        self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
+        self._sending: asyncio.Future | None = None  # the send of the current weights, while it reads them
+        self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
+        self._unclaimed: deque[asyncio.Future] = deque()  # sends started by train_step, for send_weights()
+        self._turn = asyncio.Condition()  # whose update is next
+        self._busy = False
+        self._failed: BaseException | None = None  # the last step that raised (wakes the ones after it)
+
+    async def train_step(self, step: int, *, prefetch: bool) -> StepOutcome:
+        """Take step `step`'s groups, update (the learner holds version `step`, then `step + 1`) and start
+        the send of the new weights; `send_weights()` returns its statistics. `prefetch`: the caller will
+        ask for step + 1, so its groups are taken while this step trains."""
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._failed is not None
+                                      or (not self._busy and self.learner.version >= step))
+            if self.learner.version < step:  # woken by a failure: the steps before this one will not come
+                raise RuntimeError(f"train_step({step}): an earlier train step failed ({self._failed!r})")
+            self._busy, self._failed = True, None
+        try:
+            return await self._update(step, prefetch)
+        except Exception as exc:
+            self._failed = exc
+            raise
+        finally:
+            async with self._turn:
+                self._busy = False
+                self._turn.notify_all()
+
+    async def _update(self, step: int, prefetch: bool) -> StepOutcome:
+        await self._wait_released()
+        if step != self.learner.version:
+            raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
+        if self.sender is None:
+            raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
+        t0, c0 = time.time(), time.process_time()
+        groups = await self._take(step)
+        t1, c1 = time.time(), time.process_time()
+        # process CPU time beside the wall time: in process it is every role's, so the planner can tell
+        # computing from waiting in the gate wait (generation + scoring) and in the update
+        self.recorder.record("wait_gate", t0, t1, step, cpu_s=c1 - c0)
+        if prefetch:
+            task = asyncio.ensure_future(self.source.take_step(step + 1))
+            task.add_done_callback(retrieve)  # a take never claimed (a failure elsewhere) warns nobody
+            self._prefetch = (step + 1, task)
+        metrics = await asyncio.to_thread(self.learner.update, groups)
+        t2, c2 = time.time(), time.process_time()
+        self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
+        self._unclaimed.append(self._begin_send())
+        return StepOutcome(groups, metrics, t1 - t0, t2 - t1)
+
+    async def _take(self, step: int) -> list[Group]:
+        """Step `step`'s groups: the prefetched ones if they are that step's, else take them now."""
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None:
+            if pending[0] == step:
+                return await pending[1]
+            discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
+        return await self.source.take_step(step)
+
+    async def send_weights(self) -> dict[str, float]:
+        """The statistics of the oldest send no one claimed yet; with none, send the current weights now."""
+        task = self._unclaimed.popleft() if self._unclaimed else None
+        if task is None:
+            await self._wait_released()
+            task = self._begin_send()
+        return await asyncio.shield(task)
+
+    def _begin_send(self) -> asyncio.Future:
+        if self.sender is None:
+            raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
+        sender, version, tensors = self.sender, self.learner.version, self.learner.state_dict_for_sync()
+        loop, released = asyncio.get_running_loop(), asyncio.Event()
+
+        def on_released() -> None:  # called on the sending thread
+            loop.call_soon_threadsafe(released.set)
+
+        async def send() -> dict[str, float]:
+            t0 = time.time()
+            try:
+                stats = await asyncio.to_thread(sender.send, tensors, version, released=on_released)
+            finally:
+                released.set()  # the end of a send, returned or raised, releases the weights too
+            self.recorder.record("weights_send", t0, time.time(), version)
+            return stats
+
+        task = asyncio.ensure_future(send())
+        task.add_done_callback(retrieve)  # its claimer (send_weights) reports a failure
+        self._sending, self._released = task, released
+        return task
+
+    async def _wait_released(self) -> None:
+        """Wait until the send in flight no longer reads the weights the next update would change: its
+        release (the collective sender: once its last bucket is packed), or its end."""
+        task = self._sending
+        if task is None:
+            return
+        released = asyncio.ensure_future(self._released.wait())
+        try:
+            await asyncio.wait({task, released}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            released.cancel()
+        if not task.done():
+            return  # released: it broadcasts its own copy (its outcome goes to send_weights' caller)
+        if self._sending is task:
+            self._sending = None
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            raise RuntimeError(f"the weight send before this step failed: {exc}") from exc
+
+
+# -- the controller's half -------------------------------------------------------------------------
+class TrainerEndpoint(Protocol):
+    """The Trainer role as the Controller calls it (in process, or a Ray actor behind a proxy)."""
+
+    async def train_step(self, step: int, *, prefetch: bool) -> dict[str, float]: ...
+    async def send_weights(self) -> dict[str, float]: ...
+
+
+class GeneratorEndpoint(Protocol):
+    """A Generator role as the Controller calls it."""
+
+    async def can_arm_receive(self) -> bool: ...
+    async def receive_weights(self, *, armed: bool = False) -> dict[str, float]: ...
+
+
+class Publisher(Protocol):
+    """The gate: a version every generator holds may be admitted at."""
+
+    async def publish(self, version: int) -> None: ...
+
+
+async def _plain(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+class StepPipeline:
+    """The Controller's half: asks for each train step ahead of time, arms the generators' receives while
+    it trains, collects the send, waits until every generator holds the new version, then publishes it.
+
+    `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile).
+    """
+
+    def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], hub: Publisher,
+                 total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain) -> None:
+        self.trainer = trainer
+        self.generators = list(generators)
+        self.hub = hub
+        self.total_steps = total_steps
+        self.watch = watch
+        self._arm = False  # every generator's receive may wait for the send (set by start())
+        self._next: tuple[int, asyncio.Future] | None = None  # a train step asked for ahead of time
+        self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
+
+    async def start(self) -> None:
+        """Ask the generators once whether their receives can wait for a send (arm early)."""
+        self._arm = bool(self.generators) and all(
+            await self.watch(asyncio.gather(*[g.can_arm_receive() for g in self.generators])))
+
+    def ask_next(self, step: int) -> None:
+        """Ask for train step `step` now (it waits in the trainer behind the one before), unless it was
+        asked for already or the run ends before it."""
+        if step < self.total_steps and self._next is None:
+            self._next = (step, asyncio.ensure_future(self.trainer.train_step(
+                step, prefetch=step + 1 < self.total_steps)))
+
+    async def step(self, step: int, *, ask_next: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+        """Run train step `step` through publish(step + 1); returns (train metrics, send statistics).
+
+        `ask_next=False`: step + 1 is not asked for yet (an evaluation reads the weights first; the caller
+        calls `ask_next(step + 1)` after it)."""
+        self.ask_next(step)
+        assert self._next is not None and self._next[0] == step, "train steps are run in order"
+        (_, train), self._next = self._next, None
+        receives, self._armed = self._armed, None
+        if receives is None and self._arm:  # the first step: arm now, while it trains
+            receives = self._receive(armed=True)
+        if ask_next:
+            self.ask_next(step + 1)
+        try:
+            metrics = await self.watch(train)
+            if receives is None:  # receivers that cannot wait for a send: called now that it has begun
+                receives = self._receive(armed=False)
+            sent = await self.watch(self.trainer.send_weights())
+            await self.watch(asyncio.gather(*receives))
+        finally:
+            for f in receives or []:  # a failure above: no stray receive left running
+                discard(f)
+        if step + 1 < self.total_steps and self._arm:  # the next version's receives wait while it trains
+            self._armed = self._receive(armed=True)
+        await self.watch(self.hub.publish(step + 1))
+        return metrics, sent
+
+    def _receive(self, *, armed: bool) -> list[asyncio.Future]:
+        return [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+
+    def close(self) -> None:
+        """Drop what was asked for ahead of a failure (or of the end): their outcomes warn nobody. An armed
+        receive ends when its transport is closed at shutdown."""
+        if self._next is not None:
+            discard(self._next[1])
+            self._next = None
+        for f in self._armed or []:
+            discard(f)
+        self._armed = None
