@@ -205,10 +205,10 @@ class Runtime:
                 await inner.shutdown()
         finally:
             if self._started_ray:
-                import ray
+                from asyncrl.launch import stop_ray
 
                 self._started_ray = False
-                ray.shutdown()
+                stop_ray()
 
     # -- versions ---------------------------------------------------------------------------------
     @property

@@ -50,6 +50,11 @@ def start_ray(cfg: Config) -> bool:
     return True
 
 
+def stop_ray() -> None:
+    """Stop the cluster `start_ray` started (the caller knows whether it did)."""
+    ray.shutdown()
+
+
 class RayDeployment:
     """The roles as Ray actors; attributes are RayProxy objects the Controller awaits."""
 

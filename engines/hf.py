@@ -21,11 +21,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.config_schema import ModelConfig, TinyModelConfig
+if TYPE_CHECKING:  # annotations only: engines depend on no asyncrl module but messages and registry
+    from asyncrl.config_schema import ModelConfig, TinyModelConfig
 
 log = logging.getLogger(__name__)
 

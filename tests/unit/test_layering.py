@@ -1,0 +1,71 @@
+"""The layers stay apart: engines and buffers use no asyncrl internals, the weight transports are a leaf,
+and Ray is imported only where actors are built and launched (roles are tested without it)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What engines/ and buffers/ may import from asyncrl: the wire messages, the registry, and the weight
+# transports (the receiving half of a transport runs inside an engine's own workers).
+NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.weights")
+RAY_MODULES = {"asyncrl/actors.py", "asyncrl/launch.py"}
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Modules `path` imports at run time (anywhere, functions included; not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_engines_and_buffers_import_only_the_neutral_asyncrl_modules():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("engines", "buffers")
+           for name in _runtime_imports(p) if _within(name, ("asyncrl",)) and not _within(name, NEUTRAL)]
+    assert bad == []
+
+
+def test_the_weight_transports_are_a_leaf_of_asyncrl():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("asyncrl/weights")
+           for name in _runtime_imports(p)
+           if _within(name, ("asyncrl", "engines", "buffers")) and not _within(name, NEUTRAL)]
+    assert bad == []
+
+
+def test_ray_is_imported_only_by_the_actor_and_launch_modules():
+    bad = [str(p.relative_to(ROOT)) for p in _files("asyncrl", "engines", "buffers")
+           if str(p.relative_to(ROOT)) not in RAY_MODULES and _within_any_ray(_runtime_imports(p))]
+    assert bad == []
+
+
+def _within_any_ray(names: list[str]) -> bool:
+    return any(_within(n, ("ray",)) for n in names)
+
+
+def test_the_layering_check_sees_imports_inside_functions_but_not_type_checking_blocks(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import asyncrl.config\n"
+                   "def f():\n    import ray\n    from asyncrl.roles import trainer\n")
+    names = _runtime_imports(src)
+    assert "ray" in names and "asyncrl.roles" in names and "asyncrl.config" not in names
