@@ -17,6 +17,7 @@ from asyncrl.config_schema import Config
 from asyncrl.data import PromptStream, load_rows
 from asyncrl.messages import SamplingParams
 from asyncrl.algorithms.advantages import LagrangeMultiplier
+from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.rewards.loader import resolve_cost, resolve_reward
 from asyncrl.roles.critic import Critic, load_value_model
 from asyncrl.roles.evaluator import Evaluator
@@ -105,8 +106,8 @@ def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
     stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
     generator = Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
                           encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
-                          concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update)
-    generator.greedy_baseline = cfg.algorithm.advantage == "remax"  # ReMax: greedy rollout per prompt
+                          concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update,
+                          greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline)
     if cfg.env is not None:  # multi-turn environment episodes (asyncrl/envs)
         from asyncrl.envs.setup import episode_runner
 
@@ -135,11 +136,11 @@ def build_reference(cfg: Config) -> ReferencePolicy:
 
 
 def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
-    """The policy learner with what the algorithm needs: critic (gae), reference (KL in the trainer),
-    Lagrange multiplier (Safe-RLHF)."""
+    """The policy learner with what the algorithm needs: critic (the estimator's AlgorithmNeeds, e.g. gae),
+    reference (KL in the trainer), Lagrange multiplier (Safe-RLHF)."""
     a = cfg.algorithm
     critic = reference = lagrange = None
-    if a.advantage == "gae":
+    if advantage_needs(a.advantage).critic:
         critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype), cfg.critic,
                         pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size)
     if a.kl_mode != "off" and cfg.reference.where == "trainer":

@@ -26,11 +26,14 @@ import re
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
 
 from asyncrl.config_schema import Config
+
+if TYPE_CHECKING:  # the registry imports torch; config loading imports it only when it checks algorithms
+    from asyncrl.algorithms.registry import AlgorithmNeeds
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +358,27 @@ def _available(module: str, attr: str, fallback: list[str]) -> list[str]:
         return list(fallback)
 
 
+def _advantage_needs(name: str) -> AlgorithmNeeds | None:
+    """What estimator `name` declares it needs (asyncrl/algorithms/registry.py); None when the name is
+    unknown (`_check_algorithm` reports it) or the registry does not import here (the checks that read
+    the needs are then skipped, as `_available` falls back to the known names)."""
+    try:
+        lookup = importlib.import_module("asyncrl.algorithms.registry").advantage_needs
+    except Exception as exc:  # noqa: BLE001 — any failure means "no registry to ask"
+        log.debug("cannot ask the advantage registry what %r needs (%s)", name, exc)
+        return None
+    try:
+        return lookup(name)
+    except KeyError:
+        return None
+
+
+def _estimators_where(fits: Callable[[AlgorithmNeeds], bool]) -> str:
+    """The registered estimators whose needs pass `fits`, quoted, for an error's "use ..." hint."""
+    registry = importlib.import_module("asyncrl.algorithms.registry")
+    return " / ".join(repr(n) for n in registry.available_advantages() if fits(registry.advantage_needs(n)))
+
+
 def _unknown(path: str, what: str, name: str, known: list[str]) -> list[str]:
     if name in known:
         return []
@@ -392,8 +416,10 @@ def _check_algorithm(cfg: Config) -> list[str]:
 
 
 def _check_algorithm_options(cfg: Config) -> list[str]:
-    """Combinations of [algorithm], [critic], [reference] and the cost fields of [reward] that cannot run."""
+    """Combinations of [algorithm], [critic], [reference] and the cost fields of [reward] that cannot run;
+    what the estimator needs comes from its registry entry (`AlgorithmNeeds`), not from its name."""
     a, errors = cfg.algorithm, []
+    needs, group_size = _advantage_needs(a.advantage), cfg.rollout.group_size
     if a.dual_clip and a.dual_clip <= 1:
         errors.append(f"algorithm.dual_clip: {a.dual_clip:g} must be > 1 (e.g. 3.0), or 0 to turn dual clipping off")
     if a.correction in ("token_tis", "seq_tis") and not a.decoupled and a.policy_loss != "vanilla_pg":
@@ -406,20 +432,22 @@ def _check_algorithm_options(cfg: Config) -> list[str]:
     if a.dynamic_sampling and cfg.rollout.group_size < 2:
         errors.append("algorithm.dynamic_sampling: every group of rollout.group_size = 1 has zero reward variance "
                       "and would be dropped — use rollout.group_size >= 2")
-    if a.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.group_size < 2:
+    if needs is not None and group_size < needs.min_group_size:
         errors.append(f"algorithm.advantage: {a.advantage!r} compares the samples of a group and needs "
-                      f"rollout.group_size >= 2 (got 1) — raise it, or use 'reinforce_pp' / 'gae'")
+                      f"rollout.group_size >= {needs.min_group_size} (got {group_size}) — raise it, or use "
+                      f"{_estimators_where(lambda n: n.min_group_size <= group_size)}")
     if a.safe_rlhf and not cfg.reward.cost_fn:
         errors.append("algorithm.safe_rlhf: needs a cost signal — set reward.cost_fn (e.g. 'longer_than_answer' "
                       "or 'pkg.module:function') and reward.cost_threshold")
-    if a.safe_rlhf and a.advantage in ("gae", "remax"):
+    if a.safe_rlhf and needs is not None and (needs.critic or needs.greedy_baseline):
         errors.append(f"algorithm.safe_rlhf: the cost advantage needs a critic-free estimator without a greedy "
-                      f"baseline, got advantage {a.advantage!r} — use grpo, drgrpo, rloo or reinforce_pp(_baseline)")
+                      f"baseline, got advantage {a.advantage!r} — use "
+                      f"{_estimators_where(lambda n: not (n.critic or n.greedy_baseline))}")
     if cfg.reward.cost_fn:
         from asyncrl.rewards import check_reward
 
         errors += check_reward(cfg.reward.cost_fn, cfg.reward.answer_key, "reward.cost_fn")
-    for section, path, used in (("critic", cfg.critic.path, a.advantage == "gae"),
+    for section, path, used in (("critic", cfg.critic.path, needs is not None and needs.critic),
                                 ("reference", cfg.reference.path, a.kl_mode != "off")):
         if used and path and not (Path(path) / "config.json").is_file():
             errors.append(f"{section}.path: {path!r} is not a Hugging Face model folder (no config.json) — "
@@ -525,9 +553,11 @@ def _check_env(cfg: Config) -> list[str]:
             turn_stops(resolve_env(e.env))
         except ValueError as exc:
             errors.append(str(exc))
-    if cfg.algorithm.advantage == "remax":
-        errors.append("env.env: ReMax needs a greedy completion of each prompt as its baseline, which env episodes "
-                      "do not produce — use another algorithm.advantage (e.g. 'grpo') with [env]")
+    needs = _advantage_needs(cfg.algorithm.advantage)
+    if needs is not None and needs.greedy_baseline:
+        errors.append(f"env.env: advantage {cfg.algorithm.advantage!r} needs a greedy completion of each prompt as "
+                      f"its baseline, which env episodes do not produce — use another algorithm.advantage "
+                      f"(e.g. 'grpo') with [env]")
     if cfg.reward.cost_fn:
         errors.append("reward.cost_fn: env episodes bring their own reward and are not scored by reward.cost_fn — "
                       "leave it empty with [env] (return a cost-shaped reward from the env instead)")

@@ -33,6 +33,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
 from asyncrl.config_schema import Config
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
@@ -144,9 +145,11 @@ class Runtime:
     def __init__(self, config: Config | str | Path, *, local: bool = True, overrides: Sequence[str] = (),
                  run_dir: str | Path | None = None) -> None:
         self.cfg = config if isinstance(config, Config) else load_config(config, overrides)
-        if self.cfg.algorithm.advantage == "remax":
-            raise ValueError("algorithm.advantage: ReMax's baseline is the generators' greedy completion of each "
-                             "prompt, which groups submitted to a Runtime do not have — use e.g. 'grpo' or 'rloo'")
+        advantage = self.cfg.algorithm.advantage
+        if advantage_needs(advantage).greedy_baseline:
+            raise ValueError(f"algorithm.advantage: {advantage!r} needs a greedy baseline, the generators' greedy "
+                             f"completion of each prompt, which groups submitted to a Runtime do not have — use "
+                             f"e.g. 'grpo' or 'rloo'")
         self.local = local
         self.run_dir = run_dir
         self._version = 0

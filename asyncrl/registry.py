@@ -59,6 +59,12 @@ class Registry(Generic[T]):
             self._items[name] = item
         return item  # type: ignore[return-value]
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a test's or plug-in's temporary entry); KeyError if it is not registered."""
+        if name not in self._items:
+            raise KeyError(f"unknown {self.kind} {name!r}")
+        del self._items[name]
+
     def names(self) -> list[str]:
         return sorted(self._items)
 

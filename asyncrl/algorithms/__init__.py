@@ -55,16 +55,19 @@ from asyncrl.algorithms.losses import (
 )
 from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.algorithms.registry import (
+    ADVANTAGE_NEEDS,
     ADVANTAGES,
     CORRECTIONS,
     KL_ESTIMATORS,
     LOSS_AGGS,
     POLICY_LOSSES,
     AdvantageFn,
+    AlgorithmNeeds,
     CorrectionFn,
     KLFn,
     LossAggFn,
     PolicyLossFn,
+    advantage_needs,
     available_advantages,
     available_corrections,
     available_kl_estimators,
@@ -80,11 +83,13 @@ from asyncrl.algorithms.registry import (
     register_kl,
     register_loss_agg,
     register_policy_loss,
+    unregister_advantage,
 )
 from asyncrl.algorithms.value import value_loss
 
 __all__ = [
     "ADVANTAGES",
+    "ADVANTAGE_NEEDS",
     "CORRECTIONS",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
@@ -93,6 +98,7 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "AdvantageParams",
+    "AlgorithmNeeds",
     "CorrectionFn",
     "CorrectionParams",
     "KLFn",
@@ -100,6 +106,7 @@ __all__ = [
     "LossAggFn",
     "PolicyLossFn",
     "PolicyLossParams",
+    "advantage_needs",
     "approx_kl_k3",
     "available_advantages",
     "available_corrections",
@@ -138,6 +145,7 @@ __all__ = [
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
     "token_mean",
+    "unregister_advantage",
     "value_loss",
     "vanilla_pg_loss",
 ]

@@ -4,7 +4,9 @@ Place in the dataflow: the Scorer fills `Trajectory.reward` (and, for Safe-RLHF,
 `Learner` gathers a step's sequence rewards, group ids and loss masks into an `AdvantageInput` and calls
 the estimator `[algorithm] advantage` names; the policy loss (losses.py) reads the [B, T] advantages.
 
-Estimators (each `fn(AdvantageInput, AdvantageParams) -> AdvantageOutput`):
+Estimators (each `fn(AdvantageInput, AdvantageParams) -> AdvantageOutput`, registered with what it
+needs: `AlgorithmNeeds` in registry.py — grpo, drgrpo, rloo and reinforce_pp_baseline groups of >= 2
+samples, remax a greedy baseline, gae a critic):
 
 | name                   | advantage of sample i                                                    | paper       |
 |------------------------|--------------------------------------------------------------------------|-------------|
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms.registry import register_advantage
+from asyncrl.algorithms.registry import AlgorithmNeeds, register_advantage
 
 
 @dataclass
@@ -233,7 +235,7 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6, no
     return adv.to(out_dtype)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs=AlgorithmNeeds(min_group_size=2))
 def compute_grpo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """GRPO: group-normalised sequence reward, (r_i − mean_g) / (std_g + eps), on every loss token."""
     _check(inp)
@@ -241,7 +243,7 @@ def compute_grpo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutpu
     return AdvantageOutput(_broadcast(adv, inp.mask.bool()))
 
 
-@register_advantage("drgrpo")
+@register_advantage("drgrpo", needs=AlgorithmNeeds(min_group_size=2))
 def compute_drgrpo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """Dr. GRPO: r_i − mean_g on every loss token (no division by the group std, which biases toward
     groups of near-equal rewards). Pair with the seq-mean-token-sum-norm aggregation."""
@@ -250,7 +252,7 @@ def compute_drgrpo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOut
     return AdvantageOutput(_broadcast(adv, inp.mask.bool()))
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs=AlgorithmNeeds(min_group_size=2))
 def compute_rloo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """RLOO: r_i − mean of the *other* samples of its group = n/(n−1) · (r_i − mean_g); a group of one
     sample (no other sample to compare with) and an all-equal group give 0."""
@@ -265,7 +267,7 @@ def compute_rloo(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutpu
     return AdvantageOutput(_broadcast(adv, inp.mask.bool()))
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs=AlgorithmNeeds(greedy_baseline=True))
 def compute_remax(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """ReMax: r_i − b_i, with b_i the reward of a greedy (argmax) rollout of the same prompt."""
     _check(inp)
@@ -288,7 +290,7 @@ def compute_reinforce_pp(inp: AdvantageInput, params: AdvantageParams) -> Advant
     return AdvantageOutput(masked_whiten(returns, mask, eps=params.eps).to(torch.float32))
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", needs=AlgorithmNeeds(min_group_size=2))
 def compute_reinforce_pp_baseline(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """REINFORCE++ with a group baseline: the sequence reward minus its group's mean (a group of one and an
     all-equal group give 0), then reinforce_pp's return-to-go and batch whitening."""
@@ -302,7 +304,7 @@ def compute_reinforce_pp_baseline(inp: AdvantageInput, params: AdvantageParams) 
     return AdvantageOutput(masked_whiten(returns, mask, eps=params.eps).to(torch.float32))
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs=AlgorithmNeeds(critic=True))
 def compute_gae(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput:
     """PPO's GAE(γ, λ) from critic values.
 

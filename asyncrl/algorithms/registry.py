@@ -7,6 +7,14 @@ unknown name fails before the first step with a KeyError listing the known ones.
 decorated pure function in advantages.py / losses.py / kl.py / offpolicy.py; nothing dispatches on strings
 with if/elif.
 
+An advantage estimator also declares what it needs from the rest of the run (`AlgorithmNeeds`: a critic, a
+greedy baseline, groups of at least n samples). Config validation (asyncrl/config.py), the builders
+(asyncrl/build.py: critic, generator's greedy completion), the Learner and the embedding API
+(asyncrl/embed.py) ask `advantage_needs(name)` instead of comparing estimator names:
+
+    @register_advantage("gae", needs=AlgorithmNeeds(critic=True))
+    def compute_gae(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput: ...
+
 The Protocols below are the calling conventions every registered function shares, so a new estimator,
 loss or aggregation is a drop-in replacement. Their parameter/input types live beside the functions
 (advantages.py: AdvantageInput/Output/Params, losses.py: PolicyLossParams, offpolicy.py: CorrectionParams).
@@ -14,6 +22,7 @@ loss or aggregation is a drop-in replacement. Their parameter/input types live b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from torch import Tensor
@@ -73,15 +82,47 @@ class CorrectionFn(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class AlgorithmNeeds:
+    """What an advantage estimator needs beyond rewards, group ids and the loss mask; declared at
+    registration, read by config validation, the builders, the Learner and the embedding API."""
+
+    # AdvantageInput.values: the trainer builds the [critic] value model
+    critic: bool = False
+    # AdvantageInput.baselines: generators also decode each prompt greedily and scorers score that completion,
+    # which env episodes and groups submitted to asyncrl.Runtime do not have
+    greedy_baseline: bool = False
+    # rollout.group_size below this gives every sample advantage 0 (a group baseline needs other samples)
+    min_group_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_group_size < 1:
+            raise ValueError(f"AlgorithmNeeds.min_group_size must be >= 1, got {self.min_group_size}")
+
+
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+ADVANTAGE_NEEDS: Registry[AlgorithmNeeds] = Registry("advantage estimator")  # same names as ADVANTAGES
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 LOSS_AGGS: Registry[LossAggFn] = Registry("loss aggregation")
 KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    return ADVANTAGES.register(name)
+def register_advantage(name: str, *, needs: AlgorithmNeeds = AlgorithmNeeds()) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an estimator under `name` with what it needs (default: nothing beyond rewards and groups of 1)."""
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        ADVANTAGES.register(name)(fn)
+        ADVANTAGE_NEEDS.register(name)(needs)
+        return fn
+
+    return deco
+
+
+def unregister_advantage(name: str) -> None:
+    """Remove an estimator and its needs (a test's throwaway entry); KeyError if it is not registered."""
+    ADVANTAGES.unregister(name)
+    ADVANTAGE_NEEDS.unregister(name)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -103,6 +144,11 @@ def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
 def get_advantage(name: str) -> AdvantageFn:
     """Raises KeyError naming the known estimators."""
     return ADVANTAGES.get(name)
+
+
+def advantage_needs(name: str) -> AlgorithmNeeds:
+    """What estimator `name` needs; raises KeyError naming the known estimators."""
+    return ADVANTAGE_NEEDS.get(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -53,6 +53,7 @@ class Generator:
         prompt_key: str = "prompt",
         concurrency: int = 16,
         weight_update: str = "in_flight",
+        greedy_baseline: bool = False,
         recorder: SpanRecorder | None = None,
     ) -> None:
         if weight_update not in ("in_flight", "between_requests"):
@@ -69,7 +70,9 @@ class Generator:
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
         self.receiver: WeightReceiver | None = None
         self.episodes: Any = None  # an asyncrl.envs.EpisodeRunner: play env episodes instead of completions
-        self.greedy_baseline = False  # ReMax: also decode each prompt greedily (baseline_response_ids)
+        # the estimator's AlgorithmNeeds.greedy_baseline (ReMax): also decode each prompt greedily into
+        # baseline_response_ids, which the scorer scores into baseline_reward
+        self.greedy_baseline = greedy_baseline
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
@@ -253,7 +256,7 @@ class Generator:
                 raise
 
     async def _sample(self, prompts: list[list[int]]) -> tuple[list[list[Completion]], list[list[int]]]:
-        """The training samples of each prompt and, for ReMax, its greedy completion (else []).
+        """The training samples of each prompt and, with `greedy_baseline` (ReMax), its greedy completion (else []).
 
         Both requests go to the engine together, so its continuous batching decodes them in the same
         batch; the greedy completion is never trained, only scored (the ReMax baseline)."""

@@ -12,7 +12,7 @@ One train step (ARCHITECTURE "Batch units"):
                 rewards (+ DAPO overlong shaping, reward_norm, reward_clip)
                 proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now)
                 reference logprobs   (KL: from the scorer's `ref_logprobs`, or a forward here)
-                critic values        (gae)
+                critic values        (an estimator that needs a critic: gae)
                 advantages by `[algorithm] advantage` (KL as token rewards; Safe-RLHF: A_r − λ·A_c)
                 off-policy weights and mask (proximal / behaviour, `[algorithm] correction`)
            ─► for epoch in epochs: for each of `mini_batches` mini-batches:
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import approx_kl_k3, get_advantage, get_loss_agg, get_policy_loss
+from asyncrl.algorithms import advantage_needs, approx_kl_k3, get_advantage, get_loss_agg, get_policy_loss
 from asyncrl.algorithms.advantages import (
     AdvantageInput,
     AdvantageParams,
@@ -126,6 +126,7 @@ class Learner:
         self.max_new_tokens = max_new_tokens
         # Look the names up now: an unknown name fails at construction, listing the known ones.
         self._advantage_fn = get_advantage(a.advantage)
+        self._needs = advantage_needs(a.advantage)
         self._policy_loss_fn = get_policy_loss(a.policy_loss)
         self._loss_agg_fn = get_loss_agg(a.loss_agg)
         self._adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, whiten=a.whiten_advantages)
@@ -137,8 +138,8 @@ class Learner:
         # The proximal policy (this one, at the step's start) is needed as PPO's old policy (decoupled)
         # and as the target of every off-policy correction.
         self._need_prox = a.decoupled or a.correction != "none"
-        if a.advantage == "gae" and critic is None:
-            raise ValueError("algorithm.advantage = 'gae' needs a critic (a value model)")
+        if self._needs.critic and critic is None:
+            raise ValueError(f"algorithm.advantage = {a.advantage!r} needs a critic (a value model)")
         if a.safe_rlhf and lagrange is None:
             raise ValueError("algorithm.safe_rlhf needs a LagrangeMultiplier")
         if a.loss_agg == "seq-mean-token-sum-norm" and not max_new_tokens:
@@ -195,7 +196,7 @@ class Learner:
         width = mask.shape[1]
         metrics: dict[str, float] = {}
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        baselines = self._baselines(trajs, metrics) if a.advantage == "remax" else None
+        baselines = self._baselines(trajs, metrics) if self._needs.greedy_baseline else None
         if a.overlong_buffer > 0:
             lengths = torch.tensor([len(t.response_ids) for t in trajs])
             shaping = overlong_penalty(lengths, self._max_len(), a.overlong_buffer, a.overlong_penalty)
@@ -243,8 +244,9 @@ class Learner:
     def _baselines(self, trajs: list[Trajectory], metrics: dict[str, float]) -> Tensor:
         missing = [t.seq_id for t in trajs if t.baseline_reward is None]
         if missing:
-            raise ValueError(f"advantage 'remax' needs the greedy baseline reward of every sample; trajectory "
-                             f"{missing[0]} has none (the generator samples it when advantage = 'remax')")
+            raise ValueError(f"advantage {self.algorithm.advantage!r} needs the greedy baseline reward of every "
+                             f"sample; trajectory {missing[0]} has none (the generator samples it when the "
+                             f"estimator declares greedy_baseline)")
         baselines = torch.tensor([t.baseline_reward for t in trajs], dtype=torch.float32)
         metrics["remax/baseline_reward"] = float(baselines.mean())
         return baselines

@@ -125,7 +125,7 @@ def test_runtime_refuses_what_it_cannot_train_with_one_line_before_starting(tmp_
 
     cfg = tiny_config(tmp_path)  # (with [env] the config check itself refuses ReMax; a Runtime may have none)
     remax = msgspec.structs.replace(cfg, env=None, algorithm=msgspec.structs.replace(cfg.algorithm, advantage="remax"))
-    with pytest.raises(ValueError, match="^algorithm.advantage: ReMax"):
+    with pytest.raises(ValueError, match="^algorithm.advantage: 'remax' needs a greedy baseline"):
         Runtime(remax)
     rt = Runtime(tiny_config(tmp_path))  # not entered: submit checks its input before touching the hub
 

@@ -37,7 +37,7 @@ def test_env_section_validates_builtin_and_reports_bad_paths_in_one_line(make_co
     (line,) = errors_of(make_config, 'env.env="guess"')  # max_prompt_len 16 < max_episode_tokens 64
     assert line.startswith("env.max_episode_tokens:")
     (line,) = errors_of(make_config, 'env.env="guess"', 'algorithm.advantage="remax"', "data.max_prompt_len=128")
-    assert line.startswith("env.env: ReMax needs a greedy completion")
+    assert line.startswith("env.env: advantage 'remax' needs a greedy completion")
     (line,) = errors_of(make_config, "env.max_turns=3")
     assert line.startswith("env.env: missing required key")
 

@@ -402,8 +402,7 @@ def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
     rows = iter([{"prompt": "a"}, {"prompt": "b"}])
     sink = Sink()
     gen = Generator(generator_id=0, engine=engine, hub=sink, next_row=lambda: next(rows),
-                    encode=lambda s: [ord(s) % VOCAB, 4], sampling=sampling)
-    gen.greedy_baseline = True
+                    encode=lambda s: [ord(s) % VOCAB, 4], sampling=sampling, greedy_baseline=True)
 
     async def main():
         await gen._generate_groups([0, 1], 0)
