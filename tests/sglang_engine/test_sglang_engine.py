@@ -30,7 +30,8 @@ from asyncrl.weights.collective import create_store  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.sglang_engine import PerTensorSender, SGLangEngine, join_sglang_sender  # noqa: E402
 
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")]
 
 LOGPROB_TOL = 2e-3
 TIMEOUT_S = 120.0
