@@ -2,7 +2,7 @@
 
 Place in the dataflow: a finished run directory (trace.json spans, metrics.jsonl, config.toml) ──►
 `calibrate` ──► `Costs` (measured per-group generation cost with its batching curve, per-step training,
-weight-sync and controller costs, CPU contention) ──► `predict` for each (generators, max_staleness)
+weight-sync and controller costs, CPU contention) ──► `plan`: for each (generators, max_staleness)
 setting (a closed form for the two regimes, and a discrete-event simulation of the real protocol) ──►
 a table and a recommendation.
 

@@ -1,14 +1,16 @@
 """The weight-transport Protocols: how new policy weights go from the Trainer to the generators.
 
-Place in the dataflow: after each train step the Trainer calls `WeightSender.send(state, version)`;
+Place in the dataflow: after each train step the Trainer calls `WeightSender.send(tensors, version)`;
 every Generator calls `WeightReceiver.receive()` and hands the returned staging tensors to its
 engine's `load_weights`. Two implementations:
 
 - `collective.CollectiveSender` / `CollectiveReceiver`: a bucketed broadcast over a standalone
-  gloo/NCCL group (actors in separate processes). Sender and receivers must be called together.
+  gloo/NCCL group (actors in separate processes). Every member takes part in each broadcast; a
+  receiver may be called ahead of the send and waits for it (`arms_early`), and the sender says when
+  it stops reading the weights (`releases_early`).
 - `local.LocalWeightChannel`: an in-process channel (running the runtime without Ray, and tests).
 
-Stats returned by both sides (one meaning each; see ARCHITECTURE.md "Metric definitions"):
+Stats returned by both sides (one meaning each; docs/metrics.md defines the per-step keys):
     sync/seconds   wall time of the transfer on this member
     sync/bytes     bytes of tensor data transferred
     sync/gbps      sync/bytes / sync/seconds / 1e9
