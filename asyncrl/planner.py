@@ -2,7 +2,7 @@
 
 Place in the dataflow: a finished run directory (trace.json spans, metrics.jsonl, config.toml) ──►
 `calibrate` ──► `Costs` (measured per-group generation cost with its batching curve, per-step training,
-weight-sync and controller costs, CPU contention) ──► `predict` for each (generators, max_staleness)
+weight-sync and controller costs, CPU contention) ──► `plan`: for each (generators, max_staleness)
 setting (a closed form for the two regimes, and a discrete-event simulation of the real protocol) ──►
 a table and a recommendation.
 
@@ -47,12 +47,12 @@ import math
 import os
 import random
 import statistics
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
+from asyncrl.rundir import read_run_config
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.spans import Span, intersection_length
 from asyncrl.telemetry.summary import summarize_rows
@@ -221,7 +221,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     for name, hint in hints.items():
         if not (run_dir / name).exists():
             raise FileNotFoundError(f"{run_dir / name} is missing: {hint}")
-    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    cfg = read_run_config(run_dir)
     spans = spans_from_trace(read_trace(run_dir / "trace.json"))
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     if len(rows) < 2:
@@ -232,7 +232,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     gen_iv = [(s.start, s.end) for s in gen]
     train_iv = [(s.start, s.end) for s in train]
     score = kind("score")
-    threads = int(cfg.get("cluster", {}).get("torch_threads", 1))
+    threads = cfg.cluster.torch_threads
     cores = float(cores or os.cpu_count() or 1)
     # Measured durations include the slowdown of whatever ran beside them; `o_*` is the mean share of
     # each kind's time spent beside the other phase, used below to take that slowdown back out.
@@ -255,21 +255,21 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     evals = sum(s.duration for s in kind("eval") if s.version > 0)  # version 0: before the loop
     swap = [s.duration for s in kind("weights_swap")]
     # scorer seconds per sample: its busy time over the samples generated (one generate span = one group)
-    scored_samples = max(1, len(gen)) * int(cfg["rollout"]["group_size"])
+    scored_samples = max(1, len(gen)) * cfg.rollout.group_size
     score_per_sample = sum(s.duration for s in score) / scored_samples
     send = [s.duration for s in kind("weights_send")]
     costs = Costs(
         gen_a=a, gen_b=b, train_s=train_med, send_s=_median(send), swap_s=_median(swap),
         overhead_s=max(0.0, _median(overheads) - _median(swap)) + evals / steps,
-        score_s=score_per_sample, num_scorers=int(cfg.get("reward", {}).get("num_scorers", 1)),
+        score_s=score_per_sample, num_scorers=cfg.reward.num_scorers,
         contention=1.0, contention_measured=False, cores=cores, threads=threads,
         shared_interpreter=shared_interpreter,
         gate_cpu_share=_cpu_share(kind("wait_gate"), shared_interpreter) if cpu_shares else 1.0,
         train_cpu_share=_cpu_share(train, shared_interpreter) if cpu_shares else 1.0,
-        prompts_per_step=int(cfg["trainer"]["prompts_per_step"]), group_size=int(cfg["rollout"]["group_size"]),
-        concurrency=int(cfg["rollout"]["concurrency"]), steps=steps, source=str(run_dir),
+        prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
+        concurrency=cfg.rollout.concurrency, steps=steps, source=str(run_dir),
     )
-    setting = Setting(int(cfg["rollout"].get("num_generators", 1)), int(cfg.get("staleness", {}).get("max_staleness", 1)))
+    setting = Setting(cfg.rollout.num_generators, cfg.staleness.max_staleness)
     costs = msgspec.structs.replace(
         costs, train_jitter=_spread(train_by_step, train_med),
         gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),

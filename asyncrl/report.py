@@ -11,10 +11,10 @@ present, trace.json (spans) and config.toml ──► `summarize_rows` ──►
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from asyncrl.rundir import read_run_config
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.plot import new_figure, plot_run, save_figure
 from asyncrl.telemetry.summary import summarize_rows, train_rows
@@ -133,10 +133,10 @@ def write_report(run_dir: str | Path, *, target_reward: float | None = None) -> 
 
 def _setting(run_dir: Path) -> dict[str, Any]:
     """The overlap-relevant knobs from the run's config.toml (empty if it has none)."""
-    path = run_dir / "config.toml"
-    if not path.exists():
+    if not (run_dir / "config.toml").exists():
         return {}
-    raw = tomllib.loads(path.read_text())
-    pick = [("rollout", "num_generators"), ("rollout", "concurrency"), ("staleness", "max_staleness"),
-            ("trainer", "prompts_per_step"), ("rollout", "group_size"), ("cluster", "torch_threads")]
-    return {f"{s}.{k}": raw[s][k] for s, k in pick if k in raw.get(s, {})}
+    cfg = read_run_config(run_dir)
+    return {"rollout.num_generators": cfg.rollout.num_generators, "rollout.concurrency": cfg.rollout.concurrency,
+            "staleness.max_staleness": cfg.staleness.max_staleness,
+            "trainer.prompts_per_step": cfg.trainer.prompts_per_step, "rollout.group_size": cfg.rollout.group_size,
+            "cluster.torch_threads": cfg.cluster.torch_threads}

@@ -11,8 +11,8 @@ the run began (consumed or not), `running` the admitted groups not yet accepted 
 gives the slot back (running -= 1) and is counted per reason, so filtering never deadlocks admission.
 The caller passes its OWN engine version, which may lag the published one: stricter, still correct.
 
-Training order (a deliberate, provable variant of ARCHITECTURE.md's "oldest first, wait for groups
-with min_version < s - k"): the trainer consumes the non-released groups strictly in ADMISSION order,
+Training order (a provable variant of "oldest first, wait for groups with min_version < s - k", which
+can exceed the bound: docs/architecture.md): the trainer consumes the non-released groups strictly in ADMISSION order,
 P per step. `take_step(s)` waits until the P oldest unconsumed, non-released groups are all accepted
 (the wait is `trainer_wait_s`, reported as trainer idle time on the gate).
 

@@ -2,11 +2,12 @@
 temperature, top-k, top-p and random stream.
 
 Place in the dataflow: `engines.scheduler` calls `sample` on the logits of each prefill/decode forward.
-Behaviour logprobs follow the one definition of ARCHITECTURE.md: log_softmax(logits / T) over the full
-vocabulary at the sampled token (top-k / top-p only restrict what may be sampled); a greedy row (T = 0)
-takes the argmax and reports log_softmax(logits). A sampled row draws its token by inverse CDF from one
-uniform number per token, so a sequence with its own seeded generator consumes exactly one draw per
-token, whatever else is in the batch: a seeded request reproduces regardless of its companions.
+Behaviour logprobs follow the runtime's one definition (docs/architecture.md, "Logprobs"):
+log_softmax(logits / T) over the full vocabulary at the sampled token (top-k / top-p only restrict what
+may be sampled); a greedy row (T = 0) takes the argmax and reports log_softmax(logits). A sampled row
+draws its token by inverse CDF from one uniform number per token, so a sequence with its own seeded
+generator consumes exactly one draw per token, whatever else is in the batch: a seeded request
+reproduces regardless of its companions.
 """
 
 from __future__ import annotations

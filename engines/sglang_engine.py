@@ -4,7 +4,7 @@ NOT RUN AGAINST A REAL SGLANG: no machine available to this project can install 
 adapter follows SGLang's source as read (sgl-project/sglang, 2025: `srt/entrypoints/engine.py`,
 `srt/managers/tokenizer_manager.py`, `srt/model_executor/model_runner.py`, `srt/utils` and
 `srt/layers/sampler.py`); it is tested against a stand-in (tests/unit/test_sglang_contract.py) and by
-tests marked `sglang` that run only where SGLang is installed (tests/sglang/).
+tests marked `sglang` that run only where SGLang is installed (tests/sglang_engine/).
 
 Place in the dataflow: a Generator holds this engine like any other (`rollout.engine = "sglang"`). Token
 ids go in, token ids + behaviour logprobs + version stamps come out. New weights arrive through

@@ -13,7 +13,7 @@ child (no third process). The frontend runs on an event loop of its own, on a da
 engine: vLLM is bound to the loop it starts on, and a private loop lets callers use any loop (uvloop,
 Ray's) and lets `load_weights` be called from any thread. Public coroutines hop onto that loop.
 
-Semantics callers rely on (checked by tests/vllm):
+Semantics callers rely on (checked by tests/vllm_engine):
 * Behaviour logprob = log_softmax(logits / T) over the full vocabulary at the sampled token
   (`logprobs_mode="processed_logprobs"`; greedy reports log_softmax(logits)). vLLM's processed
   logprobs are taken *after* top-k / top-p filtering, i.e. of the truncated, renormalised

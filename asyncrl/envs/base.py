@@ -1,7 +1,7 @@
 """The environment contract, the built-in registry, and how `[env] env = ...` resolves and is validated.
 
 Place in the dataflow: the Generator's `EpisodeRunner` (`asyncrl/envs/runner.py`) builds one env object
-per episode with `resolve_env(cfg.env)(**cfg.env.kwargs)`, then alternates model turns with `step`:
+per episode with `resolve_env(cfg.env.env)(**cfg.env.kwargs)`, then alternates model turns with `step`:
 
     obs = await env.reset(row)                # initial observation text (the prompt)
     loop:  model turn (exact sampled ids) ──► await env.step(turn_text) ──► StepResult

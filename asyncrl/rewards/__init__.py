@@ -1,4 +1,4 @@
-"""Rewards: verifiers that score a completion, called by Scorer actors.
+"""Rewards: verifiers that score a completion, called by the Scorers (and the held-out Evaluator).
 
 A reward function is called as `fn(prompt, completion, **fields) -> float`, where `fields` are the dataset
 row's other fields. `reward.fn` names a built-in rule (`rules.py`: exact_match, prefix_match, contains) or

@@ -1,7 +1,9 @@
 """Resolve `reward.fn` into a callable and call it safely.
 
-Place in the dataflow: the Scorer calls `resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once, then
-`call_reward(fn, prompt, completion, row)` for every trajectory; `asyncrl validate` calls `check_reward`.
+Place in the dataflow: building a run resolves `resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once
+(asyncrl/build.py); the Scorer then scores a batch of trajectories with `call_rewards_async` (one call after
+the other on a worker thread, each bounded by `reward.timeout_s`) and the Evaluator single completions with
+`call_reward_async`; both wrap `call_reward`. `asyncrl validate` calls `check_reward`.
 
 The calling convention of a reward function is
 

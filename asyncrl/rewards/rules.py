@@ -1,6 +1,6 @@
 """Built-in reward rules: string checks of a completion against the row's reference answer.
 
-Place in the dataflow: a Scorer resolves `reward.fn` once (see `loader.resolve_reward`) and calls the
+Place in the dataflow: `reward.fn` is resolved once (`loader.resolve_reward`) and the Scorer calls the
 result for every trajectory as `fn(prompt, completion, **fields)`, where `fields` are the dataset row's
 other fields. A rule is registered by name as a *factory* taking `answer_key` (the row field holding the
 reference answer, `reward.answer_key`) and returning such a function.

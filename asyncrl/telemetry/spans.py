@@ -3,7 +3,7 @@
 Place in the dataflow: every role (generator, scorer, trainer) owns a `SpanRecorder` and wraps its own
 work and its waits in `rec.span(kind)`. The controller periodically `drain()`s each recorder (the Spans
 are msgspec Structs, so they cross the actor boundary), and computes from them the metrics defined in
-ARCHITECTURE.md: `<role>/busy_share`, `<role>/idle_share` and `overlap_ratio`. Spans can also be
+docs/metrics.md: `<role>/busy_share`, `<role>/idle_share` and `overlap_ratio`. Spans can also be
 exported as Chrome/Perfetto trace events.
 
 Roles run in different processes on the same machine, so times are `time.time()` wall-clock seconds:

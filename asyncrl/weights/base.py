@@ -15,7 +15,7 @@ Transports, sender and receiver side together in this package:
 A Ray deployment picks the sender by the name the rollout engine declares (`engines.base.weight_transport`)
 from `SENDERS`; in-process runs always use `local`.
 
-Stats returned by both sides (one meaning each; see docs/metrics.md):
+Stats returned by both sides (one meaning each; docs/metrics.md defines the per-step keys):
     sync/seconds   wall time of the transfer on this member
     sync/bytes     bytes of tensor data transferred
     sync/gbps      sync/bytes / sync/seconds / 1e9

@@ -1,7 +1,7 @@
 """Bucketing: how a state dict is cut into flat buffers for the weight broadcast.
 
 Place in the dataflow: the Trainer plans the buckets once from its state dict (`plan_buckets` ->
-`WeightsMeta`); the controller hands that meta to every receiver. Each broadcast then sends one flat
+`WeightsMeta`); the deployment hands that meta to every member when the group forms. Each broadcast then sends one flat
 buffer per bucket (`pack_bucket` on the source, `unpack_bucket` on the receivers). One big buffer per
 bucket instead of one collective per parameter keeps the number of collectives small, and a bounded
 bucket size keeps the staging memory small.

@@ -1,7 +1,10 @@
 """The collective weight-sync group: a bucketed, version-stamped broadcast from the Trainer (rank 0).
 
-Place in the dataflow: Trainer --(broadcast, this module)--> Generators. The controller owns the group's
-lifecycle; the Trainer's and Generators' actors only call into it.
+Place in the dataflow: Trainer --(`CollectiveSender.send`)--> Generators (`CollectiveReceiver.receive`).
+A Ray deployment forms the group once, before training (`RayDeployment.setup_weight_sync` in
+asyncrl/launch.py: the trainer's actor starts the store with `create_store`, then every member calls
+`join_group` at once) and each actor hands its sender or receiver to its role. In-process runs use
+`LocalWeightChannel` (local.py) instead.
 
 Why a standalone group: vLLM/SGLang workers (and a multi-GPU trainer) already own the default
 process group, so this group never calls `init_process_group` nor touches the default group. It is a
@@ -9,24 +12,25 @@ process group, so this group never calls `init_process_group` nor touches the de
 with an OS-chosen port, behind a `PrefixStore` so several groups (or a re-formed group) can share
 one store.
 
-Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), all members calling together:
+Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), every member taking part:
+    0. the source sets the store key of broadcast n (every member counts its broadcasts); a receiver
+       waits for that key before it enters any collective: up to the group's timeout, or, armed
+       (`receive(armed=True)`, called while the trainer still trains), until the source starts or the
+       group is closed. So receivers need not be called at the moment of the send, and they join it
+       without a round trip through the driver;
     1. rank 0 broadcasts an int64 header [version, n_buckets, total_bytes, meta_crc]; receivers
        learn the version and check that they hold the same `WeightsMeta` as the source;
     2. one broadcast per bucket: the source packs the bucket into one flat buffer, receivers
-       broadcast into a preallocated staging buffer and unpack it into staging tensors (views).
+       broadcast into a preallocated staging buffer and unpack it into staging tensors (views). The
+       source calls `released()` once its last bucket is packed, so the trainer may change its
+       weights while that bucket is still on the wire.
 Buffers travel as their uint8 view, so any dtype (bfloat16, bool, ...) goes over any backend
-bit-identically. Before step 1 the source sets the store key of broadcast n (every member counts its
-broadcasts); receivers wait for that key before they enter the header broadcast. So a receiver may be
-called early (armed while the trainer still trains: `arm`) without the collective's timeout running,
-and it joins the moment the source starts, without a round trip through the controller.
+bit-identically.
 
-How the controller must drive it (blocking collectives deadlock when called one member at a time):
-    store, port = create_store(world_size, timeout_s)          # in the controller or the trainer
-    ray.get([m.join.remote(host, port, rank=r, ...) for r, m in enumerate(members)])  # all together
-    ray.get([trainer.send.remote(v)] + [g.receive.remote() for g in generators])      # all together
-Every collective has an explicit timeout, so a member that never arrives turns into a `TimeoutError`
-on the others, not a hang. After any collective error the group is marked broken: close it and form
-a new one (with a fresh `group_name`).
+Joining (`join_group`) is a rendezvous: it blocks until every rank arrives, so every member must be asked
+to join together. Every collective has an explicit timeout, so a member that never arrives turns into a
+`TimeoutError` on the others, not a hang. After any collective error the group is marked broken: close
+it and form a new one (with a fresh `group_name`).
 """
 
 from __future__ import annotations
@@ -106,9 +110,9 @@ def join_group(
 ) -> WeightSyncGroup:
     """Join the weight-sync group as `rank` (0 = the Trainer, the broadcast source).
 
-    Blocks until all `world_size` members have joined: the controller must send the join to every
-    member together. Pass `store` where this process holds the master store (from `create_store`);
-    otherwise a client store connects to host:port. `group_name` separates groups sharing a store.
+    Blocks until all `world_size` members have joined: every member must be asked to join together. Pass
+    `store` where this process holds the master store (from `create_store`); otherwise a client store
+    connects to host:port. `group_name` separates groups sharing a store.
     Raises TimeoutError if the others do not arrive within `timeout_s`.
     """
     if not 0 <= rank < world_size:

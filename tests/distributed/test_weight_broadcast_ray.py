@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.messages import SamplingParams
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_broadcast_to_two_generator_actors_makes_engines_match_trainer(ray_cluster, make_config):

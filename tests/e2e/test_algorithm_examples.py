@@ -12,6 +12,8 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.telemetry.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # one asyncrl launch per algorithm
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # metric keys each example must log on every train step, besides the common ones

@@ -11,6 +11,8 @@ import torch
 from asyncrl import Runtime
 from asyncrl.messages import Trajectory
 
+pytestmark = pytest.mark.slow  # trains a tiny model in process
+
 torch.set_num_threads(1)
 
 TOML = """

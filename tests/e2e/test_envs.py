@@ -18,6 +18,8 @@ from asyncrl.envs.runner import EpisodeLimits, EpisodeRunner
 from asyncrl.envs.transcript import HFCodec
 from asyncrl.messages import SamplingParams
 
+pytestmark = pytest.mark.slow  # trains tiny models end to end
+
 torch.set_num_threads(1)
 
 VOCAB = "0123456789+-*=?,"

@@ -17,6 +17,8 @@ import torch
 
 from asyncrl.telemetry.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # whole runs, some on Ray
+
 torch.set_num_threads(1)
 
 FLAKY_REWARD = '''

@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.telemetry.metrics import read_metrics
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _train_rows(rows):

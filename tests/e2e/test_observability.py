@@ -12,6 +12,8 @@ import pytest
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.trace import read_trace
 
+pytestmark = pytest.mark.slow  # whole runs, a sweep and the overlap benchmark
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir):

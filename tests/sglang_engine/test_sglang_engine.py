@@ -31,7 +31,8 @@ from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E40
 from asyncrl.weights.sglang import PerTensorSender, join_sglang_sender  # noqa: E402
 from engines.sglang_engine import SGLangEngine  # noqa: E402
 
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")]
 
 LOGPROB_TOL = 2e-3
 TIMEOUT_S = 120.0

@@ -69,6 +69,7 @@ def start_run(run_dir):
     """A run directory with the synthetic runs' config (4 prompts x 2 samples, on-policy) and its trace."""
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(
+        '[model]\npath = "runs/models/tiny"\n'
         "[rollout]\ngroup_size = 2\nconcurrency = 4\n[trainer]\nprompts_per_step = 4\n"
         "[cluster]\ntorch_threads = 1\n[reward]\nnum_scorers = 1\n[staleness]\nmax_staleness = 0\n")
     return TraceWriter(run_dir / "trace.json", origin=0.0)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from asyncrl.config import ConfigError
 from asyncrl.report import summary_lines, write_report
 from asyncrl.telemetry.metrics import MetricsWriter
 
@@ -14,7 +15,9 @@ def write_run(run_dir):
                      "trainer/samples": 8, "trainer/busy_share": 0.6, "generator/busy_share": 0.8,
                      "overlap_ratio": 0.4, "staleness/hist/0": 2, "staleness/hist/1": 6,
                      "staleness/token_hist/1": 12})
-    (run_dir / "config.toml").write_text("[staleness]\nmax_staleness = 1\n[rollout]\nnum_generators = 2\n")
+    # a run's config as written, less the fields it leaves at their defaults
+    (run_dir / "config.toml").write_text('[model]\npath = "runs/models/tiny"\n[staleness]\nmax_staleness = 1\n'
+                                         "[rollout]\nnum_generators = 2\n")
 
 
 def test_report_writes_summary_and_plots(tmp_path):
@@ -28,6 +31,15 @@ def test_report_writes_summary_and_plots(tmp_path):
     assert "| time to target reward (s) | 5.2 |" in text  # 5-step mean of 0.1..0.5 reaches 0.3 at step 5
     for name in ("reward_curve.png", "utilisation.png", "staleness.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG") and f"({name})" in text
+
+
+def test_report_names_the_file_and_the_key_of_a_typo_in_the_runs_config(tmp_path):
+    write_run(tmp_path)
+    (tmp_path / "config.toml").write_text('[model]\npath = "m"\n[trainer]\nprompts_per_stp = 4\n')
+    with pytest.raises(ConfigError) as err:
+        write_report(tmp_path)
+    assert err.value.errors == [f"{tmp_path / 'config.toml'}: trainer.prompts_per_stp: unknown key — "
+                                "did you mean 'prompts_per_step'?"]
 
 
 def test_report_without_train_steps_is_an_error(tmp_path):

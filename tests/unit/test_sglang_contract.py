@@ -2,7 +2,7 @@
 
 SGLang cannot run on any machine available to this project, so these tests check the adapter against a
 stand-in that follows SGLang's documented request/response shapes and its weight-update procedure; the
-same behaviour against a real SGLang is in tests/sglang/ (skipped where SGLang is absent). What the
+same behaviour against a real SGLang is in tests/sglang_engine/ (skipped where SGLang is absent). What the
 stand-in reproduces, and from which SGLang source:
 * `async_generate(input_ids=, sampling_params=, return_logprob=, logprob_start_len=, ...)` with SGLang's
   keyword names (unknown ones are a TypeError), sampling-param keys checked against SGLang's

