@@ -67,12 +67,15 @@ def format_errors(errors: Sequence[str]) -> str:
     return "\n".join([head, *(f"  {line}" for line in errors)])
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read a TOML config, apply `section.key=value` overrides, validate everything; raise ConfigError."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, cross_checks: bool = True) -> Config:
+    """Read a TOML config, apply `section.key=value` overrides, validate everything; raise ConfigError.
+
+    `cross_checks=False` checks each field (unknown keys, types, bounds) but not the cross-field checks,
+    which look at the machine a run starts on (model and data paths, reward imports, CUDA, CPU ids)."""
     raw = _read_toml(Path(path))
     errors = apply_overrides(raw, overrides)
     try:
-        cfg = config_from_dict(raw)
+        cfg = config_from_dict(raw, cross_checks=cross_checks)
     except ConfigError as exc:
         errors += exc.errors
     if errors:
@@ -80,12 +83,27 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return cfg
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
+def read_run_config(run_dir: str | Path) -> Config:
+    """The config a run wrote into RUN_DIR/config.toml, for the readers of a finished run (`asyncrl report`,
+    `asyncrl plan`): checked field by field, each error naming the file; a field the file lacks (a run
+    written before it existed) takes its default. No cross-field checks: a finished run is read on
+    whatever machine holds its directory, not the one it ran on."""
+    path = Path(run_dir) / "config.toml"
+    try:
+        return load_config(path, cross_checks=False)
+    except ConfigError as exc:
+        if not path.is_file():
+            raise
+        raise ConfigError([f"{path}: {line}" for line in exc.errors]) from None
+
+
+def config_from_dict(raw: dict[str, Any], *, cross_checks: bool = True) -> Config:
     """Validate a TOML-shaped dict (field by field, then cross-field); raise ConfigError listing all."""
     errors: list[str] = []
     broken: set[str] = set()
     cfg = _convert_struct(Config, raw, "", errors, broken)
-    errors += cross_check(cfg, broken)
+    if cross_checks:
+        errors += cross_check(cfg, broken)
     if errors:
         raise ConfigError(errors)
     return cfg

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import msgspec
 
-from asyncrl.rundir import read_run_config
+from asyncrl.config import read_run_config
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.spans import Span, intersection_length
 from asyncrl.telemetry.summary import summarize_rows

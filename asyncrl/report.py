@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from asyncrl.rundir import read_run_config
+from asyncrl.config import read_run_config
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.plot import new_figure, plot_run, save_figure
 from asyncrl.telemetry.summary import summarize_rows, train_rows
