@@ -68,10 +68,6 @@ def set_torch_threads(n: int) -> None:
         pass
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def tokenizer_fns(model_path: str) -> tuple[Any, Any, Any]:
     tok = load_tokenizer(model_path)
 

@@ -61,12 +61,6 @@ class ActorPlan(msgspec.Struct, frozen=True, kw_only=True):
         return self.count * self.cpus
 
 
-def format_errors(errors: Sequence[str]) -> str:
-    """The block `asyncrl validate` prints: a count, then one indented line per problem."""
-    head = f"{len(errors)} problem{'s' if len(errors) != 1 else ''} in the config:"
-    return "\n".join([head, *(f"  {line}" for line in errors)])
-
-
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, cross_checks: bool = True) -> Config:
     """Read a TOML config, apply `section.key=value` overrides, validate everything; raise ConfigError.
 

@@ -118,11 +118,3 @@ class WeightsMeta(Message):
     tensors: list[TensorMeta]        # in broadcast order
     buckets: list[list[int]]         # indices into `tensors`, one list per bucket, in broadcast order
     total_bytes: int
-
-
-class StepResult(Message):
-    """What the trainer reports for one train step (metrics carry their own names)."""
-
-    step: int
-    version: int                     # policy version after this step's update
-    metrics: dict[str, float]

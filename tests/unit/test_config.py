@@ -13,7 +13,7 @@ import pytest
 
 import asyncrl.config as config_mod
 from asyncrl.config import (
-    ActorPlan, ConfigError, config_to_toml, derived, format_errors, load_config, plan_resources,
+    ActorPlan, ConfigError, config_to_toml, derived, load_config, plan_resources,
 )
 from asyncrl.config_schema import Config
 
@@ -264,9 +264,3 @@ def test_config_to_toml_omits_unset_optional_tables(workdir):
     path = workdir / "resolved.toml"
     path.write_text(text)
     assert load_config(path) == cfg
-
-
-def test_format_errors_counts_and_indents():
-    assert format_errors(["a: x", "b: y"]) == "2 problems in the config:\n  a: x\n  b: y"
-    assert format_errors(["a: x"]).startswith("1 problem in the config:")
-
