@@ -25,7 +25,7 @@ from asyncrl.aio import discard, retrieve
 from asyncrl.messages import Group
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.learner import Learner
-from asyncrl.telemetry.metrics import staleness_stats, token_staleness_stats
+from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,12 @@ class Trainer:
         hub: StepSource,
         evaluator: Evaluator | None = None,
         recorder: SpanRecorder | None = None,
-        report_filtered: bool = False,
     ) -> None:
         self.learner = learner
-        self.report_filtered = report_filtered  # DAPO dynamic sampling: log the groups dropped and refilled
-        self._filtered_seen = 0.0
         self.hub = hub
         self.evaluator = evaluator
         self.sender: WeightSender | None = None
         self.recorder = recorder or SpanRecorder("trainer")
-        self.trained_tokens = 0
         self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
         self._sending: asyncio.Future | None = None    # the send of the current weights, while it reads them
         self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
@@ -127,9 +123,6 @@ class Trainer:
         metrics["trainer/gate_wait_s"] = t1 - t0
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(t2 - t1, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
-        self.trained_tokens += int(metrics.get("trainer/tokens", 0))
-        if self.report_filtered:
-            await self._filtered_metrics(metrics)
         return metrics
 
     async def _take(self, step: int) -> list[Group]:
@@ -140,16 +133,6 @@ class Trainer:
                 return await pending[1]
             discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
         return await self.hub.take_step(step)
-
-    async def _filtered_metrics(self, metrics: dict[str, float]) -> None:
-        """Zero-variance groups dropped by the scorers (their slots refilled with fresh prompts by the gate)."""
-        stats = getattr(self.hub, "stats", None)
-        if stats is None:
-            return
-        total = float((await stats()).get("buffer/filtered", 0.0))
-        metrics["dapo/groups_filtered"] = total - self._filtered_seen
-        metrics["dapo/groups_filtered_total"] = total
-        self._filtered_seen = total
 
     async def send_weights(self) -> dict[str, float]:
         """Broadcast the current weights (stamped with the current version) to every generator.
@@ -231,7 +214,8 @@ class Trainer:
             (out / "safety.json").write_text(json.dumps(self.learner.lagrange.state_dict()))
         return str(out)
 
-    def stats(self) -> dict[str, Any]:
-        return {"version": self.learner.version, "trained_tokens": self.trained_tokens,
-                "spans": self.recorder.drain()}
+    def stats(self) -> RoleStats:
+        """The trainer's spans since its previous `stats()` call (its per-step metrics come with each
+        `train_step`)."""
+        return RoleStats(spans=self.recorder.drain())
 
