@@ -133,7 +133,7 @@ def test_concurrent_episodes_share_the_engines_decode_batches(env_model_dir):
 
     groups = asyncio.run(asyncio.wait_for(main(), 120))
     trajs = [t for g in groups for t in g]
-    assert len(trajs) == 200 and runner.counters["episodes"] == 200
+    assert len(trajs) == 200
     assert all(t.env_error == "" and t.finish_reason in ("stop", "length") for t in trajs)
     batch = sum(b for b, _ in samples)
     waited = sum(w for _, w in samples)
