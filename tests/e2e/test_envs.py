@@ -17,6 +17,7 @@ from asyncrl.envs.base import StepResult
 from asyncrl.envs.runner import EpisodeLimits, EpisodeRunner
 from asyncrl.envs.transcript import HFCodec
 from asyncrl.messages import SamplingParams
+from tests.conftest import documented_metric_keys
 
 torch.set_num_threads(1)
 
@@ -156,6 +157,8 @@ def test_guess_env_trains_in_process_and_reports_env_metrics(env_model_dir, tmp_
     assert sum(r["env/episodes"] for r in train) <= train[-1]["env/episodes_total"]
     assert all(r["env/errors"] == 0 and 1 <= r["env/turns_mean"] <= 3 for r in train if r["env/episodes"])
     assert "eval/greedy_reward" in train[-1] and "eval/greedy_turns" in train[-1]
+    for key in sorted(documented_metric_keys("Environments")):  # docs/metrics.md, "Environments"
+        assert all(key in r for r in train), key
 
 
 USER_ENV = '''
