@@ -90,7 +90,8 @@ def training_sampling(cfg: Config) -> SamplingParams:
 def build_hub(cfg: Config) -> ReplayHub:
     return ReplayHub(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
                      max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
-                     train_capacity=cfg.buffer.train_capacity)
+                     train_capacity=cfg.buffer.train_capacity,
+                     report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)
 
 
 def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
@@ -173,5 +174,4 @@ def build_trainer(cfg: Config, hub: Any) -> Trainer:
         from asyncrl.envs.setup import env_evaluator
 
         evaluator = env_evaluator(cfg, evaluator.engine, tok, evaluator.rows)
-    return Trainer(learner=learner, hub=hub, evaluator=evaluator,
-                   report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)
+    return Trainer(learner=learner, hub=hub, evaluator=evaluator)

@@ -35,6 +35,7 @@ from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import StepPipeline
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
+from asyncrl.telemetry.metrics import RoleStats, WindowReducer
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
@@ -68,9 +69,7 @@ class Controller:
         self.config_text = config_text
         self._loops: list[asyncio.Future] = []
         self._spans: list[Span] = []
-        self._tokens_seen: dict[int, int] = {}
-        self._stall_seen: dict[int, float] = {}
-        self._scored_seen: dict[int, int] = {}
+        self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
@@ -144,45 +143,19 @@ class Controller:
         return row
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
+        """Every role's report of its window (what happened since its previous `stats()`), reduced by each
+        metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
         d = self.d
-        gen_stats, scorer_stats, trainer_stats, hub_stats = await self._guard(asyncio.gather(
-            asyncio.gather(*[g.stats() for g in d.generators]),
-            asyncio.gather(*[s.stats() for s in d.scorers]),
-            d.trainer.stats(), d.hub.stats()))
-        out: dict[str, float] = dict(hub_stats)
-        new_tokens = 0
-        stall = stall_total = 0.0
-        batch_means = []
-        for i, st in enumerate(gen_stats):
-            new_tokens += st["tokens"] - self._tokens_seen.get(i, 0)
-            self._tokens_seen[i] = st["tokens"]
-            stall += st["stall_s_total"] - self._stall_seen.get(i, 0.0)
-            self._stall_seen[i] = st["stall_s_total"]
-            stall_total += st["stall_s_total"]
-            if "engine/decode_batch/mean" in st["engine"]:
-                batch_means.append(st["engine"]["engine/decode_batch/mean"])
-            self._spans.extend(st["spans"])
-        scored = 0
-        for i, st in enumerate(scorer_stats):
-            scored += st["scored"] - self._scored_seen.get(i, 0)
-            self._scored_seen[i] = st["scored"]
-        new_spans = [sp for st in [*gen_stats, *scorer_stats, trainer_stats] for sp in st["spans"]]
-        self._spans.extend(sp for st in [*scorer_stats, trainer_stats] for sp in st["spans"])
+        reports: list[RoleStats] = await self._guard(asyncio.gather(
+            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.hub.stats()))
+        out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
+        new_spans = [sp for r in reports for sp in r.spans]
         if self._trace is not None:
             self._trace.add_spans(new_spans)
-            self._trace.add_counters(t1, {k: hub_stats[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
-                                          if k in hub_stats})
-        out["generation/tokens_per_s"] = new_tokens / max(t1 - t0, 1e-9)
-        out["scorer/samples_per_s"] = scored / max(t1 - t0, 1e-9)
-        out["generation/stall_s"] = stall
-        # share of the generators' time in the window lost to weight swaps (the stall updates cause)
-        out["generation/stall_share"] = stall / max((t1 - t0) * max(1, len(gen_stats)), 1e-9)
-        out["generation/stall_s_total"] = stall_total
-        if batch_means:
-            out["generation/decode_batch_mean"] = sum(batch_means) / len(batch_means)
-        out["scorer/reward_errors"] = float(sum(s["reward_errors"] for s in scorer_stats))
+            self._trace.add_counters(t1, {k: out[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
+                                          if k in out})
         # Keep spans that can still overlap the next window (a long generate started two windows ago).
-        self._spans = [s for s in self._spans if s.end >= t0 - 60.0]
+        self._spans = [s for s in [*self._spans, *new_spans] if s.end >= t0 - 60.0]
         out.update(busy_shares(self._spans, (t0, t1)))
         out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
         return out

@@ -76,7 +76,6 @@ class AdmissionGate:
         self._accepted = 0
         self._consumed = 0
         self._released = {reason: 0 for reason in RELEASE_REASONS}
-        self._max_staleness_seen = 0
         self.admit_wait_s = 0.0    # generators blocked on the capacity rule (summed)
         self.trainer_wait_s = 0.0  # trainer blocked in take_step: its idle time on the gate
 
@@ -190,7 +189,6 @@ class AdmissionGate:
             staleness = step - self._live.pop(gid).version
             if not 0 <= staleness <= self.max_staleness:  # the module docstring proves this holds
                 raise RuntimeError(f"group {gid} has staleness {staleness} at step {step}: gate invariant broken")
-            self._max_staleness_seen = max(self._max_staleness_seen, staleness)
         self._consumed += p
         self._steps_taken += 1
         return ids
@@ -232,7 +230,6 @@ class AdmissionGate:
             "failed": float(self._released["failed"]),
             "published_version": float(self._published),
             "steps_taken": float(self._steps_taken),
-            "max_staleness_seen": float(self._max_staleness_seen),
             "admit_wait_s": self.admit_wait_s,
             "trainer_wait_s": self.trainer_wait_s,
         }

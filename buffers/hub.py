@@ -18,6 +18,12 @@ when `accept_groups` runs: it never blocks, and in particular never while the gr
 for is still running behind a store full of later groups. A smaller train_capacity could deadlock
 exactly that way, so the constructor raises it to (k + 1) * P with a logged warning (the memory bound
 is then the gate's). Below prompts_per_step it is a config error (as the config schema documents).
+
+Metrics. `stats()` reports the hub's window (since its previous call): the gate's and the queues' counts
+and waits of the window as `Total`s (the Controller adds them up: `buffer/*` are counts since the start),
+the depths now, and the env episodes that reached the rollout queue in the window. The hub holds the one
+count of failed groups (`buffer/failed`: released as failed by a generator or a scorer), of filtered
+groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) and of env episodes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import logging
 
 from asyncrl.messages import Group, Trajectory
+from asyncrl.telemetry.metrics import Last, Mean, RoleStats, Sum, Total, Window
 from buffers.gate import AdmissionGate
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 
@@ -43,6 +50,7 @@ class ReplayHub:
         max_staleness: int,
         rollout_capacity: int,
         train_capacity: int,
+        report_filtered: bool = False,
     ) -> None:
         step_samples = prompts_per_step * group_size
         if rollout_capacity < step_samples:
@@ -71,9 +79,8 @@ class ReplayHub:
         self._closed = False
         self.train_put_wait_s = 0.0
         self.env_counts = {"episodes": 0, "errors": 0, "turns": 0, "truncated": 0}  # env episodes seen (asyncrl/envs)
-        # env_counts at the previous and at the latest publish: their difference is the latest step's window
-        self._env_marks = (dict.fromkeys(self.env_counts, 0), dict.fromkeys(self.env_counts, 0))
-        self._env_marked_version = 0
+        self.report_filtered = report_filtered  # DAPO dynamic sampling: filtered groups are refilled, report them
+        self._window = Window()  # what stats() reported so far: its next report is the increment
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
 
     # -- generators ----------------------------------------------------------------------------
@@ -188,9 +195,6 @@ class ReplayHub:
 
     async def publish(self, version: int) -> None:
         self.gate.publish(version)
-        if version > self._env_marked_version:  # re-publishing a version is a no-op, here too
-            self._env_marked_version = version
-            self._env_marks = (self._env_marks[1], dict(self.env_counts))
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
@@ -200,34 +204,34 @@ class ReplayHub:
         self.gate.close()
         self._train_room.notify_all()
 
-    async def stats(self) -> dict[str, float]:
-        out = {f"buffer/{key}": value for key, value in self.gate.stats().items()}
-        out.update({
-            "buffer/rollout_depth": float(self.rollouts.qsize()),
-            "buffer/rollout_capacity": float(self.rollouts.capacity),
-            "buffer/rollouts_put": float(self.rollouts.total_put),
-            "buffer/rollouts_got": float(self.rollouts.total_got),
-            "buffer/rollout_put_wait_s": self.rollouts.put_wait_s,
-            "buffer/rollout_get_wait_s": self.rollouts.get_wait_s,
-            "buffer/train_depth": float(len(self._train)),
-            "buffer/train_capacity": float(self.train_capacity),
-            "buffer/train_put_wait_s": self.train_put_wait_s,
-            "buffer/submitted_groups": float(self.submitted["groups"]),
-            "buffer/submitted_dropped_stale": float(self.submitted["dropped_stale"]),
+    async def stats(self) -> RoleStats:
+        """The hub's report of its window: what happened since the previous `stats()` call."""
+        gate, take = self.gate.stats(), self._window.take
+        counts = {key: gate[key] for key in ("admitted", "accepted", "consumed", "filtered", "failed",
+                                             "admit_wait_s", "trainer_wait_s")}
+        counts.update({
+            "rollout_put_wait_s": self.rollouts.put_wait_s, "rollout_get_wait_s": self.rollouts.get_wait_s,
+            "train_put_wait_s": self.train_put_wait_s,
+            "submitted_groups": self.submitted["groups"], "submitted_dropped_stale": self.submitted["dropped_stale"],
         })
-        if self.env_counts["episodes"]:
-            out.update(self._env_stats())
-        return out
+        metrics = {f"buffer/{key}": Total(take(key, value)) for key, value in counts.items()}
+        metrics["buffer/running"] = Last(gate["running"])
+        metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
+        metrics["buffer/train_depth"] = Last(float(len(self._train)))
+        if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
+            metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)
+            metrics["dapo/groups_filtered_total"] = Total(metrics["buffer/filtered"].value)
+        if self.env_counts["episodes"]:  # env metrics once env episodes flow (asyncrl/envs)
+            metrics.update(self._env_metrics())
+        return RoleStats(metrics=metrics)
 
-    def _env_stats(self) -> dict[str, float]:
-        """Env episodes of the latest step — those queued between the previous and the latest `publish`,
-        i.e. while the train step that produced the latest version ran (a fixed window: it does not depend
-        on how often stats() is called) — and `*_total` since the start of the run."""
-        prev, last = self._env_marks
-        step = {k: last[k] - prev[k] for k in last}
-        c = self.env_counts
-        return {"env/episodes": float(step["episodes"]), "env/errors": float(step["errors"]),
-                "env/truncated": float(step["truncated"]),
-                "env/turns_mean": step["turns"] / step["episodes"] if step["episodes"] else 0.0,
-                "env/episodes_total": float(c["episodes"]), "env/errors_total": float(c["errors"]),
-                "env/truncated_total": float(c["truncated"])}
+    def _env_metrics(self) -> dict[str, Sum | Mean | Total]:
+        """Env episodes queued in the window (their turns, errors, truncations) and, as `Total`s, since the
+        start. Turns per episode is a `Mean` weighted by episodes: NaN (null) in a window without any."""
+        window = {key: self._window.take(f"env/{key}", value) for key, value in self.env_counts.items()}
+        episodes = window["episodes"]
+        return {"env/episodes": Sum(episodes), "env/errors": Sum(window["errors"]),
+                "env/truncated": Sum(window["truncated"]),
+                "env/turns_mean": Mean(window["turns"] / episodes if episodes else 0.0, weight=episodes),
+                "env/episodes_total": Total(episodes), "env/errors_total": Total(window["errors"]),
+                "env/truncated_total": Total(window["truncated"])}

@@ -95,3 +95,23 @@ def ray_cluster():
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def documented_metric_keys(section: str) -> set[str]:
+    """The keys in the first column of the tables under `section` in docs/metrics.md ("Metrics" for the
+    first, then "`summary.json`", "Algorithms", "Environments"); `<role>` stands for each role type and
+    `<k>` for 0."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    parts = re.split(r"^#+ (.+)$", text, flags=re.M)  # ["", heading, body, heading, body, ...]
+    bodies = {heading.split(" (")[0]: body for heading, body in zip(parts[1::2], parts[2::2])}
+    keys: set[str] = set()
+    for line in bodies[section].splitlines():
+        cells = line.split("|")
+        if len(cells) < 3 or not cells[1].strip().startswith("`"):
+            continue  # not a table row, or its header / separator
+        for key in re.findall(r"`([^`]+)`", cells[1]):
+            roles = ("generator", "scorer", "trainer") if "<role>" in key else ("",)
+            keys.update(key.replace("<role>", role).replace("<k>", "0") for role in roles)
+    return keys

@@ -8,11 +8,12 @@ running token context, so hundreds of episodes awaiting the model are decoded to
 continuous batching. Limits per episode: `max_turns` model turns and `max_episode_tokens` response tokens
 (model + environment); hitting one ends the episode with finish_reason "length" (truncated).
 
-Containment (nothing is lost, everything is counted in `counters`):
+Containment (nothing is lost, every fault is counted by kind in `counters` — the episodes themselves are
+counted once, by the hub, as they reach the rollout queue: `env/episodes`, `env/errors`):
 * `reset` raising / timing out / returning a non-string: finish_reason "error" — nothing to train on;
   the Scorer fails the group (slots returned to the gate, counted as failed).
 * `step` raising / timing out / returning garbage (or an observation the tokenizer cannot encode): the
-  episode ends with `env_error` recorded and counted (`env/step_errors`, `step_timeouts`, `garbage`); with
+  episode ends with `env_error` recorded and counted (`step_errors`, `step_timeouts`, `garbage`); with
   `on_step_error = "keep"` (default) it is trained on the tokens it has with the reward summed so far,
   with "fail" it fails its group like a reset error.
 * the engine raising: finish_reason "error" (the group fails, as on the single-turn path).
@@ -35,7 +36,7 @@ from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("episodes", "turns", "reset_errors", "step_errors", "step_timeouts", "garbage", "template_errors",
+COUNTERS = ("reset_errors", "step_errors", "step_timeouts", "garbage", "template_errors",
             "engine_errors", "turn_limit", "token_limit")
 
 
@@ -82,7 +83,6 @@ class EpisodeRunner:
 
     async def run_episode(self, row: dict[str, Any]) -> Episode:
         ep = Episode(Transcript(self.codec, self.fmt, stop_ids=self.stop_ids))
-        self.counters["episodes"] += 1
         try:
             env = self.env_cls(**self.env_kwargs)
             obs = await asyncio.wait_for(env.reset(row), self.limits.step_timeout_s)
@@ -126,7 +126,6 @@ class EpisodeRunner:
                 return
             ep.prompt_truncated |= c.prompt_truncated
             text = t.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions))
-            self.counters["turns"] += 1
             try:
                 result = as_step_result(await asyncio.wait_for(env.step(text), lim.step_timeout_s))
             except Exception as exc:  # noqa: BLE001 — user env: contained and counted
@@ -183,14 +182,6 @@ class EpisodeRunner:
             prompt_text=ep.prompt_text, row_json=row_json, generator_id=generator_id, error=ep.error,
             env_reward=ep.reward if math.isfinite(ep.reward) else 0.0, turns=t.turns, env_error=ep.env_error,
         )
-
-    def stats(self) -> dict[str, float]:
-        c = self.counters
-        out = {f"env/{k}": float(v) for k, v in c.items()}
-        out["env/errors"] = float(c["reset_errors"] + c["step_errors"] + c["step_timeouts"] + c["garbage"]
-                                  + c["template_errors"])
-        out["env/turns_per_episode"] = c["turns"] / max(1, c["episodes"])
-        return out
 
 
 def _why(exc: BaseException) -> str:

@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.telemetry.metrics import Rate, RoleStats, Share, Sum, Total, Window
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.weights.base import STAT_SECONDS, WeightReceiver
 from engines.base import CollectiveWeightEngine, RolloutEngine
@@ -76,10 +77,9 @@ class Generator:
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
-        self.tokens_generated = 0
-        self.groups_generated = 0
-        self.groups_failed = 0
+        self.tokens_generated = 0  # since the start; stats() reports each window's increment
         self.swap_s_total = 0.0
+        self._window = Window()
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self, *, armed: bool = False) -> dict[str, float]:
@@ -204,7 +204,6 @@ class Generator:
             await self._release_failed(group_ids)
             return
         trajs = [t for group in groups for t in group]
-        self.groups_generated += len(group_ids)
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
         await self._put_rollouts(trajs, version)
 
@@ -228,7 +227,6 @@ class Generator:
             for j, c in enumerate(group):
                 trajs.append(self._trajectory(gid, j, row, row_json, c))
                 trajs[-1].baseline_response_ids = base
-        self.groups_generated += len(group_ids)
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
         await self._put_rollouts(trajs, version)
 
@@ -247,8 +245,8 @@ class Generator:
         self.recorder.record("wait_queue", t0, time.time(), version)
 
     async def _release_failed(self, group_ids: list[int]) -> None:
-        """Return the slots of failed groups; after stop() a closing hub may refuse, which no longer matters."""
-        self.groups_failed += len(group_ids)
+        """Return the slots of failed groups (the hub counts them: `buffer/failed`); after stop() a closing hub
+        may refuse, which no longer matters."""
         try:
             await self.hub.release_groups(group_ids, "failed")
         except Exception:
@@ -293,17 +291,16 @@ class Generator:
     def stop(self) -> None:
         self._stopped.set()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RoleStats:
+        """This generator's window, since its previous `stats()` call: tokens sampled, the generation stall
+        from weight swaps (the engine's own pause record where it keeps one, else the time `load_weights`
+        took), and its spans."""
         engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
-        return {
-            "engine": engine_stats,
-            # generation paused for swaps: the engine's own pause record, else the time load_weights took
-            "stall_s_total": engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total),
-            "tokens": self.tokens_generated,
-            "groups": self.groups_generated,
-            "groups_failed": self.groups_failed,
-            "env": self.episodes.stats() if self.episodes is not None else {},
-            "version": self.engine.version,
-            "swap_s_total": self.swap_s_total,
-            "spans": self.recorder.drain(),
-        }
+        stall = self._window.take("stall_s", engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total))
+        tokens = self._window.take("tokens", self.tokens_generated)
+        return RoleStats(metrics={
+            "generation/tokens_per_s": Rate(tokens),
+            "generation/stall_s": Sum(stall),
+            "generation/stall_s_total": Total(stall),
+            "generation/stall_share": Share(stall),  # of the generators' time in the step's window
+        }, spans=self.recorder.drain())

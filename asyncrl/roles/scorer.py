@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.loader import call_reward_async, call_rewards_async
 from asyncrl.roles.reference import ReferencePolicy
+from asyncrl.telemetry.metrics import Rate, RoleStats, Total, Window
 from asyncrl.telemetry.spans import SpanRecorder
 from buffers.grouping import GroupAssembler
 
@@ -71,9 +72,11 @@ class Scorer:
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
         self._stopped = asyncio.Event()
-        self.counts = {"scored": 0, "reward_errors": 0, "groups_accepted": 0,
-                       "groups_filtered": 0, "groups_failed": 0, "cost_errors": 0, "baselines_scored": 0,
-                       "baseline_errors": 0, "ref_tokens": 0}
+        # since the start (stats() reports each window's increment); groups accepted, filtered or failed
+        # are counted once, by the hub
+        self.counts = {"scored": 0, "reward_errors": 0, "cost_errors": 0, "baselines_scored": 0,
+                       "baseline_errors": 0}
+        self._window = Window()
 
     async def run(self) -> None:
         while not self._stopped.is_set():
@@ -105,9 +108,6 @@ class Scorer:
                 filtered.append(g.group_id)
             else:
                 accepted.append(g)
-        self.counts["groups_accepted"] += len(accepted)
-        self.counts["groups_filtered"] += len(filtered)
-        self.counts["groups_failed"] += len(failed)
         t0 = time.time()
         if failed:
             await self.hub.release_groups(failed, "failed")
@@ -187,11 +187,16 @@ class Scorer:
         rows = await asyncio.to_thread(self.reference.response_logprobs, ok)
         for t, logprobs in zip(ok, rows):
             t.ref_logprobs = logprobs
-        self.counts["ref_tokens"] += sum(len(r) for r in rows)
         self.recorder.record("reference", t0, time.time())
 
     def stop(self) -> None:
         self._stopped.set()
 
-    def stats(self) -> dict[str, Any]:
-        return {**self.counts, "pending_groups": self.assembler.pending(), "spans": self.recorder.drain()}
+    def stats(self) -> RoleStats:
+        """This scorer's window, since its previous `stats()` call: samples scored, reward calls that
+        failed, and its spans."""
+        take = self._window.take
+        return RoleStats(metrics={
+            "scorer/samples_per_s": Rate(take("scored", self.counts["scored"])),
+            "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
+        }, spans=self.recorder.drain())

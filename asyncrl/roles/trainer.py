@@ -21,7 +21,7 @@ from typing import Any
 from asyncrl.pipeline import StepSource, UpdatePipeline
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.learner import Learner
-from asyncrl.telemetry.metrics import staleness_stats, token_staleness_stats
+from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.weights.base import WeightSender
 
@@ -36,17 +36,13 @@ class Trainer:
         hub: StepSource,
         evaluator: Evaluator | None = None,
         recorder: SpanRecorder | None = None,
-        report_filtered: bool = False,
     ) -> None:
         self.learner = learner
-        self.report_filtered = report_filtered  # DAPO dynamic sampling: log the groups dropped and refilled
-        self._filtered_seen = 0.0
         self.hub = hub
         self.evaluator = evaluator
         self.recorder = recorder or SpanRecorder("trainer")
         # prefetch → update → send → release, in step order (asyncrl/pipeline.py)
         self.pipeline = UpdatePipeline(learner=learner, source=hub, recorder=self.recorder)
-        self.trained_tokens = 0
 
     @property
     def version(self) -> int:
@@ -76,25 +72,12 @@ class Trainer:
         metrics["trainer/gate_wait_s"] = out.gate_wait_s
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(out.train_s, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
-        self.trained_tokens += int(metrics.get("trainer/tokens", 0))
-        if self.report_filtered:
-            await self._filtered_metrics(metrics)
         return metrics
 
     async def send_weights(self) -> dict[str, float]:
         """The statistics of the oldest send `train_step` started and no one claimed yet; with none,
         broadcast the current weights (stamped with the current version) now."""
         return await self.pipeline.send_weights()
-
-    async def _filtered_metrics(self, metrics: dict[str, float]) -> None:
-        """Zero-variance groups dropped by the scorers (their slots refilled with fresh prompts by the gate)."""
-        stats = getattr(self.hub, "stats", None)
-        if stats is None:
-            return
-        total = float((await stats()).get("buffer/filtered", 0.0))
-        metrics["dapo/groups_filtered"] = total - self._filtered_seen
-        metrics["dapo/groups_filtered_total"] = total
-        self._filtered_seen = total
 
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
@@ -122,7 +105,8 @@ class Trainer:
             (out / "safety.json").write_text(json.dumps(self.learner.lagrange.state_dict()))
         return str(out)
 
-    def stats(self) -> dict[str, Any]:
-        return {"version": self.learner.version, "trained_tokens": self.trained_tokens,
-                "spans": self.recorder.drain()}
+    def stats(self) -> RoleStats:
+        """The trainer's spans since its previous `stats()` call (its per-step metrics come with each
+        `train_step`)."""
+        return RoleStats(spans=self.recorder.drain())
 

@@ -13,7 +13,13 @@ from asyncrl.telemetry.metrics import (
     Metric,
     MetricsWriter,
     Min,
+    Rate,
+    RoleStats,
+    Share,
     Sum,
+    Total,
+    Window,
+    WindowReducer,
     read_metrics,
     reduce_metrics,
     staleness_stats,
@@ -36,7 +42,8 @@ from asyncrl.telemetry.trace import TraceWriter, read_trace, spans_from_trace
 
 __all__ = [
     "BUSY_KINDS", "IDLE_KINDS", "AnyMetric", "Last", "Max", "Mean", "Metric", "MetricsWriter", "Min",
-    "Span", "SpanRecorder", "Sum", "busy_shares", "chrome_trace_events", "intersection_length",
+    "Rate", "RoleStats", "Share", "Span", "SpanRecorder", "Sum", "Total", "Window", "WindowReducer",
+    "busy_shares", "chrome_trace_events", "intersection_length",
     "overlap_ratio", "plot_run", "read_metrics", "reduce_metrics", "staleness_stats", "union_length",
     "token_staleness_stats", "summarize_rows", "time_to_target", "TraceWriter", "read_trace", "spans_from_trace",
 ]

@@ -1,11 +1,14 @@
-"""Typed metrics and the run's metrics file.
+"""Typed metrics, the roles' window reports, and the run's metrics file.
 
-Place in the dataflow: each role reports `dict[str, Metric]` per step, where the metric's type says how
-values from several actors combine (tokens: `Sum`, staleness: `Max`, loss: `Mean`). The controller
-`reduce_metrics()` those reports into plain floats and appends one line per step to
-`<run_dir>/metrics.jsonl` with `MetricsWriter`; `read_metrics()` and `telemetry.plot` read it back.
+Place in the dataflow: each role's `stats()` returns a `RoleStats` — its `dict[str, Metric]` and spans for
+its own window, i.e. what happened since its previous `stats()` call (reading resets it). The metric's type
+says how values from several actors combine (tokens: `Sum`, loss: `Mean`, staleness: `Max`), and for the
+window types how the window turns into a row value (`Rate`: per second of the step's window, `Share`: of
+the actors' time in it, `Total`: added up over the windows, a count since the start). The Controller's
+`WindowReducer` reduces the reports of a step into plain floats; `MetricsWriter` appends one line per step
+to `<run_dir>/metrics.jsonl`; `read_metrics()` and `telemetry.plot` read it back.
 
-Keys follow `role/quantity[/reduction]` (ARCHITECTURE.md, "Metric definitions").
+Keys follow `role/quantity[/reduction]` (docs/metrics.md lists every key and what it means).
 
 Non-finite numbers: JSON has no NaN/Infinity, so `MetricsWriter` writes NaN and ±inf as `null`, and
 `read_metrics` returns them as `None` ("no value this step"); readers skip `None`.
@@ -22,6 +25,8 @@ from types import TracebackType
 
 import msgspec
 
+from asyncrl.telemetry.spans import Span
+
 logger = logging.getLogger(__name__)
 
 Scalar = float | int | str | bool | None
@@ -36,7 +41,7 @@ class Metric(msgspec.Struct, frozen=True, tag=True):
     value: float
 
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         raise NotImplementedError(f"{cls.__name__} has no reduction; use Mean, Sum, Max, Min or Last")
 
 
@@ -46,7 +51,7 @@ class Mean(Metric, frozen=True):
     weight: float = 1.0
 
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         total = sum(m.weight for m in metrics)  # type: ignore[attr-defined]
         if total == 0:
             return math.nan
@@ -55,43 +60,73 @@ class Mean(Metric, frozen=True):
 
 class Sum(Metric, frozen=True):
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         return float(sum(m.value for m in metrics))
 
 
 class Max(Metric, frozen=True):
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         return float(max(m.value for m in metrics))
 
 
 class Min(Metric, frozen=True):
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         return float(min(m.value for m in metrics))
 
 
 class Last(Metric, frozen=True):
-    """The value of the last report in the order given (e.g. learning rate, policy version)."""
+    """The value of the last report in the order given (e.g. a queue depth now, a learning rate)."""
 
     @classmethod
-    def combine(cls, metrics: Sequence[Metric]) -> float:
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
         return float(metrics[-1].value)
 
 
-AnyMetric = Mean | Sum | Max | Min | Last
+class Total(Sum, frozen=True):
+    """A count since the start of the run. Each report carries its window's increment; `reduce_metrics`
+    sums the actors' increments, and `WindowReducer` adds the windows up into the row's total."""
 
 
-def reduce_metrics(reports: Iterable[Mapping[str, Metric]]) -> dict[str, float]:
+class Rate(Metric, frozen=True):
+    """An amount of the window (tokens, samples), summed over actors and shown per second of the window."""
+
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
+        return float(sum(m.value for m in metrics)) / _window(cls, window_s)
+
+
+class Share(Metric, frozen=True):
+    """Seconds of each actor's window spent on one thing, shown as the share of the actors' time:
+    the sum over actors / (window seconds × actors reporting)."""
+
+    @classmethod
+    def combine(cls, metrics: Sequence[Metric], window_s: float | None = None) -> float:
+        return float(sum(m.value for m in metrics)) / (_window(cls, window_s) * len(metrics))
+
+
+def _window(cls: type, window_s: float | None) -> float:
+    if window_s is None or window_s <= 0:
+        raise ValueError(f"a {cls.__name__} metric needs the window's length: reduce_metrics(..., window_s=...)")
+    return window_s
+
+
+AnyMetric = Mean | Sum | Max | Min | Last | Total | Rate | Share
+
+
+def reduce_metrics(reports: Iterable[Mapping[str, Metric]], *, window_s: float | None = None) -> dict[str, float]:
     """Combine the reports of several actors key by key, each key by its metric's own reduction.
 
-    Raises ValueError if actors report one key with different reductions (a bug, not a choice).
+    `window_s`: the length of the window the reports cover (needed by `Rate` and `Share`). Raises
+    ValueError if actors report one key with different reductions (a bug, not a choice).
     """
     grouped: dict[str, list[Metric]] = {}
     for report in reports:
         for key, metric in report.items():
             if not isinstance(metric, Metric):
-                raise TypeError(f"metric {key!r} is a {type(metric).__name__}; wrap it in Mean/Sum/Max/Min/Last")
+                raise TypeError(f"metric {key!r} is a {type(metric).__name__}; wrap it in its Metric type "
+                                "(Mean, Sum, Max, Min, Last, Total, Rate, Share)")
             grouped.setdefault(key, []).append(metric)
     out: dict[str, float] = {}
     for key, metrics in grouped.items():
@@ -99,8 +134,54 @@ def reduce_metrics(reports: Iterable[Mapping[str, Metric]]) -> dict[str, float]:
         if len(kinds) > 1:
             names = sorted(k.__name__ for k in kinds)
             raise ValueError(f"metric {key!r} reported with different reductions: {names}")
-        out[key] = type(metrics[0]).combine(metrics)
+        out[key] = type(metrics[0]).combine(metrics, window_s)
     return out
+
+
+class RoleStats(msgspec.Struct, kw_only=True):
+    """What a role's `stats()` returns: its metrics and spans for its own window — everything since its
+    previous `stats()` call (reading resets the window). Structs all the way down, so it crosses the actor
+    boundary as it is."""
+
+    metrics: dict[str, AnyMetric] = {}
+    spans: list[Span] = []  # the role's SpanRecorder, drained: busy shares, overlap, the trace
+
+    def values(self) -> dict[str, float]:
+        """Each metric's value as this one report carries it (unreduced: a `Total` is the window's
+        increment, a `Rate` the window's amount)."""
+        return {key: metric.value for key, metric in self.metrics.items()}
+
+
+class Window:
+    """Increments since the previous read of counters kept since the start: how a role's `stats()` reports
+    its window without resetting counters that must stay whole (the gate's counts drive admission, an
+    engine keeps its own pause record)."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, float] = {}
+
+    def take(self, key: str, total: float) -> float:
+        """`total` minus its value at the previous `take` of `key` (0 before the first)."""
+        previous = self._read.get(key, 0.0)
+        self._read[key] = float(total)
+        return float(total) - previous
+
+
+class WindowReducer:
+    """The Controller's reduction of one step's role reports into metrics-row values: each key by its
+    metric's type over the step's window, and each `Total` key added up over the windows so far (a total
+    stays in every row once it has been reported)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def reduce(self, reports: Iterable[Mapping[str, Metric]], window_s: float) -> dict[str, float]:
+        reports = list(reports)
+        out = reduce_metrics(reports, window_s=window_s)
+        for key in {k for r in reports for k, m in r.items() if isinstance(m, Total)}:
+            self.totals[key] = self.totals.get(key, 0.0) + out[key]
+        out.update(self.totals)
+        return out
 
 
 def staleness_stats(values: Sequence[int]) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """Spans: who was busy, who waited, and when — the raw material of busy shares and overlap.
 
 Place in the dataflow: every role (generator, scorer, trainer) owns a `SpanRecorder` and wraps its own
-work and its waits in `rec.span(kind)`. The controller periodically `drain()`s each recorder (the Spans
-are msgspec Structs, so they cross the actor boundary), and computes from them the metrics defined in
-docs/metrics.md: `<role>/busy_share`, `<role>/idle_share` and `overlap_ratio`. Spans can also be
-exported as Chrome/Perfetto trace events.
+work and its waits in `rec.span(kind)`. Each role's `stats()` `drain()`s its recorder into the report of
+its window (`telemetry.metrics.RoleStats`; Spans are msgspec Structs, so they cross the actor boundary),
+and the controller computes from them the metrics defined in docs/metrics.md: `<role>/busy_share`,
+`<role>/idle_share` and `overlap_ratio`. Spans can also be exported as Chrome/Perfetto trace events.
 
 Roles run in different processes on the same machine, so times are `time.time()` wall-clock seconds:
 the only clock that is comparable across processes. Everything below the recorder is pure interval

@@ -97,6 +97,19 @@ def make_trainer(log: list[str], sender: Any = None) -> Any:
     return trainer
 
 
+def test_trainer_stats_carry_its_spans_since_the_previous_read():
+    trainer = make_trainer([])
+
+    async def go() -> None:
+        await trainer.train_step(0)
+        await trainer.send_weights()
+
+    run(go())
+    first = trainer.stats()
+    assert [sp.kind for sp in first.spans] == ["wait_gate", "train", "weights_send"] and first.metrics == {}
+    assert trainer.stats().spans == []  # drained by the first read
+
+
 def test_trainer_prefetches_the_next_steps_groups_while_it_trains():
     log: list[str] = []
     trainer = make_trainer(log)

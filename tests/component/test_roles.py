@@ -16,6 +16,7 @@ import torch
 from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
+from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
 from engines.base import RolloutEngine
 
 torch.set_num_threads(1)
@@ -105,7 +106,6 @@ def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others(
     assert [g.group_id for g in hub.accepted] == [0, 2]
     assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
     assert [t.reward for t in hub.accepted[1].trajectories] == [0.0, 0.0]
-    assert scorer.counts["groups_failed"] == 1 and scorer.counts["groups_accepted"] == 2
     assert scorer.counts["reward_errors"] == 1 and scorer.counts["scored"] == 6
     failed = batch[3]
     assert failed.finish_reason == "error" and "RuntimeError: user reward bug" in failed.error
@@ -155,7 +155,6 @@ def test_scorer_filters_a_zero_variance_group_and_accepts_a_mixed_one():
     run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "a"), traj(1, 0, "a"), traj(1, 1, "b")]))
     assert hub.released == {"filtered": [0], "failed": []}
     assert [g.group_id for g in hub.accepted] == [1]
-    assert scorer.counts["groups_filtered"] == 1 and scorer.counts["groups_accepted"] == 1
     scorer.stop()
 
 
@@ -177,7 +176,23 @@ def test_scorer_assembles_a_group_whose_members_arrive_in_separate_batches():
     g0 = hub.accepted[1]
     assert [t.seq_id for t in g0.trajectories] == [0, 1, 2]  # members sorted by seq_id
     assert [t.reward for t in g0.trajectories] == [1.0, 1.0, 0.0]
-    assert scorer.stats()["pending_groups"] == 0
+    assert scorer.assembler.pending() == 0
+
+
+def test_scorer_stats_report_the_window_since_the_previous_read():
+    hub = FakeHub()
+    scorer = make_scorer(hub, by_text)
+    run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "boom")]))
+    first = scorer.stats()
+    assert first.values() == {"scorer/samples_per_s": 2, "scorer/reward_errors": 1}
+    assert isinstance(first.metrics["scorer/samples_per_s"], Rate)  # the Controller divides by the window
+    assert isinstance(first.metrics["scorer/reward_errors"], Total)  # ... and adds the windows up
+    assert "score" in {sp.kind for sp in first.spans}
+    again = scorer.stats()  # read resets: nothing scored since
+    assert again.values() == {"scorer/samples_per_s": 0, "scorer/reward_errors": 0} and again.spans == []
+    run(scorer.score_batch([traj(1, 0, "a"), traj(1, 1, "b")]))
+    assert scorer.stats().values() == {"scorer/samples_per_s": 2, "scorer/reward_errors": 0}
+    scorer.stop()
 
 
 # -- Generator -------------------------------------------------------------------------------------
@@ -248,11 +263,49 @@ def test_generator_releases_groups_as_failed_when_the_engine_raises_and_keeps_go
     gen = make_generator(hub, engine)
     run(_run_until(gen, lambda: len(hub.rollouts) >= 4))
     # each group is its own engine request: only the group whose call raised fails
-    assert hub.released["failed"] == [0]
-    assert gen.groups_failed == 1 and gen.stats()["groups_failed"] == 1
+    assert hub.released["failed"] == [0]  # counted once, by the hub (buffer/failed)
     # the loop kept going: groups 1 and 2 were generated, 2 samples each
     assert {t.group_id for t in hub.rollouts[:4]} == {1, 2}
     assert sorted(t.seq_id for t in hub.rollouts[:4]) == [2, 3, 4, 5]
+
+
+def test_generator_stats_report_the_window_since_the_previous_read():
+    hub = FakeHub()
+    gen = make_generator(hub, FakeEngine())
+    run(_run_until(gen, lambda: len(hub.rollouts) >= 4))
+    first = gen.stats()
+    assert first.values()["generation/tokens_per_s"] == gen.tokens_generated == len(hub.rollouts)  # 1 token each
+    assert {"generate", "wait_gate"} <= {sp.kind for sp in first.spans}
+    again = gen.stats()  # read resets: nothing generated since
+    assert again.values()["generation/tokens_per_s"] == 0 and again.spans == []
+    gen.receiver = FakeReceiver(version=1)
+    run(gen.receive_weights())  # in flight: swapped on receipt (the engine keeps no pause record of its own)
+    swap = gen.stats()
+    assert swap.values()["generation/stall_s"] == swap.values()["generation/stall_s_total"] == gen.swap_s_total > 0
+    assert gen.stats().values()["generation/stall_s"] == 0
+
+
+class PausingEngine(FakeEngine):
+    """An engine that keeps its own record of swap pauses (as TorchEngine and vLLM do), since the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[float] = []
+
+    def stats(self) -> dict[str, float]:
+        return {"engine/swap_pause_s/sum": sum(self.pauses)}
+
+
+def test_generator_reports_the_engines_swap_pauses_of_the_window_as_its_stall():
+    engine = PausingEngine()
+    gen = make_generator(FakeHub(), engine)
+    engine.pauses.append(0.25)
+    first = gen.stats()
+    engine.pauses.append(0.5)
+    second = gen.stats().metrics
+    assert first.values()["generation/stall_s"] == 0.25
+    assert second["generation/stall_s"] == Sum(0.5) and second["generation/stall_s_total"] == Total(0.5)
+    assert second["generation/stall_share"] == Share(0.5)  # of this generator's time in the step's window
 
 
 @pytest.mark.parametrize("mode", ["in_flight", "between_requests"])

@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.telemetry.metrics import read_metrics
+from tests.conftest import documented_metric_keys
 
 pytestmark = pytest.mark.slow  # one asyncrl launch per algorithm
 
@@ -18,18 +19,24 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # metric keys each example must log on every train step, besides the common ones
 EXPECTED = {
-    "ppo": ["critic/value_loss", "critic/explained_variance", "critic/vf_clip_frac"],
+    "ppo": ["critic/value_loss", "critic/explained_variance", "critic/vf_clip_frac", "critic/value_mean",
+            "critic/return_mean", "critic/grad_norm"],
     "grpo": ["kl/ref_mean"],
     "drgrpo": [],
-    "dapo": ["dapo/groups_filtered", "dapo/overlong_penalty_mean", "offpolicy/share_clipped"],
+    "dapo": ["dapo/groups_filtered", "dapo/groups_filtered_total", "dapo/overlong_penalty_mean",
+             "dapo/overlong_share", "offpolicy/share_clipped"],
     "gspo": ["offpolicy/share_masked"],
     "rloo": [],
     "reinforce_pp": ["kl/ref_mean"],
     "remax": ["remax/baseline_reward"],
-    "safe_rlhf": ["safety/cost_mean", "safety/lambda", "safety/cost_threshold"],
+    "safe_rlhf": ["safety/cost_mean", "safety/lambda", "safety/lambda_next", "safety/cost_threshold"],
 }
 COMMON = ["reward/mean", "trainer/loss", "trainer/clip_frac", "trainer/entropy", "offpolicy/is_ratio_mean",
           "offpolicy/is_ratio_max", "offpolicy/is_ratio_min", "offpolicy/share_clipped", "offpolicy/share_masked"]
+
+
+def test_every_algorithm_key_docs_metrics_md_documents_is_checked_in_some_example():
+    assert documented_metric_keys("Algorithms") <= set(COMMON).union(*EXPECTED.values())
 
 
 @pytest.mark.parametrize("algo", sorted(EXPECTED))
@@ -53,6 +60,9 @@ def test_algorithm_example_runs_through_asyncrl_launch(algo, tiny_model_dir, tmp
         assert (run_dir / "checkpoint" / "critic" / "config.json").is_file()
     if algo == "dapo":
         assert all(r["dapo/overlong_penalty_mean"] <= 0.0 for r in rows)
+        # the step windows add up to the total, which is the hub's one count of filtered groups
+        assert sum(r["dapo/groups_filtered"] for r in rows) == rows[-1]["dapo/groups_filtered_total"]
+        assert all(r["dapo/groups_filtered_total"] == r["buffer/filtered"] for r in rows)
     if algo == "safe_rlhf":
         # the multiplier moves by the measured cost and carries over to the next step and the checkpoint
         assert rows[1]["safety/lambda"] == pytest.approx(rows[0]["safety/lambda_next"])

@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.trace import read_trace
+from tests.conftest import documented_metric_keys
 
 pytestmark = pytest.mark.slow  # whole runs, a sweep and the overlap benchmark
 
@@ -54,6 +55,31 @@ def test_run_metrics_answer_the_overlap_question(run_dir):
     assert summary["steps"] == 4 and summary["setting"]["max_staleness"] == 1
     assert 0.0 <= summary["overlap_ratio"] <= 1.0 and summary["throughput/samples_per_s"] > 0
     assert sum(summary["staleness_hist"].values()) == 4 * 4 * 4  # steps x prompts x group size
+
+
+def test_run_writes_every_key_docs_metrics_md_documents_for_every_run(run_dir):
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if "reward/mean" in r]
+    evals = {"eval/greedy_reward", "eval/sampled_reward"}  # on evaluation steps only
+    for key in sorted(documented_metric_keys("Metrics") - evals):
+        assert all(key in r for r in train), key
+    assert evals <= set(train[-1])  # total_steps = 4, eval_every = 2: the last step evaluates
+    # the Environments table's Runtime.submit counts are written in every row (0 here)
+    assert all(r["buffer/submitted_groups"] == r["buffer/submitted_dropped_stale"] == 0 for r in train)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in sorted(documented_metric_keys("`summary.json`") - {"time_to_target_s"}):  # report/sweep only
+        assert key in summary, key
+
+
+def test_run_row_totals_are_the_sums_of_the_step_windows(run_dir):
+    train = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert sum(r["generation/stall_s"] for r in train) == pytest.approx(train[-1]["generation/stall_s_total"])
+    consumed = [r["buffer/consumed"] for r in train]
+    assert consumed == sorted(consumed) and consumed[-1] == 4 * 4  # steps x prompts per step
+    for r in train:  # every row, as its own snapshot: no admitted group unaccounted for
+        stored = r["buffer/accepted"] - r["buffer/consumed"]
+        assert r["buffer/admitted"] == (r["buffer/consumed"] + r["buffer/failed"] + r["buffer/filtered"]
+                                        + r["buffer/running"] + stored) and stored == r["buffer/train_depth"]
 
 
 def test_report_and_plan_read_the_run(run_dir, capsys):

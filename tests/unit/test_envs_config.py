@@ -10,6 +10,7 @@ import pytest
 from asyncrl.config import ConfigError
 from asyncrl.messages import Trajectory
 from asyncrl.roles.scorer import Scorer
+from asyncrl.telemetry.metrics import WindowReducer
 from buffers.hub import ReplayHub
 
 
@@ -61,12 +62,14 @@ def test_submitted_groups_are_admitted_at_their_version_and_dropped_when_too_sta
         await hub.accept_groups([Group(group_id=0, min_version=0, trajectories=group)])
         assert len(await hub.take_step(0)) == 1
         await hub.publish(1)
+        reducer = WindowReducer()  # as the Controller reduces the hub's windows into rows
+        reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
         assert await hub.submit_group([traj(0)], timeout=1) is None  # version 0 is too stale at k = 0
         assert await hub.submit_group([traj(1)], timeout=1) is not None
-        stats = await hub.stats()
+        stats = reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
         assert stats["buffer/submitted_dropped_stale"] == 1.0 and stats["buffer/submitted_groups"] == 2.0
         assert stats["env/episodes_total"] == 3.0 and stats["env/errors_total"] == 0.0
-        assert stats["env/episodes"] == 2.0  # this step's window: queued before publish(1); the third after
+        assert stats["env/episodes"] == 1.0  # this window: queued since the previous stats(); two before it
 
     asyncio.run(asyncio.wait_for(main(), 10))
 

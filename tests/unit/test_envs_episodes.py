@@ -4,6 +4,7 @@ chat templates that are and are not append-only, and environments that raise, ha
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -199,7 +200,7 @@ def test_env_step_fault_ends_episode_with_recorded_error_and_the_rest_goes_on(en
     trajs = asyncio.run(r.run_group(0, {"prompt": "q"}, 2))
     for t in trajs:
         assert text in t.env_error and t.finish_reason == "stop" and t.loss_mask == [True]
-    assert r.counters[counter] == 2 and r.stats()["env/errors"] == 2.0
+    assert r.counters[counter] == 2
     good = asyncio.run(runner(ScriptedEngine([[1]] * 4), codec).run_group(1, {"prompt": "q"}, 1))[0]
     assert good.env_error == "" and good.env_reward == 2.0
     failing = runner(ScriptedEngine([[1]] * 8), codec, env_cls=env_cls, step_timeout_s=0.05, on_step_error="fail")
@@ -218,7 +219,7 @@ def test_observation_the_tokenizer_cannot_encode_ends_the_episode_as_garbage_not
     for t in trajs:
         assert "observation could not be encoded: KeyError" in t.env_error
         assert t.finish_reason == "stop" and t.loss_mask == [True] and t.env_reward == 0.5
-    assert r.counters["garbage"] == 2 and r.stats()["env/errors"] == 2.0
+    assert r.counters["garbage"] == 2
 
 
 def test_reset_fault_fails_the_episode_and_is_counted():
@@ -397,10 +398,11 @@ def test_generator_run_fails_loudly_when_the_hub_refuses_rollouts_while_running(
     assert errors == []
 
 
-# -- env metrics from the hub: per-step windows between publishes, plus totals ----------------------
+# -- env metrics from the hub: each stats() reports its window (since the previous one), plus totals ---------
 
-def test_hub_env_metrics_count_each_steps_window_between_publishes_and_the_totals():
+def test_hub_env_metrics_count_the_window_since_the_previous_stats_and_the_totals():
     from asyncrl.messages import Trajectory
+    from asyncrl.telemetry.metrics import WindowReducer
     from buffers.hub import ReplayHub
 
     def episode(error: str = "", turns: int = 2, truncated: bool = False) -> Trajectory:
@@ -410,26 +412,23 @@ def test_hub_env_metrics_count_each_steps_window_between_publishes_and_the_total
 
     async def main() -> list[dict[str, float]]:
         hub = ReplayHub(prompts_per_step=1, group_size=1, max_staleness=0, rollout_capacity=16, train_capacity=4)
-        hub.gate.publish = lambda version: None  # no steps are trained here; only the env windows matter
-        out = [await hub.stats()]
+        reducer = WindowReducer()  # as the Controller reduces the hub's windows into rows
+
+        async def read() -> dict[str, float]:
+            return reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
+
+        out = [await read()]
         await hub.put_rollouts([episode(), episode(turns=4, error="env step 1: boom")])
-        await hub.publish(1)
-        out += [await hub.stats(), await hub.stats()]  # a second read of the same step: same window
+        out += [await read(), await read()]  # the second read: nothing since the first, an empty window
         await hub.put_rollouts([episode(truncated=True)])
-        out.append(await hub.stats())  # queued after the publish: not yet in a window, in the totals
-        await hub.publish(2)
-        out.append(await hub.stats())
-        await hub.publish(2)  # re-publishing a version does not open a new window
-        assert await hub.stats() == out[-1]
-        await hub.publish(3)
-        out.append(await hub.stats())
+        out.append(await read())
         return out
 
-    before, step1, again, between, step2, step3 = asyncio.run(main())
+    before, first, empty, second = asyncio.run(main())
     assert "env/episodes" not in before  # no env episodes, no env metrics
-    assert step1 == again
-    assert (step1["env/episodes"], step1["env/errors"], step1["env/turns_mean"], step1["env/truncated"]) == (2, 1, 3.0, 0)
-    assert between["env/episodes"] == 2 and between["env/episodes_total"] == 3
-    assert (step2["env/episodes"], step2["env/truncated"], step2["env/errors"]) == (1, 1, 0)
-    assert (step2["env/episodes_total"], step2["env/errors_total"], step2["env/truncated_total"]) == (3, 1, 1)
-    assert step3["env/episodes"] == 0 and step3["env/turns_mean"] == 0.0 and step3["env/episodes_total"] == 3
+    assert (first["env/episodes"], first["env/errors"], first["env/truncated"]) == (2, 1, 0)
+    assert first["env/turns_mean"] == 3.0
+    assert empty["env/episodes"] == 0 and empty["env/episodes_total"] == 2
+    assert math.isnan(empty["env/turns_mean"])  # no episodes, no mean (null in metrics.jsonl)
+    assert (second["env/episodes"], second["env/truncated"], second["env/errors"]) == (1, 1, 0)
+    assert (second["env/episodes_total"], second["env/errors_total"], second["env/truncated_total"]) == (3, 1, 1)

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from asyncrl.messages import Group, Trajectory
+from asyncrl.telemetry.metrics import Last, Total
 from buffers.grouping import GroupAssembler
 from buffers.hub import ReplayHub
 from buffers.queue import QueueClosed
@@ -60,7 +61,7 @@ def test_accept_groups_never_blocks_with_the_most_groups_the_gate_lets_live():
         ids = await hub.admit(100, 0)
         # every admitted group accepted, newest first (out of admission order)
         await asyncio.wait_for(hub.accept_groups([group(g, 0) for g in reversed(ids)]), SHORT * 5)
-        return ids, await hub.stats()
+        return ids, (await hub.stats()).values()
 
     ids, stats = run(main())
     assert len(ids) == 6
@@ -77,7 +78,7 @@ def test_take_step_returns_groups_in_admission_order_after_out_of_order_accepts(
         first = await hub.take_step(0, timeout=0)
         await hub.publish(1)
         second = await hub.take_step(1, timeout=0)
-        return ids, early, first, second, await hub.stats()
+        return ids, early, first, second, (await hub.stats()).values()
 
     ids, early, first, second, stats = run(main())
     assert early == []
@@ -101,7 +102,7 @@ def test_accept_groups_rejects_a_group_older_than_its_admission_or_not_running()
             await hub.accept_groups([group(late, 0)])
         with pytest.raises(ValueError, match="not running"):
             await hub.release_groups([late, 999], "failed")
-        return hub.gate.is_running(late), await hub.stats()
+        return hub.gate.is_running(late), (await hub.stats()).values()
 
     still_running, stats = run(main())
     assert still_running  # the bad id in the batch released nothing
@@ -139,7 +140,7 @@ def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
         async def generator() -> None:
             try:
                 while True:
-                    version = int((await hub.stats())["buffer/published_version"])
+                    version = hub.gate.published_version
                     ids = await hub.admit(2, version)
                     if not ids:
                         if hub.gate.closed:
@@ -176,9 +177,9 @@ def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
 
         roles = [generator(), generator(), scorer(), trainer()]
         await asyncio.gather(*roles)
-        return staleness, await hub.stats()
+        return staleness, hub.rollouts, (await hub.stats()).values()  # the first stats(): since the start
 
-    staleness, stats = run(main())
+    staleness, rollouts, stats = run(main())
     assert len(staleness) == steps * p and 0 <= min(staleness) and max(staleness) <= k
     assert stats["buffer/consumed"] == steps * p and stats["buffer/filtered"] >= 1
     assert stats["buffer/admitted"] == (
@@ -186,4 +187,33 @@ def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
         + stats["buffer/running"] + stats["buffer/train_depth"]
     )
     assert stats["buffer/train_depth"] == stats["buffer/accepted"] - stats["buffer/consumed"]
-    assert stats["buffer/rollouts_put"] == stats["buffer/rollouts_got"] + stats["buffer/rollout_depth"]
+    assert rollouts.total_put == rollouts.total_got + stats["buffer/rollout_depth"]
+
+
+def test_hub_stats_report_the_window_since_the_previous_read_and_depths_as_they_are_now():
+    async def main():
+        hub = make_hub(report_filtered=True)
+        ids = await hub.admit(4, 0)
+        await hub.put_rollouts(group(ids[0], 0).trajectories)
+        await hub.accept_groups([group(ids[1], 0)])
+        await hub.release_groups([ids[2]], "filtered")
+        first = await hub.stats()
+        again = await hub.stats()  # nothing happened since: every count of the window is 0
+        await hub.release_groups([ids[3]], "failed")
+        return first, again, await hub.stats()
+
+    first, again, third = run(main())
+    assert first.spans == [] and isinstance(first.metrics["buffer/admitted"], Total)
+    f, a, t = first.values(), again.values(), third.values()
+    assert (f["buffer/admitted"], f["buffer/accepted"], f["buffer/filtered"], f["buffer/failed"]) == (4, 1, 1, 0)
+    assert f["dapo/groups_filtered"] == f["dapo/groups_filtered_total"] == 1  # the hub's one count of filtered
+    assert all(a[k] == 0 for k in ("buffer/admitted", "buffer/accepted", "buffer/filtered", "dapo/groups_filtered"))
+    assert (t["buffer/failed"], t["buffer/admitted"]) == (1, 0)
+    # gauges are the state at the read, not a window's increment
+    assert f["buffer/rollout_depth"] == a["buffer/rollout_depth"] == t["buffer/rollout_depth"] == 2
+    assert (f["buffer/running"], a["buffer/running"], t["buffer/running"]) == (2, 2, 1)
+    assert f["buffer/train_depth"] == 1 and isinstance(first.metrics["buffer/train_depth"], Last)
+
+
+def test_hub_reports_dapo_filtered_groups_only_when_filtering_refills_them():
+    assert "dapo/groups_filtered" not in run(make_hub().stats()).metrics

@@ -8,9 +8,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What engines/ and buffers/ may import from asyncrl: the wire messages, the registry, and the weight
-# transports (the receiving half of a transport runs inside an engine's own workers).
-NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.weights")
+# What engines/ and buffers/ may import from asyncrl: the wire messages, the registry, the weight
+# transports (the receiving half of a transport runs inside an engine's own workers) and the typed metric
+# and span records every role reports in. Each of these is a leaf: it imports no other asyncrl module.
+NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.weights", "asyncrl.telemetry.metrics",
+           "asyncrl.telemetry.spans")
+NEUTRAL_FILES = ("asyncrl/messages.py", "asyncrl/registry.py", "asyncrl/weights", "asyncrl/telemetry/metrics.py",
+                 "asyncrl/telemetry/spans.py")
 RAY_MODULES = {"asyncrl/actors.py", "asyncrl/launch.py"}
 
 
@@ -46,8 +50,10 @@ def test_engines_and_buffers_import_only_the_neutral_asyncrl_modules():
     assert bad == []
 
 
-def test_the_weight_transports_are_a_leaf_of_asyncrl():
-    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("asyncrl/weights")
+def test_the_neutral_modules_are_leaves_of_asyncrl():
+    files = [p for f in NEUTRAL_FILES for p in ([ROOT / f] if f.endswith(".py") else _files(f))]
+    assert len(files) > len(NEUTRAL_FILES)
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in files
            for name in _runtime_imports(p)
            if _within(name, ("asyncrl", "engines", "buffers")) and not _within(name, NEUTRAL)]
     assert bad == []

@@ -14,11 +14,18 @@ from asyncrl.telemetry.metrics import (
     Mean,
     MetricsWriter,
     Min,
+    Rate,
+    RoleStats,
+    Share,
     Sum,
+    Total,
+    Window,
+    WindowReducer,
     read_metrics,
     reduce_metrics,
     staleness_stats,
 )
+from asyncrl.telemetry.spans import Span
 
 
 def test_reduce_metrics_combines_each_key_by_its_own_reduction():
@@ -55,6 +62,46 @@ def test_reduce_metrics_rejects_untyped_value():
 def test_metric_report_survives_msgspec_encoding():
     report = {"t": Sum(3.0), "l": Mean(0.5, weight=2.0)}
     assert msgspec.json.decode(msgspec.json.encode(report), type=dict[str, AnyMetric]) == report
+
+
+def test_rate_is_per_second_and_share_per_actor_second_of_the_window():
+    reports = [{"tokens_per_s": Rate(100), "stall_share": Share(1.0)},
+               {"tokens_per_s": Rate(300), "stall_share": Share(0.0)}]
+    assert reduce_metrics(reports, window_s=4.0) == {"tokens_per_s": 100.0, "stall_share": 0.125}
+    with pytest.raises(ValueError, match="window"):
+        reduce_metrics(reports)
+
+
+def test_total_is_a_sum_of_increments_and_not_the_same_reduction_as_sum():
+    assert reduce_metrics([{"n": Total(2)}, {"n": Total(3)}]) == {"n": 5.0}
+    with pytest.raises(ValueError, match="different reductions"):
+        reduce_metrics([{"n": Total(2)}, {"n": Sum(3)}])
+
+
+def test_window_reducer_adds_totals_up_over_windows_and_keeps_them_in_later_rows():
+    reducer = WindowReducer()
+    first = reducer.reduce([{"failed": Total(2), "stall_s": Sum(1.0)}, {"failed": Total(1)}], window_s=1.0)
+    second = reducer.reduce([{"failed": Total(4), "stall_s": Sum(0.5)}], window_s=1.0)
+    third = reducer.reduce([{"stall_s": Sum(0.0)}], window_s=1.0)  # nobody reported the total this time
+    assert (first, second, third) == ({"failed": 3.0, "stall_s": 1.0}, {"failed": 7.0, "stall_s": 0.5},
+                                      {"failed": 7.0, "stall_s": 0.0})
+
+
+def test_window_turns_counters_since_the_start_into_increments_since_the_previous_read():
+    window = Window()
+    assert [window.take("n", total) for total in (3, 3, 10)] == [3.0, 0.0, 7.0]
+    assert window.take("other", 1) == 1.0  # each key its own mark
+
+
+def test_role_stats_cross_the_actor_boundary_as_they_are():
+    import pickle
+
+    stats = RoleStats(metrics={"t": Rate(3.0), "n": Total(1.0), "l": Mean(0.5, weight=2.0), "d": Last(4.0)},
+                      spans=[Span(role="generator/0", kind="generate", start=1.0, end=2.0, version=3)])
+    assert pickle.loads(pickle.dumps(stats)) == stats  # Ray
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=RoleStats) == stats
+    assert stats.values() == {"t": 3.0, "n": 1.0, "l": 0.5, "d": 4.0}
+    assert RoleStats().metrics == {} and RoleStats().spans == []
 
 
 def test_staleness_stats_mean_max_and_histogram():

@@ -1,0 +1,78 @@
+"""The Controller only reduces: fake roles hand it typed reports of their windows, and `_role_metrics` combines
+each key by its metric's type over the step's window (Sum over generators, Rate per second of the window, Share
+of the generators' time, Totals added up over the windows) and computes busy shares and overlap from the spans
+that came with the reports. No Ray, no model."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.config_schema import Config, ModelConfig
+from asyncrl.runtime import Controller
+from asyncrl.telemetry.metrics import Last, Mean, Rate, RoleStats, Share, Sum, Total
+from asyncrl.telemetry.spans import Span
+
+
+class FakeRole:
+    """Answers `stats()` with the next of its prepared window reports."""
+
+    def __init__(self, *reports: RoleStats) -> None:
+        self.reports = list(reports)
+
+    async def stats(self) -> RoleStats:
+        return self.reports.pop(0)
+
+
+def generator(i: int, tokens: float, stall: float, busy: tuple[float, float]) -> RoleStats:
+    return RoleStats(metrics={"generation/tokens_per_s": Rate(tokens), "generation/stall_s": Sum(stall),
+                              "generation/stall_s_total": Total(stall), "generation/stall_share": Share(stall)},
+                     spans=[Span(role=f"generator/{i}", kind="generate", start=busy[0], end=busy[1])])
+
+
+def hub(failed: float, depth: float, episodes: float = 0.0, turns_mean: float = 0.0) -> RoleStats:
+    return RoleStats(metrics={"buffer/failed": Total(failed), "buffer/rollout_depth": Last(depth),
+                              "env/turns_mean": Mean(turns_mean, weight=episodes)})
+
+
+def controller(tmp_path, generators: list[FakeRole], scorers: list[FakeRole], trainer: FakeRole,
+               hub_role: FakeRole) -> Controller:
+    d = SimpleNamespace(generators=generators, scorers=scorers, trainer=trainer, hub=hub_role)
+    return Controller(Config(model=ModelConfig(path="unused")), d, run_dir=tmp_path)  # type: ignore[arg-type]
+
+
+def test_controller_reduces_each_key_by_its_type_over_the_steps_window(tmp_path):
+    gens = [FakeRole(generator(0, 100, 0.5, (10.0, 12.0))), FakeRole(generator(1, 300, 0.3, (11.0, 12.0)))]
+    scorers = [FakeRole(RoleStats(metrics={"scorer/samples_per_s": Rate(8), "scorer/reward_errors": Total(1)},
+                                  spans=[Span(role="scorer/0", kind="score", start=10.0, end=10.5)]))]
+    trainer = FakeRole(RoleStats(spans=[Span(role="trainer", kind="train", start=10.0, end=11.0)]))
+    c = controller(tmp_path, gens, scorers, trainer, FakeRole(hub(failed=2, depth=5, episodes=4, turns_mean=2.5)))
+    row = asyncio.run(c._role_metrics(10.0, 12.0))  # a 2-second window
+    assert row["generation/tokens_per_s"] == 400 / 2  # summed over generators, per second of the window
+    assert row["generation/stall_s"] == row["generation/stall_s_total"] == pytest.approx(0.8)
+    assert row["generation/stall_share"] == pytest.approx(0.8 / (2 * 2))  # of 2 generators x 2 seconds
+    assert row["scorer/samples_per_s"] == 4 and row["scorer/reward_errors"] == 1
+    assert row["buffer/failed"] == 2 and row["buffer/rollout_depth"] == 5 and row["env/turns_mean"] == 2.5
+    # spans that came with the reports: generator 0 busy the whole window, generator 1 half of it
+    assert row["generator/busy_share"] == pytest.approx(0.75) and row["generator/1/busy_share"] == 0.5
+    assert row["trainer/busy_share"] == 0.5 and row["scorer/busy_share"] == 0.25
+    assert row["overlap_ratio"] == 0.5  # generation and training at once during [10, 11]
+
+
+def test_controller_adds_totals_up_over_windows_and_rates_use_each_windows_length(tmp_path):
+    gens = [FakeRole(generator(0, 10, 0.5, (0.0, 1.0)), generator(0, 30, 0.25, (1.0, 4.0)))]
+    scorer = FakeRole(RoleStats(metrics={"scorer/reward_errors": Total(1)}),
+                      RoleStats(metrics={"scorer/reward_errors": Total(0)}))
+    hub_role = FakeRole(hub(failed=2, depth=5), hub(failed=1, depth=0))
+    c = controller(tmp_path, gens, [scorer], FakeRole(RoleStats(), RoleStats()), hub_role)
+    first = asyncio.run(c._role_metrics(0.0, 1.0))
+    second = asyncio.run(c._role_metrics(1.0, 4.0))
+    assert (first["generation/tokens_per_s"], second["generation/tokens_per_s"]) == (10, 10)
+    assert (first["generation/stall_s"], second["generation/stall_s"]) == (0.5, 0.25)  # the window's
+    assert (first["generation/stall_s_total"], second["generation/stall_s_total"]) == (0.5, 0.75)  # so far
+    assert (first["buffer/failed"], second["buffer/failed"]) == (2, 3)
+    assert (first["scorer/reward_errors"], second["scorer/reward_errors"]) == (1, 1)
+    assert second["buffer/rollout_depth"] == 0  # a gauge: as it is now
+    assert first["generator/busy_share"] == second["generator/busy_share"] == 1.0
