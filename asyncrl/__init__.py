@@ -7,7 +7,7 @@ __all__ = ["Runtime"]
 
 def __getattr__(name: str) -> Any:  # lazy: `import asyncrl` stays free of torch/transformers imports
     if name == "Runtime":
-        from asyncrl.embed import Runtime
+        from asyncrl.runtime import Runtime
 
         return Runtime
     raise AttributeError(f"module 'asyncrl' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 (construction in the actor's process, thread settings, joining the weight-sync group).
 
 Roles never import Ray: they receive collaborators as objects with async methods. `RayProxy` turns an
-actor handle into such an object, so `await hub.admit(...)` in a role becomes an actor call.
+actor handle into such an object, so `await buffer.admit(...)` in a role becomes an actor call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ray
 
-from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, pin_cpus, set_torch_threads
+from asyncrl.build import build_generator, build_buffer, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.weights.base import SENDERS
@@ -29,7 +29,7 @@ class RayProxy:
     """`await proxy.method(*args)` → `await handle.call.remote("method", *args)` on a RoleActor.
 
     With `role` set, the calls go to that role hosted inside the actor beside its own (the scorers of
-    `cluster.scorer_placement = "hub"` live in the buffer actor): `handle.call_hosted.remote(role, index,
+    `cluster.scorer_placement = "buffer"` live in the buffer actor): `handle.call_hosted.remote(role, index,
     "method", *args)`.
     """
 
@@ -55,12 +55,12 @@ class RayProxy:
         return (RayProxy, (self._handle, self._role, self._index))
 
 
-def _build(kind: str, cfg: Config, index: int, hub: Any) -> Any:
+def _build(kind: str, cfg: Config, index: int, buffer: Any) -> Any:
     builders: dict[str, Callable[[], Any]] = {
-        "hub": lambda: build_hub(cfg),
-        "generator": lambda: build_generator(cfg, index, hub),
-        "scorer": lambda: build_scorer(cfg, index, hub),
-        "trainer": lambda: build_trainer(cfg, hub),
+        "buffer": lambda: build_buffer(cfg),
+        "generator": lambda: build_generator(cfg, index, buffer),
+        "scorer": lambda: build_scorer(cfg, index, buffer),
+        "trainer": lambda: build_trainer(cfg, buffer),
     }
     return builders[kind]()
 
@@ -73,21 +73,20 @@ async def _invoke(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
 
 
 class RoleActor:
-    """Hosts one role ("hub", "generator", "scorer" or "trainer") in its own process; the hub's actor also
-    hosts the scorers with `cluster.scorer_placement = "hub"`."""
+    """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
+    hosts the scorers with `cluster.scorer_placement = "buffer"`."""
 
-    def __init__(self, kind: str, cfg: Config, index: int = 0, hub_handle: Any = None) -> None:
+    def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        role = "buffer" if kind == "hub" else kind  # its name in cluster.affinity
-        pin_cpus(getattr(cfg.cluster.affinity, role), role)
+        pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
         set_torch_threads(cfg.cluster.torch_threads)
         self.kind = kind
         self.cfg = cfg
-        self.role = _build(kind, cfg, index, RayProxy(hub_handle) if hub_handle is not None else None)
+        self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
-        if kind == "hub" and cfg.cluster.scorer_placement == "hub":
-            # in-process: the scorers await the hub's methods directly (same event loop, no actor calls)
+        if kind == "buffer" and cfg.cluster.scorer_placement == "buffer":
+            # in-process: the scorers await the buffer's methods directly (same event loop, no actor calls)
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
 

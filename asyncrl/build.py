@@ -19,14 +19,14 @@ from asyncrl.messages import SamplingParams
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.rewards.loader import resolve_cost, resolve_reward
-from asyncrl.roles.critic import Critic, load_value_model
+from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
-from asyncrl.roles.learner import Learner
-from asyncrl.roles.reference import ReferencePolicy
+from asyncrl.training.learner import Learner
+from asyncrl.training.reference import ReferencePolicy
 from asyncrl.roles.scorer import Scorer
 from asyncrl.roles.trainer import Trainer
-from buffers.hub import ReplayHub
+from buffers.replay import ReplayBuffer
 from engines.base import create_engine
 from engines.hf import load_model, load_tokenizer
 
@@ -87,21 +87,21 @@ def training_sampling(cfg: Config) -> SamplingParams:
                           stop=list(r.stop), ignore_eos=r.ignore_eos)
 
 
-def build_hub(cfg: Config) -> ReplayHub:
-    return ReplayHub(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
+def build_buffer(cfg: Config) -> ReplayBuffer:
+    return ReplayBuffer(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
                      max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
                      train_capacity=cfg.buffer.train_capacity,
                      report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)
 
 
-def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
+def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
     _, encode, decode = tokenizer_fns(cfg.model.path)
     engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
                            max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                            kv_on_update=cfg.rollout.kv_on_update)
     stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
-    generator = Generator(generator_id=generator_id, engine=engine, hub=hub, next_row=stream.next_row,
+    generator = Generator(generator_id=generator_id, engine=engine, buffer=buffer, next_row=stream.next_row,
                           encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
                           concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update,
                           greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline)
@@ -112,14 +112,14 @@ def build_generator(cfg: Config, generator_id: int, hub: Any) -> Generator:
     return generator
 
 
-def build_scorer(cfg: Config, scorer_id: int, hub: Any) -> Scorer:
+def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
     _, _, decode = tokenizer_fns(cfg.model.path)
     reward_fn = resolve_reward(cfg.reward.fn, cfg.reward.answer_key)
     cost_fn = resolve_cost(cfg.reward.cost_fn, cfg.reward.answer_key) if cfg.reward.cost_fn else None
     reference = None
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
         reference = build_reference(cfg)
-    return Scorer(scorer_id=scorer_id, hub=hub, reward_fn=reward_fn, decode=decode,
+    return Scorer(scorer_id=scorer_id, buffer=buffer, reward_fn=reward_fn, decode=decode,
                   timeout_s=cfg.reward.timeout_s, cost_fn=cost_fn, reference=reference,
                   filter_zero_variance=cfg.algorithm.filter_zero_variance or cfg.algorithm.dynamic_sampling)
 
@@ -150,7 +150,7 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
                    max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange)
 
 
-def build_trainer(cfg: Config, hub: Any) -> Trainer:
+def build_trainer(cfg: Config, buffer: Any) -> Trainer:
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
     model = load_model(cfg.model.path, dtype=cfg.model.dtype)
     tok, encode, decode = tokenizer_fns(cfg.model.path)
@@ -174,4 +174,4 @@ def build_trainer(cfg: Config, hub: Any) -> Trainer:
         from asyncrl.envs.setup import env_evaluator
 
         evaluator = env_evaluator(cfg, evaluator.engine, tok, evaluator.rows)
-    return Trainer(learner=learner, hub=hub, evaluator=evaluator)
+    return Trainer(learner=learner, buffer=buffer, evaluator=evaluator)

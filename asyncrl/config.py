@@ -133,7 +133,7 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
     c = cfg.cluster
     return [
         ActorPlan(role="generator", count=cfg.rollout.num_generators, cpus=c.generator_cpus),
-        # scorer_placement = "hub": the scorers live in the buffer actor's process and ask for nothing
+        # scorer_placement = "buffer": the scorers live in the buffer actor's process and ask for nothing
         ActorPlan(role="scorer", count=cfg.reward.num_scorers if c.scorer_placement == "actor" else 0,
                   cpus=c.scorer_cpus),
         ActorPlan(role="trainer", count=1, cpus=c.trainer_cpus),
@@ -158,7 +158,7 @@ def derived(cfg: Config) -> dict[str, object]:
         "max_groups_in_flight": in_flight,
         "max_samples_in_flight": in_flight * cfg.rollout.group_size,
         "rollout_queue_capacity_samples": cfg.buffer.rollout_capacity,
-        "train_queue_capacity_groups": cfg.buffer.train_capacity,
+        "train_store_capacity_groups": cfg.buffer.train_capacity,
         "actors": [{"role": p.role, "count": p.count, "cpus_each": p.cpus} for p in plans],
         "cpus_requested": sum(p.total_cpus for p in plans),
         "cpus_available": cfg.cluster.num_cpus if not cfg.cluster.address else None,

@@ -143,7 +143,7 @@ class TrainerConfig(Section):
 
 class BufferConfig(Section):
     rollout_capacity: Annotated[int, _d("trajectories the rollout queue holds; >= one step's samples", ge=1)] = 1024
-    train_capacity: Annotated[int, _d("groups the train queue holds; >= prompts_per_step", ge=1)] = 256
+    train_capacity: Annotated[int, _d("groups the train store holds; >= prompts_per_step", ge=1)] = 256
 
 
 class WeightSyncConfig(Section):
@@ -165,7 +165,7 @@ class AffinityConfig(Section):
     trainer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the trainer actor")] = []
     generator: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every generator actor")] = []
     scorer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every scorer actor")] = []
-    buffer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the buffer (replay hub) actor")] = []
+    buffer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the replay buffer actor")] = []
     controller: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the driver process (the Controller) and of the local Ray cluster it starts")] = []
 
 
@@ -176,7 +176,7 @@ class ClusterConfig(Section):
     dashboard: Annotated[bool, _d("start the Ray dashboard with the local cluster")] = False
     generator_cpus: Annotated[float, _d("logical CPUs each generator actor asks for", ge=0)] = 0.5
     scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for (scorer_placement = 'actor')", ge=0)] = 0.25
-    scorer_placement: Annotated[Literal["actor", "hub"], _d("actor: each scorer is its own actor (process); hub: the scorers run inside the buffer (replay hub) actor's process and call the hub without actor calls (light rule rewards: one process and two actor calls per batch fewer; reward functions still run on worker threads)")] = "actor"
+    scorer_placement: Annotated[Literal["actor", "buffer"], _d("actor: each scorer is its own actor (process); buffer: the scorers run inside the replay buffer actor's process and call the buffer without actor calls (light rule rewards: one process and two actor calls per batch fewer; reward functions still run on worker threads)")] = "actor"
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1

@@ -19,7 +19,7 @@ from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
-from asyncrl.runtime import Controller
+from asyncrl.controller import Controller
 from asyncrl.weights.collective import resolve_backend
 from engines.hf import ensure_model
 
@@ -62,23 +62,23 @@ class RayDeployment:
         self.cfg = cfg
         cpus = {p.role: p.cpus for p in plan_resources(cfg)}
         actor = lambda role: RemoteRoleActor.options(num_cpus=cpus[role], max_concurrency=1000)  # noqa: E731
-        self.hub_actor = actor("buffer").remote("hub", cfg)
-        self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.hub_actor)
-        self.generator_actors = [actor("generator").remote("generator", cfg, i, self.hub_actor)
+        self.buffer_actor = actor("buffer").remote("buffer", cfg)
+        self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
+        self.generator_actors = [actor("generator").remote("generator", cfg, i, self.buffer_actor)
                                  for i in range(cfg.rollout.num_generators)]
-        # scorer_placement = "hub": the buffer actor built the scorers beside the hub (RoleActor.hosted)
-        in_hub = cfg.cluster.scorer_placement == "hub"
-        self.scorer_actors = [] if in_hub else [actor("scorer").remote("scorer", cfg, i, self.hub_actor)
+        # scorer_placement = "buffer": the buffer actor built the scorers beside the buffer (RoleActor.hosted)
+        in_buffer = cfg.cluster.scorer_placement == "buffer"
+        self.scorer_actors = [] if in_buffer else [actor("scorer").remote("scorer", cfg, i, self.buffer_actor)
                                                 for i in range(cfg.reward.num_scorers)]
-        self.hub = RayProxy(self.hub_actor)
+        self.buffer = RayProxy(self.buffer_actor)
         self.trainer = RayProxy(self.trainer_actor)
         self.generators = [RayProxy(a) for a in self.generator_actors]
-        self.scorers = ([RayProxy(self.hub_actor, "scorer", i) for i in range(cfg.reward.num_scorers)] if in_hub
+        self.scorers = ([RayProxy(self.buffer_actor, "scorer", i) for i in range(cfg.reward.num_scorers)] if in_buffer
                         else [RayProxy(a) for a in self.scorer_actors])
 
     @property
     def actors(self) -> list[Any]:
-        return [self.hub_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
+        return [self.buffer_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         refs = [a.ready.remote() for a in self.actors]

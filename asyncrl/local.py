@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from asyncrl.build import build_generator, build_hub, build_scorer, build_trainer, set_torch_threads
+from asyncrl.build import build_generator, build_buffer, build_scorer, build_trainer, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.weights.local import LocalWeightChannel
 
@@ -39,11 +39,11 @@ class LocalDeployment:
     def __init__(self, cfg: Config) -> None:
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
-        self.hub_obj = build_hub(cfg)
-        self.trainer_obj = build_trainer(cfg, self.hub_obj)
-        self.generator_objs = [build_generator(cfg, i, self.hub_obj) for i in range(cfg.rollout.num_generators)]
-        self.scorer_objs = [build_scorer(cfg, i, self.hub_obj) for i in range(cfg.reward.num_scorers)]
-        self.hub = AsyncFacade(self.hub_obj)
+        self.buffer_obj = build_buffer(cfg)
+        self.trainer_obj = build_trainer(cfg, self.buffer_obj)
+        self.generator_objs = [build_generator(cfg, i, self.buffer_obj) for i in range(cfg.rollout.num_generators)]
+        self.scorer_objs = [build_scorer(cfg, i, self.buffer_obj) for i in range(cfg.reward.num_scorers)]
+        self.buffer = AsyncFacade(self.buffer_obj)
         self.trainer = AsyncFacade(self.trainer_obj)
         self.generators = [AsyncFacade(g) for g in self.generator_objs]
         self.scorers = [AsyncFacade(s) for s in self.scorer_objs]

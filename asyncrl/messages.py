@@ -1,7 +1,7 @@
 """Wire messages: every payload that crosses an actor boundary is one of these msgspec Structs.
 
 Place in the dataflow: the engine returns `Completion`s to a Generator, which wraps them into
-`Trajectory`s (rollout queue) → the Scorer fills rewards and assembles a `Group` (train queue) →
+`Trajectory`s (rollout queue) → the Scorer fills rewards and assembles a `Group` (train store) →
 the Trainer consumes groups. `WeightsMeta` describes the weight broadcast from the Trainer to the
 generators. Structs live here (an importable module) because a Struct defined in `__main__` loses its
 fields through Ray's pickling.
@@ -98,7 +98,7 @@ class Trajectory(Message):
 
 
 class Group(Message):
-    """All samples of one prompt after scoring: the unit of the train queue and of admission."""
+    """All samples of one prompt after scoring: the unit of the train store and of admission."""
 
     group_id: int
     min_version: int                 # min over members; the staleness gate reads it

@@ -1,6 +1,6 @@
 """The step and weight-sync pipeline: prefetch → update → send → arm/receive → release → publish.
 
-Place in the dataflow: between the train store (ReplayHub) and the generators. Its two halves share one
+Place in the dataflow: between the train store (ReplayBuffer) and the generators. Its two halves share one
 sequence and live in two processes: `UpdatePipeline` in the Trainer's (it holds the weights), `StepPipeline`
 in the Controller's (it drives the trainer, the generators and the gate). Nothing else keeps pipeline state.
 
@@ -18,7 +18,7 @@ One train step s (version s → s + 1), in the order the events happen:
  send_weights() claims that send       train_step(s+1) may update now
  every receive returned ◄───────────────────────────────────────────────────── holds s+1 (swap landed)
  arm the receives of s+2
- hub.publish(s+1): the gate admits at s+1
+ buffer.publish(s+1): the gate admits at s+1
 ```
 
 An evaluation reads the trainer's weights, so on an evaluation step the Controller asks for step s+1 only
@@ -57,7 +57,7 @@ loop interleave, so the example checks the order that the pipeline guarantees):
 ...         log.append(f"publish {version}")
 >>> trainer = UpdatePipeline(learner=Learner(), source=Store())
 >>> trainer.sender = Sender()
->>> steps = StepPipeline(trainer=trainer, generators=[Generator()], hub=Gate(), total_steps=2)
+>>> steps = StepPipeline(trainer=trainer, generators=[Generator()], buffer=Gate(), total_steps=2)
 >>> async def run():
 ...     await steps.start()
 ...     for s in range(2):
@@ -106,7 +106,7 @@ class Updater(Protocol):
 
 
 class StepSource(Protocol):
-    """The train store (ReplayHub), as far as the pipeline uses it."""
+    """The train store (ReplayBuffer), as far as the pipeline uses it."""
 
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
 
@@ -277,11 +277,11 @@ class StepPipeline:
     `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile).
     """
 
-    def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], hub: Publisher,
+    def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
                  total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain) -> None:
         self.trainer = trainer
         self.generators = list(generators)
-        self.hub = hub
+        self.buffer = buffer
         self.total_steps = total_steps
         self.watch = watch
         self._arm = False  # every generator's receive may wait for the send (set by start())
@@ -324,7 +324,7 @@ class StepPipeline:
                 discard(f)
         if step + 1 < self.total_steps and self._arm:  # the next version's receives wait while it trains
             self._armed = self._receive(armed=True)
-        await self.watch(self.hub.publish(step + 1))
+        await self.watch(self.buffer.publish(step + 1))
         return metrics, sent
 
     def _receive(self, *, armed: bool) -> list[asyncio.Future]:

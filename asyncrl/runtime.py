@@ -1,238 +1,324 @@
-"""The Controller: runs the dataflow built from one Config until `trainer.total_steps`, then stops it.
+"""The embedding API: `asyncrl.Runtime`, for users whose agent loop is their own program.
+
+Place in the dataflow — the user's loop replaces the generators' prompt loop:
 
 ```
- loop        consumes                    produces                 waits for                 unblocked by
- ─────────── ─────────────────────────── ──────────────────────── ───────────────────────── ──────────────────────────
- Generator   prompt rows, gate slots     trajectories → rollout q  gate capacity (staleness) publish(v), returned slots
- Scorer      rollout queue               groups → train store      trajectories              generators
- Trainer     P oldest groups (take_step) new weights, version v+1  the P oldest groups done  scorers accepting groups
- Controller  step results                broadcast, publish(v+1),  the trainer's step        train_step returning
-                                         metrics.jsonl row
+ user loop ── rt.generate / ep.act ──► Generator.generate (engine: continuous batching, newest weights)
+     └────── rt.submit(group) ──► ReplayBuffer.submit_group (gate: admitted at the group's min_version)
+                                     ──► rollout queue ──► Scorer ──► Trainer ──► weights ──► Generators
 ```
 
-Each train step runs through the step pipeline (asyncrl/pipeline.py, which shows the whole sequence):
-`train_step(s)` → the weight send every generator joins → `publish(s+1)` on the gate; step s+1 is asked
-for at once and trains meanwhile (after the evaluation, every `eval_every` steps). Then the roles'
-statistics of step s's window are gathered and one metrics row is written. Generators and scorers run
-their own loops the whole time, so generation of later versions overlaps training up to the staleness
-bound.
+```python
+async with Runtime("agent.toml") as rt:          # starts buffer, trainer, scorers, generator engines
+    ep = rt.episode("?")                          # token-in/token-out transcript
+    text = await ep.act()                         # one model turn on the exact token context
+    ep.observe("+"); ep.reward = 1.0              # env tokens (not trained), the episode's reward
+    await rt.submit([ep, ...])                    # one group (GRPO: episodes of the same task)
+    await rt.wait_for_version(rt.version + 1)     # training runs in the background
+```
 
-The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
-or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+Training takes one step per `trainer.prompts_per_step` submitted groups, broadcasts the weights to the
+generator engines and publishes the version, up to `trainer.total_steps` (the Controller's own loop,
+metrics.jsonl in `run.output_dir` as for `asyncrl launch`). Staleness: a submitted group is admitted at
+the gate at its min_version, so `staleness.max_staleness` holds for it like for generated groups: `submit`
+waits while the gate has no room (backpressure) and drops the group (returns None, counted as
+`buffer/submitted_dropped_stale`) when it is too old to fit. Deployments: in-process (`local=True`) or Ray
+actors (`local=False`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 from pathlib import Path
-from typing import Any, Awaitable, Protocol
+from typing import Any, Sequence
 
-from asyncrl.aio import discard
-from asyncrl.config import config_to_toml
+from asyncrl.algorithms.registry import advantage_needs
+from asyncrl.config import load_config
 from asyncrl.config_schema import Config
-from asyncrl.pipeline import StepPipeline
-from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
-from asyncrl.telemetry.metrics import RoleStats, WindowReducer
-from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
-from asyncrl.telemetry.summary import summarize_rows
-from asyncrl.telemetry.trace import TraceWriter
+from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
+from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.controller import Controller
+from engines.hf import ensure_model, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class Deployment(Protocol):
-    """Where the roles live. Each attribute exposes the role's async methods."""
-
-    hub: Any
-    trainer: Any
-    generators: list[Any]
-    scorers: list[Any]
-
-    async def setup_weight_sync(self) -> None: ...
-    async def save_checkpoint(self, path: str) -> None: ...
-    async def shutdown(self) -> None: ...
+class TrainingFinished(RuntimeError):
+    """The background training ended (all steps taken, or it failed: the cause is chained)."""
 
 
-class RoleFailed(RuntimeError):
-    pass
+class _IdleGenerator:
+    """A generator role whose prompt loop is replaced by waiting: the user's loop does the generating."""
+
+    def __init__(self, role: Any) -> None:
+        self._role = role
+        self._stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._role, name)
 
 
-class Controller:
-    def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
-                 config_text: str | None = None) -> None:
-        self.cfg = cfg
-        self.d = deployment
-        self.run_dir = Path(run_dir or cfg.run.output_dir)
-        self.config_text = config_text
-        self._loops: list[asyncio.Future] = []
-        self._spans: list[Span] = []
-        self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
-        self._trace: TraceWriter | None = None
-        self._window_end = 0.0
-        # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
-        self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
-                                  hub=deployment.hub, total_steps=cfg.trainer.total_steps, watch=self._guard)
-        self.rows: list[dict[str, Any]] = []
+class _Embedded:
+    """The Controller's Deployment: roles as deployed, idle generator loops, publish observed, shutdown
+    deferred to Runtime.__aexit__ (so generate works until the user leaves the context)."""
 
-    async def run(self) -> list[dict[str, Any]]:
-        cfg, d = self.cfg, self.d
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # always: `asyncrl report` and `asyncrl plan` read the run's settings from it
-        (self.run_dir / "config.toml").write_text(self.config_text if self.config_text is not None
-                                                  else config_to_toml(cfg))
-        t_start = time.time()
-        sinks: list[MetricSink] = []
-        quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
+    def __init__(self, inner: Any, on_publish: Any) -> None:
+        self.inner = inner
+        self.buffer = _PublishHook(inner.buffer, on_publish)
+        self.trainer = inner.trainer
+        self.generators = [_IdleGenerator(g) for g in inner.generators]
+        self.scorers = inner.scorers
+
+    async def setup_weight_sync(self) -> None:
+        await self.inner.setup_weight_sync()
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self.inner.save_checkpoint(path)
+
+    async def shutdown(self) -> None:
+        """Deliberately nothing: the Controller calls this when training ends, but the user's loop may still
+        generate; `Runtime.__aexit__` shuts `inner` down."""
+
+
+class _PublishHook:
+    def __init__(self, buffer: Any, on_publish: Any) -> None:
+        self._buffer = buffer
+        self._on_publish = on_publish
+
+    async def publish(self, version: int) -> None:
+        await self._buffer.publish(version)
+        self._on_publish(version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._buffer, name)
+
+
+class AgentEpisode:
+    """A token-in/token-out episode driven by the user's loop: `act` samples a model turn on the exact
+    context, `observe` appends environment text (never trained), `reward` is the episode's reward."""
+
+    def __init__(self, rt: "Runtime", prompt: str) -> None:
+        self._rt = rt
+        self.transcript = Transcript(rt.codec, rt.chat_format, stop_ids=rt.stop_ids)
+        self.transcript.start(prompt)
+        self.prompt = prompt
+        self.reward = 0.0
+        self.temperature: float | None = None
+        self.finish_reason = "stop"
+
+    async def act(self, **sampling: Any) -> str:
+        """One model turn (`sampling`: SamplingParams fields except n); returns its text."""
+        c = await self._rt.generate(self.transcript.context, **sampling)
+        temp = self._rt.sampling(**sampling).temperature
+        if self.temperature is not None and temp != self.temperature:
+            raise ValueError(f"an episode's turns must share one temperature ({self.temperature} then {temp})")
+        self.temperature = temp
+        self.finish_reason = c.finish_reason
+        return self.transcript.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions))
+
+    def observe(self, text: str) -> None:
+        self.transcript.add_observation(text, self.transcript.observation_ids(text), self._rt.version)
+
+    def to_trajectory(self) -> Trajectory:
+        t = self.transcript
+        if not t.turns:
+            raise ValueError("an episode needs at least one model turn (act) before it is submitted")
+        model_versions = [v for v, m in zip(t.versions, t.loss_mask) if m] or [self._rt.version]
+        return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                          loss_mask=t.loss_mask, behavior_logprobs=t.logprobs, versions=t.versions,
+                          min_version=min(model_versions), max_version=max(model_versions),
+                          finish_reason="length" if self.finish_reason == "length" else "stop",
+                          temperature=self.temperature if self.temperature is not None else 1.0,
+                          prompt_text=self.prompt, env_reward=float(self.reward), turns=t.turns)
+
+
+class Runtime:
+    """Starts the run's roles and trains in the background on what the user's loop submits."""
+
+    def __init__(self, config: Config | str | Path, *, local: bool = True, overrides: Sequence[str] = (),
+                 run_dir: str | Path | None = None) -> None:
+        self.cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        advantage = self.cfg.algorithm.advantage
+        if advantage_needs(advantage).greedy_baseline:
+            raise ValueError(f"algorithm.advantage: {advantage!r} needs a greedy baseline, the generators' greedy "
+                             f"completion of each prompt, which groups submitted to a Runtime do not have — use "
+                             f"e.g. 'grpo' or 'rloo'")
+        self.local = local
+        self.run_dir = run_dir
+        self._version = 0
+        self._version_changed = asyncio.Condition()
+        self._task: asyncio.Future | None = None
+        self._next_gen = 0
+        self._started_ray = False
+        self._inner: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def __aenter__(self) -> "Runtime":
+        cfg = self.cfg
+        await asyncio.to_thread(ensure_model, cfg.model)
+        tok = load_tokenizer(cfg.model.path)
+        self.codec = HFCodec(tok)
+        self.chat_format = resolve_format(self.codec, cfg.env.chat_template if cfg.env else "auto")
+        self.stop_ids = frozenset([*eos_token_ids(cfg.model.path), *cfg.rollout.stop_token_ids])
         try:
-            sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
-            if cfg.logging.trace:
-                self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
-            await d.setup_weight_sync()
-            self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
-            if cfg.trainer.eval_every > 0:
-                first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
-                first.update(await self._guard(d.trainer.evaluate()))
-                _log_row(sinks, first)
-                self.rows.append(first)
-            await self.steps.start()
-            t_prev = time.time()
-            for step in range(cfg.trainer.total_steps):
-                row = await self._one_step(step, t_start, t_prev)
-                t_prev = self._window_end
-                _log_row(sinks, row)
-                self.rows.append(row)
-                if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
-                    log.info(_progress_line(row, cfg.trainer.total_steps))
-            summary = self._summary(t_start)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            if cfg.run.save_checkpoint:
-                await d.save_checkpoint(str(self.run_dir / "checkpoint"))
-            return self.rows
+            if self.local:
+                from asyncrl.local import LocalDeployment
+
+                self._inner = await asyncio.to_thread(LocalDeployment, cfg)
+            else:
+                from asyncrl.launch import RayDeployment, start_ray
+
+                self._started_ray = start_ray(cfg)
+                self._inner = RayDeployment(cfg)
+                await asyncio.to_thread(self._inner.wait_ready)
+            self._deployment = _Embedded(self._inner, self._published)
+            self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir)
+        except BaseException:  # __aexit__ will not run: stop what was started, then report the cause
+            try:
+                await self._release()
+            except Exception as exc:  # the start's own error is the one to report
+                log.warning("cleanup after a failed start failed too: %s", exc)
+            raise
+        self._task = asyncio.ensure_future(self.controller.run())
+        self._task.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._task is not None:
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception) as err:  # reported by whoever awaited training
+                log.debug("background training ended with %r", err)
+        await self._release()
+
+    async def _release(self) -> None:
+        """Shut the deployment down (engines, actors) and Ray if this Runtime started it."""
+        inner, self._inner = self._inner, None
+        try:
+            if inner is not None:
+                await inner.shutdown()
         finally:
-            self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
-            close_sinks(sinks)
-            if self._trace is not None:
-                self._trace.close()
-            try:
-                await self._stop_loops()
-            finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
-                await d.shutdown()
+            if self._started_ray:
+                from asyncrl.launch import stop_ray
 
-    async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
-        """Train step `step` through publish (the step pipeline), then evaluation when due, then the
-        window's metrics row. An evaluation reads the trainer's weights, so the next step is asked for
-        after it; otherwise it is asked for at once and trains while the row is gathered."""
-        version = step + 1
-        every = self.cfg.trainer.eval_every
-        eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
-        metrics, sent = await self.steps.step(step, ask_next=not eval_due)
-        row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
-        row.update(metrics)
-        row.update(dict(sent))
-        if eval_due:
-            row.update(await self._guard(self.d.trainer.evaluate()))
-        t_end = time.time()
-        self.steps.ask_next(version)
-        row.update(await self._role_metrics(t_prev, t_end))
-        row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
-        row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
-        self._window_end = t_end
-        return row
+                self._started_ray = False
+                stop_ray()
 
-    async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
-        """Every role's report of its window (what happened since its previous `stats()`), reduced by each
-        metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
-        d = self.d
-        reports: list[RoleStats] = await self._guard(asyncio.gather(
-            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.hub.stats()))
-        out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
-        new_spans = [sp for r in reports for sp in r.spans]
-        if self._trace is not None:
-            self._trace.add_spans(new_spans)
-            self._trace.add_counters(t1, {k: out[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
-                                          if k in out})
-        # Keep spans that can still overlap the next window (a long generate started two windows ago).
-        self._spans = [s for s in [*self._spans, *new_spans] if s.end >= t0 - 60.0]
-        out.update(busy_shares(self._spans, (t0, t1)))
-        out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
-        return out
+    # -- versions ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest published policy version (every generator engine holds it)."""
+        return self._version
 
-    async def _guard(self, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
-        fut = asyncio.ensure_future(aw)
+    @property
+    def training_done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The metrics rows written so far (one per train step, as in metrics.jsonl)."""
+        return self.controller.rows
+
+    def _published(self, version: int) -> None:
+        self._version = max(self._version, version)
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the published version is >= `version`; returns it. TimeoutError after `timeout`;
+        TrainingFinished if training ended first (a failure is chained)."""
+        async def wait() -> int:
+            async with self._version_changed:
+                while self._version < version:
+                    self._raise_if_finished()
+                    await self._version_changed.wait()
+            return self._version
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    def _raise_if_finished(self) -> None:
+        if self._task is not None and self._task.done():
+            exc = None if self._task.cancelled() else self._task.exception()
+            raise TrainingFinished(f"training ended at version {self._version}"
+                                   + (f": {type(exc).__name__}: {exc}" if exc else "")) from exc
+
+    async def wait_done(self) -> list[dict[str, Any]]:
+        """Wait for the background training to finish; returns the metrics rows (raises what it raised)."""
+        assert self._task is not None, "use Runtime as `async with Runtime(...) as rt`"
+        return await asyncio.shield(self._task)
+
+    # -- generation -------------------------------------------------------------------------------
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        r = self.cfg.rollout
+        base = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=list(r.stop_token_ids), stop=list(r.stop))
+        if "n" in overrides:
+            raise ValueError("generate samples one completion; call it n times concurrently (they are batched)")
+        base.update(overrides)
+        return SamplingParams(n=1, **base)
+
+    async def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
+        """One completion of `prompt` (text is encoded once; ids are used as they are) on the newest weights:
+        token ids, behaviour logprobs and the version of each token. Concurrent calls are batched."""
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        gens = self._deployment.generators
+        gen = gens[self._next_gen % len(gens)]
+        self._next_gen += 1
+        return (await gen.generate([ids], self.sampling(**sampling)))[0][0]
+
+    def episode(self, prompt: str) -> AgentEpisode:
+        """A new token-in/token-out episode whose initial observation is `prompt`."""
+        return AgentEpisode(self, prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids)
+
+    # -- training data ----------------------------------------------------------------------------
+    async def submit(self, group: Sequence[AgentEpisode | Trajectory] | AgentEpisode | Trajectory,
+                     timeout: float | None = None) -> int | None:
+        """Queue one group (episodes of the same task; GRPO compares them) for training.
+
+        Trajectories with `env_reward` set are trained with it; others are scored by `reward.fn`.
+        Returns the group id, or None when the group was too stale for the gate (dropped, counted).
+        Waits while the gate has no room; TrainingFinished once training has ended.
+        """
+        items = [group] if isinstance(group, (AgentEpisode, Trajectory)) else list(group)
+        trajs = [x.to_trajectory() if isinstance(x, AgentEpisode) else x for x in items]
+        for t in trajs:  # here, one line to the caller, not later in the trainer (which would end the run)
+            _check_submittable(t)
+        self._raise_if_finished()
         try:
-            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
-            discard(fut)
-            raise
-        if fut not in done:
-            fut.cancel()
-            dead = next(iter(done))
-            exc = dead.exception() if not dead.cancelled() else None
-            raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
-        try:
-            return fut.result()
-        except Exception as exc:  # e.g. an actor died mid-call: one line, the cause stays chained
-            if _is_actor_death(exc):
-                raise RoleFailed(f"an actor died: {_first_line(exc)}") from exc
-            raise
-
-    async def _stop_loops(self) -> None:
-        d = self.d
-        for r in [*d.generators, *d.scorers]:
-            try:
-                await asyncio.wait_for(r.stop(), 10)
-            except Exception as exc:  # a dead actor must not block shutdown
-                log.debug("stop failed: %s", exc)
-        try:
-            await asyncio.wait_for(d.hub.close(), 10)
+            return await self._deployment.buffer.submit_group(trajs, timeout)
         except Exception as exc:
-            log.debug("hub close failed: %s", exc)
-        if self._loops:
-            done, pending = await asyncio.wait(self._loops, timeout=15)
-            for f in pending:
-                f.cancel()
-            for f in done:  # retrieve: a loop that died has already been reported by _guard
-                if not f.cancelled() and f.exception() is not None:
-                    log.debug("role loop ended with %r", f.exception())
-
-    def _summary(self, t_start: float) -> dict[str, Any]:
-        out: dict[str, Any] = {"wall_s": time.time() - t_start}
-        out.update(summarize_rows(self.rows))
-        out["setting"] = {"num_generators": self.cfg.rollout.num_generators,
-                          "max_staleness": self.cfg.staleness.max_staleness,
-                          "prompts_per_step": self.cfg.trainer.prompts_per_step,
-                          "group_size": self.cfg.rollout.group_size,
-                          "concurrency": self.cfg.rollout.concurrency,
-                          "torch_threads": self.cfg.cluster.torch_threads}
-        return out
+            if type(exc).__name__ == "QueueClosed" or self.training_done:
+                raise TrainingFinished(f"training ended at version {self._version}; the group was not queued") from exc
+            raise
 
 
-def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
-    for sink in sinks:
-        sink.log(row)
-
-
-def _first_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return "cancelled"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
-
-
-def _is_actor_death(exc: BaseException) -> bool:
-    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
-    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-               for c in type(exc).__mro__)
-
-
-def _progress_line(row: dict[str, Any], total: int) -> str:
-    parts = [f"step {row['step']}/{total}", f"reward {row.get('reward/mean', float('nan')):.3f}"]
-    if "eval/greedy_reward" in row:
-        parts.append(f"eval greedy {row['eval/greedy_reward']:.3f}")
-    parts.append(f"staleness max {row.get('staleness/max', 0):.0f}")
-    parts.append(f"{row['time/elapsed_s']:.1f}s")
-    return " | ".join(parts)
+def _check_submittable(t: Trajectory) -> None:
+    """Raise ValueError (one line) for a trajectory the trainer must refuse: greedy, no prompt, or per-token
+    lists that do not match its response."""
+    if not isinstance(t, Trajectory):
+        raise TypeError(f"submit takes AgentEpisodes or Trajectories, got {type(t).__name__}")
+    if t.temperature <= 0:
+        raise ValueError(f"submit: a trajectory sampled greedily (temperature={t.temperature}) is never trained — "
+                         f"sample its turns with temperature > 0")
+    if not t.prompt_ids:
+        raise ValueError("submit: a trajectory needs at least one prompt token")
+    n = len(t.response_ids)
+    if not (len(t.loss_mask) == len(t.behavior_logprobs) == len(t.versions) == n):
+        raise ValueError(f"submit: response_ids ({n}), loss_mask ({len(t.loss_mask)}), behavior_logprobs "
+                         f"({len(t.behavior_logprobs)}) and versions ({len(t.versions)}) need one entry per "
+                         f"response token")

@@ -21,7 +21,7 @@ even number of rounds).
 Why max_staleness 2 and `rollout.weight_update = "between_requests"` by default (both runs get the same
 config; in the synchronous run no group is in flight when weights arrive, so the setting changes nothing
 there): with K = 1 the generator's whole chain for the next step (receive, swap, admit, generate, score,
-the trainer's prefetch) must fit inside one update, on a core that also carries the scorer, the replay hub,
+the trainer's prefetch) must fit inside one update, on a core that also carries the scorer, the replay buffer,
 the Controller and Ray's processes; at G/T ~ 0.85 that left a gate wait in the async step in many rounds.
 K = 2 gives the chain a second update of slack, and swapping between requests (the groups in flight are
 within the bound at the version they started with) avoids the in-flight swap's KV recompute, which cost
@@ -46,10 +46,10 @@ Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`)
 --tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
 
-Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, replay hub
+Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, replay buffer
 and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin lets every
 process float, which on this machine let the light roles and Ray's own threads preempt the trainer 4-10%
-of its update time. The scorer runs inside the hub's actor (`cluster.scorer_placement = "hub"`, every
+of its update time. The scorer runs inside the buffer's actor (`cluster.scorer_placement = "buffer"`, every
 run): as its own actor, its process cost core 0 about 50 ms of CPU a step (actor calls, Ray's per-process
 work) against 7 ms of scoring, and the synchronous run does that work while the trainer trains, the
 asynchronous one beside generation.
@@ -110,7 +110,7 @@ generator_cpus = 0.5
 scorer_cpus = 0.25
 trainer_cpus = 0.5
 buffer_cpus = 0.25
-scorer_placement = "hub"
+scorer_placement = "buffer"
 {affinity}
 
 [logging]
@@ -138,7 +138,7 @@ def measure(rows: list[dict], warmup: int) -> dict[str, float]:
 
 
 # The pinned layout (default on Ray): the trainer, whose step is the longer one (G < T), gets core 1 to
-# itself; the generator, the replay hub (hosting the scorer), the Controller and Ray's own processes (they
+# itself; the generator, the replay buffer (hosting the scorer), the Controller and Ray's own processes (they
 # start from the Controller's process and inherit its CPUs) share core 0, where generation leaves slack.
 # With the Controller beside the trainer, its per-step work and Ray's threads descheduled the update 4-9%
 # of its time (train span wall vs process CPU); here 0.3-1%. The same layout in every run, so G and T are

@@ -1,9 +1,9 @@
 """Buffers between the roles: bounded rollout queue, grouping by prompt, staleness gate, and the
-`ReplayHub` that composes them inside one async actor (plain asyncio here; no Ray)."""
+`ReplayBuffer` that composes them inside one async actor (plain asyncio here; no Ray)."""
 
 from buffers.gate import RELEASE_REASONS, AdmissionGate
 from buffers.grouping import GroupAssembler
-from buffers.hub import ReplayHub
+from buffers.replay import ReplayBuffer
 from buffers.queue import BoundedQueue, QueueClosed, Signal
 
 __all__ = [
@@ -12,6 +12,6 @@ __all__ = [
     "BoundedQueue",
     "GroupAssembler",
     "QueueClosed",
-    "ReplayHub",
+    "ReplayBuffer",
     "Signal",
 ]

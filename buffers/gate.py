@@ -26,7 +26,7 @@ Why every consumed group has 0 <= staleness = s - min_version <= k:
     only exist after m steps; a generator may hold them just before `publish(m)` arrives), so steps
     0..m-1 were already taken when the group was admitted: s >= m.
   `take_step` re-checks both bounds for every group it returns and raises if either were broken.
-Corollary used by the hub: admitted groups that are not released and not yet consumed never exceed
+Corollary used by the buffer: admitted groups that are not released and not yet consumed never exceed
 (k + 1) * P (at admission accepted + running <= (m + k + 1) * P and consumed = steps taken * P >= m * P).
 
 All methods run on one event loop; sync methods wake waiters through `Signal` (no lock needed).

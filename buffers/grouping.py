@@ -3,7 +3,7 @@
 Place in the dataflow: a Scorer takes trajectories from the rollout queue (members of one group may
 arrive in any order, from any generator), scores them, and `add`s each here; once all `group_size`
 members of a group have arrived, `add` returns the `Group` that goes to the train store
-(`ReplayHub.accept_groups`) — or, if it is to be filtered, whose id is released at the gate.
+(`ReplayBuffer.accept_groups`) — or, if it is to be filtered, whose id is released at the gate.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def _vocab_size(model_path: str) -> int | None:
     try:
         return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # no local config (e.g. a hub id): SGLang validates ids itself
+        return None  # no local config (e.g. a buffer id): SGLang validates ids itself
 
 
 def parse_output(out: Any) -> tuple[list[int], list[float], str]:

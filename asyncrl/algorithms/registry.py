@@ -1,7 +1,7 @@
 """Name → function registries of the training algorithms (advantages, policy losses, loss aggregations,
 KL estimators, off-policy corrections).
 
-Place in the dataflow: the Trainer's `Learner` (asyncrl/roles/learner.py) looks up the functions a config
+Place in the dataflow: the Trainer's `Learner` (asyncrl/training/learner.py) looks up the functions a config
 names (`[algorithm] advantage / policy_loss / loss_agg / kl ...`) here once, at construction, so that an
 unknown name fails before the first step with a KeyError listing the known ones. Adding an algorithm is one
 decorated pure function in advantages.py / losses.py / kl.py / offpolicy.py; nothing dispatches on strings
@@ -10,7 +10,7 @@ with if/elif.
 An advantage estimator also declares what it needs from the rest of the run (`AlgorithmNeeds`: a critic, a
 greedy baseline, groups of at least n samples). Config validation (asyncrl/config.py), the builders
 (asyncrl/build.py: critic, generator's greedy completion), the Learner and the embedding API
-(asyncrl/embed.py) ask `advantage_needs(name)` instead of comparing estimator names:
+(asyncrl/runtime.py) ask `advantage_needs(name)` instead of comparing estimator names:
 
     @register_advantage("gae", needs=AlgorithmNeeds(critic=True))
     def compute_gae(inp: AdvantageInput, params: AdvantageParams) -> AdvantageOutput: ...

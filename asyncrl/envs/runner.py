@@ -9,7 +9,7 @@ continuous batching. Limits per episode: `max_turns` model turns and `max_episod
 (model + environment); hitting one ends the episode with finish_reason "length" (truncated).
 
 Containment (nothing is lost, every fault is counted by kind in `counters` — the episodes themselves are
-counted once, by the hub, as they reach the rollout queue: `env/episodes`, `env/errors`):
+counted once, by the buffer, as they reach the rollout queue: `env/episodes`, `env/errors`):
 * `reset` raising / timing out / returning a non-string: finish_reason "error" — nothing to train on;
   the Scorer fails the group (slots returned to the gate, counted as failed).
 * `step` raising / timing out / returning garbage (or an observation the tokenizer cannot encode): the

@@ -1,7 +1,7 @@
 """Generator role: admits prompt groups through the staleness gate, samples them with the rollout engine,
 and puts the finished trajectories on the rollout queue.
 
-Place in the dataflow: PromptStream ──► **Generator** (engine) ──► rollout queue (ReplayHub) ──► Scorer.
+Place in the dataflow: PromptStream ──► **Generator** (engine) ──► rollout queue (ReplayBuffer) ──► Scorer.
 Weights arrive from the Trainer through a WeightReceiver into a staging copy while generation goes on;
 the engine swaps them in at a decode-step boundary (in flight) or once the groups in flight are done
 (between requests), never in the middle of a forward pass.
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class GroupSource(Protocol):
-    """The part of the ReplayHub a generator talks to."""
+    """The part of the ReplayBuffer a generator talks to."""
 
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
     async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
@@ -47,7 +47,7 @@ class Generator:
         *,
         generator_id: int,
         engine: RolloutEngine,
-        hub: GroupSource,
+        buffer: GroupSource,
         next_row: Callable[[], dict[str, Any]],
         encode: Callable[[str], list[int]],
         sampling: SamplingParams,
@@ -61,7 +61,7 @@ class Generator:
             raise ValueError(f"weight_update must be 'in_flight' or 'between_requests', got {weight_update!r}")
         self.generator_id = generator_id
         self.engine = engine
-        self.hub = hub
+        self.buffer = buffer
         self.next_row = next_row
         self.encode = encode
         self.sampling = sampling
@@ -111,10 +111,10 @@ class Generator:
         return stats
 
     def _note_held(self, version: int) -> None:
-        """Tell the hub this generator holds `version`, so the run loop's admit, waiting at the older
+        """Tell the buffer this generator holds `version`, so the run loop's admit, waiting at the older
         version, returns at once and asks again with the new one (not only after the controller's
         publish, a few round trips later). Fire and forget: publish wakes it anyway."""
-        task = asyncio.ensure_future(self.hub.note_held(version))
+        task = asyncio.ensure_future(self.buffer.note_held(version))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
                                               version, t.exception()))
@@ -167,7 +167,7 @@ class Generator:
                     continue
                 version = self.engine.version
                 t0 = time.time()
-                group_ids = await self.hub.admit(free, version, timeout=0.5)
+                group_ids = await self.buffer.admit(free, version, timeout=0.5)
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))
@@ -180,7 +180,7 @@ class Generator:
                     task.cancel()
 
     def _group_done(self, task: asyncio.Future, inflight: set[asyncio.Future]) -> None:
-        """A group task ended. Its expected faults are contained inside it; anything else (the hub refusing
+        """A group task ended. Its expected faults are contained inside it; anything else (the buffer refusing
         a put while the run goes on) would leave its group running at the gate forever, so it ends `run`
         with that error (the runtime reports a dead generator loop) instead of vanishing unretrieved."""
         inflight.discard(task)
@@ -231,11 +231,11 @@ class Generator:
         await self._put_rollouts(trajs, version)
 
     async def _put_rollouts(self, trajs: list[Trajectory], version: int) -> None:
-        """Queue finished rollouts (waits for room). After stop() the hub is closing and refuses puts
+        """Queue finished rollouts (waits for room). After stop() the buffer is closing and refuses puts
         (QueueClosed, or its Ray-wrapped form): the run is over, so the rollouts are dropped quietly."""
         t0 = time.time()
         try:
-            await self.hub.put_rollouts(trajs)
+            await self.buffer.put_rollouts(trajs)
         except Exception as exc:
             if not self._stopped.is_set():
                 raise
@@ -245,10 +245,10 @@ class Generator:
         self.recorder.record("wait_queue", t0, time.time(), version)
 
     async def _release_failed(self, group_ids: list[int]) -> None:
-        """Return the slots of failed groups (the hub counts them: `buffer/failed`); after stop() a closing hub
+        """Return the slots of failed groups (the buffer counts them: `buffer/failed`); after stop() a closing buffer
         may refuse, which no longer matters."""
         try:
-            await self.hub.release_groups(group_ids, "failed")
+            await self.buffer.release_groups(group_ids, "failed")
         except Exception:
             if not self._stopped.is_set():
                 raise

@@ -1,7 +1,7 @@
 """Scorer role: takes trajectories off the rollout queue, computes rewards, assembles complete groups and
 hands them to training — or returns their admission slots when they are filtered or failed.
 
-Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train queue ──► Trainer.
+Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train store ──► Trainer.
 A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
 belongs to completes as a failed group (slots returned to the gate, counted) and the run goes on.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.loader import call_reward_async, call_rewards_async
-from asyncrl.roles.reference import ReferencePolicy
+from asyncrl.training.reference import ReferencePolicy
 from asyncrl.telemetry.metrics import Rate, RoleStats, Total, Window
 from asyncrl.telemetry.spans import SpanRecorder
 from buffers.grouping import GroupAssembler
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class ScoreSink(Protocol):
-    """The part of the ReplayHub a scorer talks to."""
+    """The part of the ReplayBuffer a scorer talks to."""
 
     async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]: ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
@@ -50,7 +50,7 @@ class Scorer:
         self,
         *,
         scorer_id: int,
-        hub: ScoreSink,
+        buffer: ScoreSink,
         reward_fn: Callable[..., float],
         decode: Callable[[list[int]], str],
         timeout_s: float = 30.0,
@@ -61,7 +61,7 @@ class Scorer:
         reference: ReferencePolicy | None = None,
     ) -> None:
         self.scorer_id = scorer_id
-        self.hub = hub
+        self.buffer = buffer
         self.reward_fn = reward_fn
         self.decode = decode
         self.timeout_s = timeout_s
@@ -73,7 +73,7 @@ class Scorer:
         self.assembler = GroupAssembler()
         self._stopped = asyncio.Event()
         # since the start (stats() reports each window's increment); groups accepted, filtered or failed
-        # are counted once, by the hub
+        # are counted once, by the buffer
         self.counts = {"scored": 0, "reward_errors": 0, "cost_errors": 0, "baselines_scored": 0,
                        "baseline_errors": 0}
         self._window = Window()
@@ -81,7 +81,7 @@ class Scorer:
     async def run(self) -> None:
         while not self._stopped.is_set():
             t0 = time.time()
-            trajs = await self.hub.get_rollouts(self.batch, timeout=0.5)
+            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5)
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)
@@ -110,11 +110,11 @@ class Scorer:
                 accepted.append(g)
         t0 = time.time()
         if failed:
-            await self.hub.release_groups(failed, "failed")
+            await self.buffer.release_groups(failed, "failed")
         if filtered:
-            await self.hub.release_groups(filtered, "filtered")
+            await self.buffer.release_groups(filtered, "filtered")
         if accepted:
-            await self.hub.accept_groups(accepted)
+            await self.buffer.accept_groups(accepted)
         self.recorder.record("wait_queue", t0, time.time())
 
     async def _score_all(self, trajs: list[Trajectory]) -> None:

@@ -1,7 +1,7 @@
 """Trainer role: takes one step's groups from the train store (in admission order, through the staleness
 gate), runs the update, and sends the new weights to the generators.
 
-Place in the dataflow: train store (ReplayHub) ──► **Trainer** (Learner) ──► weight broadcast ──► Generators.
+Place in the dataflow: train store (ReplayBuffer) ──► **Trainer** (Learner) ──► weight broadcast ──► Generators.
 The order of take, update and send, and how they overlap, is the step pipeline's (asyncrl/pipeline.py,
 `UpdatePipeline`); this role adds the step's metrics, evaluation and the checkpoint. Waiting on
 `take_step` is the trainer's idle time on the gate; the update runs on a worker thread so the actor can
@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncrl.pipeline import StepSource, UpdatePipeline
 from asyncrl.roles.evaluator import Evaluator
-from asyncrl.roles.learner import Learner
+from asyncrl.training.learner import Learner
 from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.weights.base import WeightSender
@@ -33,16 +33,16 @@ class Trainer:
         self,
         *,
         learner: Learner,
-        hub: StepSource,
+        buffer: StepSource,
         evaluator: Evaluator | None = None,
         recorder: SpanRecorder | None = None,
     ) -> None:
         self.learner = learner
-        self.hub = hub
+        self.buffer = buffer
         self.evaluator = evaluator
         self.recorder = recorder or SpanRecorder("trainer")
         # prefetch → update → send → release, in step order (asyncrl/pipeline.py)
-        self.pipeline = UpdatePipeline(learner=learner, source=hub, recorder=self.recorder)
+        self.pipeline = UpdatePipeline(learner=learner, source=buffer, recorder=self.recorder)
 
     @property
     def version(self) -> int:

@@ -17,7 +17,7 @@ import sys
 import time
 
 from asyncrl import Runtime
-from asyncrl.embed import AgentEpisode, TrainingFinished
+from asyncrl.runtime import AgentEpisode, TrainingFinished
 
 MAX_GUESSES = 4
 

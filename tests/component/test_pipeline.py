@@ -43,7 +43,7 @@ class FakeLearner:
         return self.weights
 
 
-class StepHub:
+class StepBuffer:
     """`take_step(s)` returns group s at once; records each call (and refuses a wrong step, like the gate)."""
 
     def __init__(self, log: list[str]) -> None:
@@ -92,7 +92,7 @@ class InstantSender:
 def make_trainer(log: list[str], sender: Any = None) -> Any:
     from asyncrl.roles.trainer import Trainer
 
-    trainer = Trainer(learner=FakeLearner(log), hub=StepHub(log))  # type: ignore[arg-type]
+    trainer = Trainer(learner=FakeLearner(log), buffer=StepBuffer(log))  # type: ignore[arg-type]
     trainer.sender = sender if sender is not None else InstantSender(log)
     return trainer
 
@@ -124,7 +124,7 @@ def test_trainer_prefetches_the_next_steps_groups_while_it_trains():
     # step 1's groups were taken while step 0 trained, and taken once
     assert log == ["take 0", "update 0 [0]", "take 1", "updated 0", "send 1", "update 1 [1]", "updated 1",
                    "send 2"]  # (every update starts its send)
-    assert trainer.hub.taken == 2 and trainer.pipeline._prefetch is None
+    assert trainer.buffer.taken == 2 and trainer.pipeline._prefetch is None
 
 
 def test_trainer_send_starts_when_the_update_ends_and_the_next_update_waits_for_it():
@@ -303,7 +303,7 @@ class FakeGate:
 def make_steps(log: list[str], total: int = 3, armable: bool = True, fail_step: int | None = None):
     trainer = FakeTrainer(log, fail_step)
     gens = [FakeGenerator(i, log, trainer, armable) for i in range(2)]
-    return trainer, gens, StepPipeline(trainer=trainer, generators=gens, hub=FakeGate(log), total_steps=total)
+    return trainer, gens, StepPipeline(trainer=trainer, generators=gens, buffer=FakeGate(log), total_steps=total)
 
 
 def test_step_pipeline_asks_the_next_step_behind_the_current_one_and_publishes_after_every_generator_holds_it():

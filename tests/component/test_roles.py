@@ -1,4 +1,4 @@
-"""Roles in-process with fakes: a Scorer or Generator talks to a fake hub (records every call) and, for the
+"""Roles in-process with fakes: a Scorer or Generator talks to a fake buffer (records every call) and, for the
 generator, a fake RolloutEngine. Bad input — a reward function that raises, hangs or returns garbage, an
 engine that raises — is contained: its group is released and counted, the rest of the run goes on."""
 
@@ -26,8 +26,8 @@ def run(coro: Any, timeout: float = 5.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-class FakeHub:
-    """The async methods a Generator and a Scorer call on the ReplayHub; records every call."""
+class FakeBuffer:
+    """The async methods a Generator and a Scorer call on the ReplayBuffer; records every call."""
 
     def __init__(self, batches: list[list[Trajectory]] | None = None, admit_ids: int = 1_000) -> None:
         self.batches = list(batches or [])
@@ -80,8 +80,8 @@ def decode(ids: list[int]) -> str:
     return "".join(chr(i) for i in ids)
 
 
-def make_scorer(hub: FakeHub, reward_fn: Callable[..., Any], **kw: Any) -> Scorer:
-    return Scorer(scorer_id=0, hub=hub, reward_fn=reward_fn, decode=decode, **kw)
+def make_scorer(buffer: FakeBuffer, reward_fn: Callable[..., Any], **kw: Any) -> Scorer:
+    return Scorer(scorer_id=0, buffer=buffer, reward_fn=reward_fn, decode=decode, **kw)
 
 
 def by_text(prompt: str, completion: str, **fields: Any) -> Any:
@@ -97,15 +97,15 @@ def by_text(prompt: str, completion: str, **fields: Any) -> Any:
 
 # -- Scorer ----------------------------------------------------------------------------------------
 def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others():
-    hub = FakeHub()
-    scorer = make_scorer(hub, by_text)
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text)
     batch = [traj(0, 0, "a"), traj(0, 1, "b"), traj(1, 0, "a"), traj(1, 1, "boom"), traj(2, 0, "b"),
              traj(2, 1, "b")]
     run(scorer.score_batch(batch))
-    assert hub.released["failed"] == [1]
-    assert [g.group_id for g in hub.accepted] == [0, 2]
-    assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
-    assert [t.reward for t in hub.accepted[1].trajectories] == [0.0, 0.0]
+    assert buffer.released["failed"] == [1]
+    assert [g.group_id for g in buffer.accepted] == [0, 2]
+    assert [t.reward for t in buffer.accepted[0].trajectories] == [1.0, 0.0]
+    assert [t.reward for t in buffer.accepted[1].trajectories] == [0.0, 0.0]
     assert scorer.counts["reward_errors"] == 1 and scorer.counts["scored"] == 6
     failed = batch[3]
     assert failed.finish_reason == "error" and "RuntimeError: user reward bug" in failed.error
@@ -114,17 +114,17 @@ def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others(
 
 @pytest.mark.parametrize("garbage", ["nan", "str"])
 def test_scorer_fails_a_group_whose_reward_is_not_a_finite_number(garbage):
-    hub = FakeHub()
-    scorer = make_scorer(hub, by_text)
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text)
     run(scorer.score_batch([traj(0, 0, garbage), traj(0, 1, "a"), traj(1, 0, "a"), traj(1, 1, "a")]))
-    assert hub.released["failed"] == [0]
-    assert [g.group_id for g in hub.accepted] == [1]
+    assert buffer.released["failed"] == [0]
+    assert [g.group_id for g in buffer.accepted] == [1]
     assert scorer.counts["reward_errors"] == 1
     scorer.stop()
 
 
 def test_scorer_times_out_a_hanging_reward_and_fails_its_group_without_hanging():
-    hub = FakeHub()
+    buffer = FakeBuffer()
     release = threading.Event()
 
     def hangs(prompt: str, completion: str, **fields: Any) -> float:
@@ -132,7 +132,7 @@ def test_scorer_times_out_a_hanging_reward_and_fails_its_group_without_hanging()
             release.wait(10)  # far past timeout_s; released at the end so no thread outlives the test
         return 1.0
 
-    scorer = make_scorer(hub, hangs, timeout_s=0.2)
+    scorer = make_scorer(buffer, hangs, timeout_s=0.2)
     batch = [traj(0, 0, "a"), traj(0, 1, "hang"), traj(1, 0, "a"), traj(1, 1, "b")]
     t0 = time.monotonic()
     try:
@@ -142,46 +142,46 @@ def test_scorer_times_out_a_hanging_reward_and_fails_its_group_without_hanging()
         release.set()
         scorer.stop()
     assert 0.15 <= elapsed < 1.5
-    assert hub.released["failed"] == [0]
-    assert [g.group_id for g in hub.accepted] == [1]
+    assert buffer.released["failed"] == [0]
+    assert [g.group_id for g in buffer.accepted] == [1]
     assert scorer.counts["reward_errors"] == 1
     assert batch[1].finish_reason == "error" and batch[1].error == "reward: timed out"
-    assert all(t.error == "" for t in hub.accepted[0].trajectories)
+    assert all(t.error == "" for t in buffer.accepted[0].trajectories)
 
 
 def test_scorer_filters_a_zero_variance_group_and_accepts_a_mixed_one():
-    hub = FakeHub()
-    scorer = make_scorer(hub, by_text, filter_zero_variance=True)
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text, filter_zero_variance=True)
     run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "a"), traj(1, 0, "a"), traj(1, 1, "b")]))
-    assert hub.released == {"filtered": [0], "failed": []}
-    assert [g.group_id for g in hub.accepted] == [1]
+    assert buffer.released == {"filtered": [0], "failed": []}
+    assert [g.group_id for g in buffer.accepted] == [1]
     scorer.stop()
 
 
 def test_scorer_assembles_a_group_whose_members_arrive_in_separate_batches():
-    hub = FakeHub(batches=[[traj(0, 0, "a", group_size=3), traj(1, 0, "b")],
+    buffer = FakeBuffer(batches=[[traj(0, 0, "a", group_size=3), traj(1, 0, "b")],
                            [traj(1, 1, "a"), traj(0, 2, "b", group_size=3)],
                            [traj(0, 1, "a", group_size=3)]])
-    scorer = make_scorer(hub, by_text)
+    scorer = make_scorer(buffer, by_text)
 
     async def main() -> None:
         task = asyncio.create_task(scorer.run())
-        while len(hub.accepted) < 2:
+        while len(buffer.accepted) < 2:
             await asyncio.sleep(0.005)
         scorer.stop()
         await asyncio.wait_for(task, 2)
 
     run(main())
-    assert [g.group_id for g in hub.accepted] == [1, 0]
-    g0 = hub.accepted[1]
+    assert [g.group_id for g in buffer.accepted] == [1, 0]
+    g0 = buffer.accepted[1]
     assert [t.seq_id for t in g0.trajectories] == [0, 1, 2]  # members sorted by seq_id
     assert [t.reward for t in g0.trajectories] == [1.0, 1.0, 0.0]
     assert scorer.assembler.pending() == 0
 
 
 def test_scorer_stats_report_the_window_since_the_previous_read():
-    hub = FakeHub()
-    scorer = make_scorer(hub, by_text)
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text)
     run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "boom")]))
     first = scorer.stats()
     assert first.values() == {"scorer/samples_per_s": 2, "scorer/reward_errors": 1}
@@ -234,10 +234,10 @@ class FakeReceiver:
         return {"w": torch.zeros(1)}, self.version, {"sync/bytes": 4.0}
 
 
-def make_generator(hub: FakeHub, engine: FakeEngine, concurrency: int = 2, rows: Any = None) -> Generator:
+def make_generator(buffer: FakeBuffer, engine: FakeEngine, concurrency: int = 2, rows: Any = None) -> Generator:
     counter = iter(range(10**6))
     next_row = rows or (lambda: {"prompt": f"q{next(counter)}", "answer": "a"})
-    return Generator(generator_id=0, engine=engine, hub=hub, next_row=next_row,
+    return Generator(generator_id=0, engine=engine, buffer=buffer, next_row=next_row,
                      encode=lambda s: [ord(c) for c in s], sampling=SamplingParams(n=2, max_new_tokens=1),
                      concurrency=concurrency)
 
@@ -258,23 +258,23 @@ async def _run_until(gen: Generator, done: Callable[[], bool], timeout: float = 
 
 
 def test_generator_releases_groups_as_failed_when_the_engine_raises_and_keeps_going():
-    hub = FakeHub()
+    buffer = FakeBuffer()
     engine = FakeEngine(fail_calls={0})
-    gen = make_generator(hub, engine)
-    run(_run_until(gen, lambda: len(hub.rollouts) >= 4))
+    gen = make_generator(buffer, engine)
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 4))
     # each group is its own engine request: only the group whose call raised fails
-    assert hub.released["failed"] == [0]  # counted once, by the hub (buffer/failed)
+    assert buffer.released["failed"] == [0]  # counted once, by the buffer (buffer/failed)
     # the loop kept going: groups 1 and 2 were generated, 2 samples each
-    assert {t.group_id for t in hub.rollouts[:4]} == {1, 2}
-    assert sorted(t.seq_id for t in hub.rollouts[:4]) == [2, 3, 4, 5]
+    assert {t.group_id for t in buffer.rollouts[:4]} == {1, 2}
+    assert sorted(t.seq_id for t in buffer.rollouts[:4]) == [2, 3, 4, 5]
 
 
 def test_generator_stats_report_the_window_since_the_previous_read():
-    hub = FakeHub()
-    gen = make_generator(hub, FakeEngine())
-    run(_run_until(gen, lambda: len(hub.rollouts) >= 4))
+    buffer = FakeBuffer()
+    gen = make_generator(buffer, FakeEngine())
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 4))
     first = gen.stats()
-    assert first.values()["generation/tokens_per_s"] == gen.tokens_generated == len(hub.rollouts)  # 1 token each
+    assert first.values()["generation/tokens_per_s"] == gen.tokens_generated == len(buffer.rollouts)  # 1 token each
     assert {"generate", "wait_gate"} <= {sp.kind for sp in first.spans}
     again = gen.stats()  # read resets: nothing generated since
     assert again.values()["generation/tokens_per_s"] == 0 and again.spans == []
@@ -298,7 +298,7 @@ class PausingEngine(FakeEngine):
 
 def test_generator_reports_the_engines_swap_pauses_of_the_window_as_its_stall():
     engine = PausingEngine()
-    gen = make_generator(FakeHub(), engine)
+    gen = make_generator(FakeBuffer(), engine)
     engine.pauses.append(0.25)
     first = gen.stats()
     engine.pauses.append(0.5)
@@ -310,9 +310,9 @@ def test_generator_reports_the_engines_swap_pauses_of_the_window_as_its_stall():
 
 @pytest.mark.parametrize("mode", ["in_flight", "between_requests"])
 def test_generator_applies_received_weights_before_its_next_admission(mode):
-    hub = FakeHub()
+    buffer = FakeBuffer()
     engine = FakeEngine()
-    gen = make_generator(hub, engine, concurrency=1)
+    gen = make_generator(buffer, engine, concurrency=1)
     gen.weight_update = mode
     gen.receiver = FakeReceiver(version=3)
 
@@ -321,12 +321,12 @@ def test_generator_applies_received_weights_before_its_next_admission(mode):
         assert stats == {"sync/bytes": 4.0}
         # in flight: handed to the engine on receipt; between requests: staged until the loop swaps
         assert engine.loads == ([3] if mode == "in_flight" else [])
-        await _run_until(gen, lambda: len(hub.rollouts) >= 2)
+        await _run_until(gen, lambda: len(buffer.rollouts) >= 2)
 
     run(main())
     assert engine.loads == [3]
-    assert hub.admits[0][1] == 3  # admitted with the new version
-    assert all(t.min_version == 3 and t.versions == [3] for t in hub.rollouts)
+    assert buffer.admits[0][1] == 3  # admitted with the new version
+    assert all(t.min_version == 3 and t.versions == [3] for t in buffer.rollouts)
 
 
 class ArmedReceiver:
@@ -347,7 +347,7 @@ class ArmedReceiver:
 
 def test_generator_armed_receive_waits_for_the_send_and_records_only_the_transfer():
     engine = FakeEngine()
-    gen = make_generator(FakeHub(), engine)
+    gen = make_generator(FakeBuffer(), engine)
     assert not gen.can_arm_receive()  # no receiver yet
     gen.receiver = FakeReceiver(version=3)
     assert not gen.can_arm_receive()  # a receiver that cannot wait for the send
@@ -370,8 +370,8 @@ def test_generator_armed_receive_waits_for_the_send_and_records_only_the_transfe
 
 
 def test_generator_stop_ends_run_promptly_while_the_gate_is_closed():
-    hub = FakeHub(admit_ids=0)  # the gate never has room
-    gen = make_generator(hub, FakeEngine())
+    buffer = FakeBuffer(admit_ids=0)  # the gate never has room
+    gen = make_generator(buffer, FakeEngine())
 
     async def main() -> float:
         task = asyncio.create_task(gen.run())
@@ -386,22 +386,22 @@ def test_generator_stop_ends_run_promptly_while_the_gate_is_closed():
 
 
 def test_generator_fails_groups_whose_rows_lack_the_prompt_key():
-    hub = FakeHub()
+    buffer = FakeBuffer()
     rows = iter([{"question": "no prompt key"}, {"question": "neither"}])
 
     def next_row() -> dict[str, str]:
         return next(rows, {"prompt": "ok"})
 
-    gen = make_generator(hub, FakeEngine(), rows=next_row)
-    run(_run_until(gen, lambda: len(hub.rollouts) >= 2))
-    assert hub.released["failed"] == [0, 1]
-    assert hub.rollouts[0].group_id == 2 and hub.rollouts[0].prompt_text == "ok"
+    gen = make_generator(buffer, FakeEngine(), rows=next_row)
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 2))
+    assert buffer.released["failed"] == [0, 1]
+    assert buffer.rollouts[0].group_id == 2 and buffer.rollouts[0].prompt_text == "ok"
 
 
 def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
     # A hung call cannot be killed; it must not hold a slot that later calls need (a 4-thread pool
     # once failed every later sample after four hangs, so no group was ever accepted again).
-    hub = FakeHub()
+    buffer = FakeBuffer()
     release = threading.Event()
 
     def hangs(prompt: str, completion: str, **fields: Any) -> float:
@@ -409,13 +409,13 @@ def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
             release.wait(10)
         return 1.0 if completion == "a" else 0.0
 
-    scorer = make_scorer(hub, hangs, timeout_s=0.05)
+    scorer = make_scorer(buffer, hangs, timeout_s=0.05)
     try:
         run(scorer.score_batch([traj(g, j, "hang") for g in range(3) for j in range(2)]))
         run(scorer.score_batch([traj(10, 0, "a"), traj(10, 1, "b")]))
     finally:
         release.set()
         scorer.stop()
-    assert hub.released["failed"] == [0, 1, 2]
-    assert [g.group_id for g in hub.accepted] == [10]
-    assert [t.reward for t in hub.accepted[0].trajectories] == [1.0, 0.0]
+    assert buffer.released["failed"] == [0, 1, 2]
+    assert [g.group_id for g in buffer.accepted] == [10]
+    assert [t.reward for t in buffer.accepted[0].trajectories] == [1.0, 0.0]

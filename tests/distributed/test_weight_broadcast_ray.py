@@ -34,14 +34,14 @@ def test_broadcast_to_two_generator_actors_makes_engines_match_trainer(ray_clust
         loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
         await d.trainer.train_step(0)
         stats = await asyncio.gather(d.trainer.send_weights(), *[g.receive_weights() for g in d.generators])
-        await d.hub.publish(1)
+        await d.buffer.publish(1)
         after = [(await g.generate([prompt], greedy))[0][0] for g in d.generators]
         refs = [await d.trainer.teacher_forced_logprobs(c.prompt_ids, c.response_ids, 1.0) for c in after]
         # the version-0 greedy sequence scored by the trainer's new weights
         moved = await d.trainer.teacher_forced_logprobs(before[0].prompt_ids, before[0].response_ids, 1.0)
         for r in [*d.generators, *d.scorers]:
             await r.stop()
-        await d.hub.close()
+        await d.buffer.close()
         await asyncio.wait(loops, timeout=10)
         return before, after, refs, moved, stats
 

@@ -60,7 +60,7 @@ def test_algorithm_example_runs_through_asyncrl_launch(algo, tiny_model_dir, tmp
         assert (run_dir / "checkpoint" / "critic" / "config.json").is_file()
     if algo == "dapo":
         assert all(r["dapo/overlong_penalty_mean"] <= 0.0 for r in rows)
-        # the step windows add up to the total, which is the hub's one count of filtered groups
+        # the step windows add up to the total, which is the buffer's one count of filtered groups
         assert sum(r["dapo/groups_filtered"] for r in rows) == rows[-1]["dapo/groups_filtered_total"]
         assert all(r["dapo/groups_filtered_total"] == r["buffer/filtered"] for r in rows)
     if algo == "safe_rlhf":

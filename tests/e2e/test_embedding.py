@@ -98,7 +98,7 @@ def test_runtime_trains_from_an_agent_loop_and_the_version_advances(tmp_path):
 
 
 def test_runtime_submit_after_training_ends_raises_and_wait_reports_it(tmp_path):
-    from asyncrl.embed import TrainingFinished
+    from asyncrl.runtime import TrainingFinished
 
     cfg = tiny_config(tmp_path, "trainer.prompts_per_step=1", "trainer.total_steps=1")
 
@@ -129,7 +129,7 @@ def test_runtime_refuses_what_it_cannot_train_with_one_line_before_starting(tmp_
     remax = msgspec.structs.replace(cfg, env=None, algorithm=msgspec.structs.replace(cfg.algorithm, advantage="remax"))
     with pytest.raises(ValueError, match="^algorithm.advantage: 'remax' needs a greedy baseline"):
         Runtime(remax)
-    rt = Runtime(tiny_config(tmp_path))  # not entered: submit checks its input before touching the hub
+    rt = Runtime(tiny_config(tmp_path))  # not entered: submit checks its input before touching the buffer
 
     def traj(**kw) -> Trajectory:
         fields = dict(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2, 3], loss_mask=[True, True],
@@ -147,7 +147,7 @@ def test_runtime_refuses_what_it_cannot_train_with_one_line_before_starting(tmp_
 
 
 def test_runtime_that_fails_to_start_shuts_down_what_it_started(tmp_path, monkeypatch):
-    import asyncrl.embed
+    import asyncrl.runtime
     from asyncrl.local import LocalDeployment
 
     closed = []
@@ -161,7 +161,7 @@ def test_runtime_that_fails_to_start_shuts_down_what_it_started(tmp_path, monkey
         raise RuntimeError("controller could not start")
 
     monkeypatch.setattr(LocalDeployment, "shutdown", shutdown)
-    monkeypatch.setattr(asyncrl.embed, "Controller", broken_controller)
+    monkeypatch.setattr(asyncrl.runtime, "Controller", broken_controller)
 
     async def main():
         async with Runtime(tiny_config(tmp_path)):

@@ -89,7 +89,7 @@ def test_killed_generator_actor_fails_the_run_fast_and_shuts_the_deployment_down
     import ray
 
     from asyncrl.launch import RayDeployment
-    from asyncrl.runtime import Controller, RoleFailed
+    from asyncrl.controller import Controller, RoleFailed
 
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
                       f'run.output_dir="{tmp_path / "dead"}"')
@@ -145,7 +145,7 @@ def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_confi
                 return metrics.is_file() and len(metrics.read_text().splitlines()) >= 2
 
             _wait_for(two_rows, 150, "two metrics rows")
-            assert len(_alive_role_actors() - before) == 4  # hub, trainer, generator, scorer
+            assert len(_alive_role_actors() - before) == 4  # buffer, trainer, generator, scorer
             proc.send_signal(signal.SIGINT)
             t0 = time.monotonic()
             try:

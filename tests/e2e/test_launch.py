@@ -61,24 +61,24 @@ def test_slow_trainer_reaches_but_never_exceeds_staleness_2(ray_cluster, make_co
     assert all(r["staleness/max"] <= 2 for r in rows)
 
 
-def test_scorers_hosted_in_the_hub_actor_score_every_sample(ray_cluster, make_config, tmp_path):
-    """cluster.scorer_placement = "hub": no scorer actors; the hub's actor runs both scorers, which
+def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make_config, tmp_path):
+    """cluster.scorer_placement = "buffer": no scorer actors; the buffer's actor runs both scorers, which
     score every sample the trainer trains on."""
     from asyncrl.launch import RayDeployment, run_loop
-    from asyncrl.runtime import Controller
+    from asyncrl.controller import Controller
 
-    cfg = make_config('cluster.scorer_placement="hub"', "reward.num_scorers=2", "trainer.total_steps=3",
-                      "trainer.eval_every=0", "run.save_checkpoint=false", f'run.output_dir="{tmp_path / "hub"}"')
+    cfg = make_config('cluster.scorer_placement="buffer"', "reward.num_scorers=2", "trainer.total_steps=3",
+                      "trainer.eval_every=0", "run.save_checkpoint=false", f'run.output_dir="{tmp_path / "buffer"}"')
     deployment = RayDeployment(cfg)
     assert deployment.scorer_actors == []
-    assert deployment.actors == [deployment.hub_actor, deployment.trainer_actor, *deployment.generator_actors]
+    assert deployment.actors == [deployment.buffer_actor, deployment.trainer_actor, *deployment.generator_actors]
     deployment.wait_ready()
     rows = _train_rows(run_loop(Controller(cfg, deployment).run()))
     assert [r["step"] for r in rows] == [1, 2, 3]
     samples = 3 * cfg.samples_per_step
     assert sum(r["trainer/samples"] for r in rows) == samples
     assert all(r["scorer/samples_per_s"] > 0 and r["buffer/failed"] == 0 for r in rows)
-    trace = json.loads((tmp_path / "hub" / "trace.json").read_text())
+    trace = json.loads((tmp_path / "buffer" / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert any(names.get(e.get("pid")) == "scorer" and e.get("name") == "score" for e in events)

@@ -134,7 +134,7 @@ def test_build_gives_the_learner_a_critic_exactly_when_the_estimator_declares_on
 
 
 def test_the_learner_refuses_to_start_without_a_critic_the_estimator_declares(make_config, estimator):
-    from asyncrl.roles.learner import Learner
+    from asyncrl.training.learner import Learner
     from engines.hf import load_model
 
     cfg = make_config(f"algorithm.advantage={estimator(AlgorithmNeeds(critic=True))}")
@@ -147,11 +147,11 @@ def test_build_hands_the_generator_the_declared_greedy_baseline(make_config, est
 
     for needs in (AlgorithmNeeds(greedy_baseline=True), AlgorithmNeeds()):
         cfg = make_config(f"algorithm.advantage={estimator(needs)}")
-        assert build_generator(cfg, 0, hub=None).greedy_baseline is needs.greedy_baseline
+        assert build_generator(cfg, 0, buffer=None).greedy_baseline is needs.greedy_baseline
 
 
 def test_the_embedding_runtime_refuses_an_estimator_that_declares_a_greedy_baseline(make_config, estimator):
-    from asyncrl.embed import Runtime
+    from asyncrl.runtime import Runtime
 
     name = estimator(AlgorithmNeeds(greedy_baseline=True))
     with pytest.raises(ValueError, match=f"^algorithm.advantage: '{name}' needs a greedy baseline"):

@@ -226,8 +226,8 @@ def test_plan_resources_lists_every_role_with_its_cpus():
     assert sum(p.total_cpus for p in plan_resources(cfg)) == 2.0
 
 
-def test_scorers_placed_in_the_hub_ask_for_no_actors_or_cpus():
-    cfg = load_config(write_config({"reward.num_scorers": 2, "cluster.scorer_placement": "hub"}))
+def test_scorers_placed_in_the_buffer_ask_for_no_actors_or_cpus():
+    cfg = load_config(write_config({"reward.num_scorers": 2, "cluster.scorer_placement": "buffer"}))
     scorer = next(p for p in plan_resources(cfg) if p.role == "scorer")
     assert scorer.count == 0 and derived(cfg)["cpus_requested"] == 1.25
     with pytest.raises(ConfigError, match="scorer_placement"):
@@ -242,7 +242,7 @@ def test_derived_numbers_for_a_known_config():
     assert d["optimizer_steps_per_train_step"] == 8
     assert d["samples_per_mini_batch"] == 8 and d["micro_batches_per_mini_batch"] == 3
     assert d["max_groups_in_flight"] == 24 and d["max_samples_in_flight"] == 96
-    assert d["rollout_queue_capacity_samples"] == 64 and d["train_queue_capacity_groups"] == 16
+    assert d["rollout_queue_capacity_samples"] == 64 and d["train_store_capacity_groups"] == 16
     assert d["cpus_requested"] == 1.5 and d["cpus_available"] == 2.0
     assert d["weight_sync_backend"] == "gloo"  # auto without CUDA
     assert [a["role"] for a in d["actors"]] == ["generator", "scorer", "trainer", "buffer"]

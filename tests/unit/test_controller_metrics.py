@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config_schema import Config, ModelConfig
-from asyncrl.runtime import Controller
+from asyncrl.controller import Controller
 from asyncrl.telemetry.metrics import Last, Mean, Rate, RoleStats, Share, Sum, Total
 from asyncrl.telemetry.spans import Span
 
@@ -32,14 +32,14 @@ def generator(i: int, tokens: float, stall: float, busy: tuple[float, float]) ->
                      spans=[Span(role=f"generator/{i}", kind="generate", start=busy[0], end=busy[1])])
 
 
-def hub(failed: float, depth: float, episodes: float = 0.0, turns_mean: float = 0.0) -> RoleStats:
+def buffer(failed: float, depth: float, episodes: float = 0.0, turns_mean: float = 0.0) -> RoleStats:
     return RoleStats(metrics={"buffer/failed": Total(failed), "buffer/rollout_depth": Last(depth),
                               "env/turns_mean": Mean(turns_mean, weight=episodes)})
 
 
 def controller(tmp_path, generators: list[FakeRole], scorers: list[FakeRole], trainer: FakeRole,
-               hub_role: FakeRole) -> Controller:
-    d = SimpleNamespace(generators=generators, scorers=scorers, trainer=trainer, hub=hub_role)
+               buffer_role: FakeRole) -> Controller:
+    d = SimpleNamespace(generators=generators, scorers=scorers, trainer=trainer, buffer=buffer_role)
     return Controller(Config(model=ModelConfig(path="unused")), d, run_dir=tmp_path)  # type: ignore[arg-type]
 
 
@@ -48,7 +48,7 @@ def test_controller_reduces_each_key_by_its_type_over_the_steps_window(tmp_path)
     scorers = [FakeRole(RoleStats(metrics={"scorer/samples_per_s": Rate(8), "scorer/reward_errors": Total(1)},
                                   spans=[Span(role="scorer/0", kind="score", start=10.0, end=10.5)]))]
     trainer = FakeRole(RoleStats(spans=[Span(role="trainer", kind="train", start=10.0, end=11.0)]))
-    c = controller(tmp_path, gens, scorers, trainer, FakeRole(hub(failed=2, depth=5, episodes=4, turns_mean=2.5)))
+    c = controller(tmp_path, gens, scorers, trainer, FakeRole(buffer(failed=2, depth=5, episodes=4, turns_mean=2.5)))
     row = asyncio.run(c._role_metrics(10.0, 12.0))  # a 2-second window
     assert row["generation/tokens_per_s"] == 400 / 2  # summed over generators, per second of the window
     assert row["generation/stall_s"] == row["generation/stall_s_total"] == pytest.approx(0.8)
@@ -65,8 +65,8 @@ def test_controller_adds_totals_up_over_windows_and_rates_use_each_windows_lengt
     gens = [FakeRole(generator(0, 10, 0.5, (0.0, 1.0)), generator(0, 30, 0.25, (1.0, 4.0)))]
     scorer = FakeRole(RoleStats(metrics={"scorer/reward_errors": Total(1)}),
                       RoleStats(metrics={"scorer/reward_errors": Total(0)}))
-    hub_role = FakeRole(hub(failed=2, depth=5), hub(failed=1, depth=0))
-    c = controller(tmp_path, gens, [scorer], FakeRole(RoleStats(), RoleStats()), hub_role)
+    buffer_role = FakeRole(buffer(failed=2, depth=5), buffer(failed=1, depth=0))
+    c = controller(tmp_path, gens, [scorer], FakeRole(RoleStats(), RoleStats()), buffer_role)
     first = asyncio.run(c._role_metrics(0.0, 1.0))
     second = asyncio.run(c._role_metrics(1.0, 4.0))
     assert (first["generation/tokens_per_s"], second["generation/tokens_per_s"]) == (10, 10)

@@ -1,5 +1,5 @@
 """[env] validation through the config loader, the scorer's env-reward branch, and external submission of
-groups at the staleness gate (ReplayHub.submit_group, used by asyncrl.Runtime.submit)."""
+groups at the staleness gate (ReplayBuffer.submit_group, used by asyncrl.Runtime.submit)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from asyncrl.config import ConfigError
 from asyncrl.messages import Trajectory
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import WindowReducer
-from buffers.hub import ReplayHub
+from buffers.replay import ReplayBuffer
 
 
 def errors_of(make_config, *overrides: str) -> list[str]:
@@ -51,22 +51,22 @@ def traj(min_version: int, env_reward: float | None = 1.0) -> Trajectory:
 
 def test_submitted_groups_are_admitted_at_their_version_and_dropped_when_too_stale():
     async def main():
-        hub = ReplayHub(prompts_per_step=1, group_size=2, max_staleness=0, rollout_capacity=8, train_capacity=4)
-        gid = await hub.submit_group([traj(0), traj(0)], timeout=1)
-        group = await hub.get_rollouts(8, timeout=0.1)
+        buffer = ReplayBuffer(prompts_per_step=1, group_size=2, max_staleness=0, rollout_capacity=8, train_capacity=4)
+        gid = await buffer.submit_group([traj(0), traj(0)], timeout=1)
+        group = await buffer.get_rollouts(8, timeout=0.1)
         assert gid == 0 and [(t.group_id, t.seq_id, t.group_size) for t in group] == [(0, 0, 2), (0, 1, 2)]
         with pytest.raises(TimeoutError):  # no room at version 0 until the trainer takes the step
-            await hub.submit_group([traj(0)], timeout=0.6)
+            await buffer.submit_group([traj(0)], timeout=0.6)
         from asyncrl.messages import Group
 
-        await hub.accept_groups([Group(group_id=0, min_version=0, trajectories=group)])
-        assert len(await hub.take_step(0)) == 1
-        await hub.publish(1)
-        reducer = WindowReducer()  # as the Controller reduces the hub's windows into rows
-        reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
-        assert await hub.submit_group([traj(0)], timeout=1) is None  # version 0 is too stale at k = 0
-        assert await hub.submit_group([traj(1)], timeout=1) is not None
-        stats = reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
+        await buffer.accept_groups([Group(group_id=0, min_version=0, trajectories=group)])
+        assert len(await buffer.take_step(0)) == 1
+        await buffer.publish(1)
+        reducer = WindowReducer()  # as the Controller reduces the buffer's windows into rows
+        reducer.reduce([(await buffer.stats()).metrics], window_s=1.0)
+        assert await buffer.submit_group([traj(0)], timeout=1) is None  # version 0 is too stale at k = 0
+        assert await buffer.submit_group([traj(1)], timeout=1) is not None
+        stats = reducer.reduce([(await buffer.stats()).metrics], window_s=1.0)
         assert stats["buffer/submitted_dropped_stale"] == 1.0 and stats["buffer/submitted_groups"] == 2.0
         assert stats["env/episodes_total"] == 3.0 and stats["env/errors_total"] == 0.0
         assert stats["env/episodes"] == 1.0  # this window: queued since the previous stats(); two before it
@@ -74,7 +74,7 @@ def test_submitted_groups_are_admitted_at_their_version_and_dropped_when_too_sta
     asyncio.run(asyncio.wait_for(main(), 10))
 
 
-class _Hub:
+class _Buffer:
     async def get_rollouts(self, max_items, timeout=None):
         return []
 
@@ -89,8 +89,8 @@ def test_scorer_uses_the_env_reward_and_never_calls_the_reward_function():
     def reward_fn(prompt, completion, **row):
         raise AssertionError("reward.fn must not be called for env episodes")
 
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=reward_fn, decode=lambda ids: "")
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward_fn, decode=lambda ids: "")
     t = traj(0, env_reward=0.75)
     asyncio.run(scorer.score_batch([t]))
-    assert hub.accepted[0].trajectories[0].reward == 0.75 and scorer.counts["reward_errors"] == 0
+    assert buffer.accepted[0].trajectories[0].reward == 0.75 and scorer.counts["reward_errors"] == 0

@@ -323,9 +323,9 @@ def test_hf_tokenizer_chat_template_is_applied_append_only(tiny_model_dir):
 
 # -- the Generator's two paths (single-turn completions, env episodes) at shutdown ------------------
 
-class _ClosingHub:
-    """Admits one group, then nothing; refuses its rollouts as a closed hub does (optionally calling
-    `before_refusing` first, e.g. the generator's stop(), as the runtime does before closing the hub)."""
+class _ClosingBuffer:
+    """Admits one group, then nothing; refuses its rollouts as a closed buffer does (optionally calling
+    `before_refusing` first, e.g. the generator's stop(), as the runtime does before closing the buffer)."""
 
     def __init__(self) -> None:
         self.before_refusing = lambda: None
@@ -349,11 +349,11 @@ class _ClosingHub:
         raise AssertionError("nothing fails here")
 
 
-def _generator(hub: _ClosingHub, env: bool):
+def _generator(buffer: _ClosingBuffer, env: bool):
     from asyncrl.roles.generator import Generator
 
     codec = MergeCodec()
-    gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), hub=hub, next_row=lambda: {"prompt": "q"},
+    gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), buffer=buffer, next_row=lambda: {"prompt": "q"},
                     encode=codec.encode, sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
     if env:
         gen.episodes = runner(ScriptedEngine([[1]] * 8), codec)
@@ -380,30 +380,30 @@ def _run_collecting_loop_errors(coro) -> tuple[BaseException | None, list[str]]:
 
 
 @pytest.mark.parametrize("env", [False, True], ids=["single_turn", "env_episodes"])
-def test_generator_drops_rollouts_quietly_when_the_hub_closes_after_stop(env):
-    hub = _ClosingHub()
-    gen = _generator(hub, env)
-    hub.before_refusing = gen.stop  # the runtime stops the loops, then closes the hub
+def test_generator_drops_rollouts_quietly_when_the_buffer_closes_after_stop(env):
+    buffer = _ClosingBuffer()
+    gen = _generator(buffer, env)
+    buffer.before_refusing = gen.stop  # the runtime stops the loops, then closes the buffer
     raised, errors = _run_collecting_loop_errors(gen.run())
-    assert raised is None and hub.puts == 1
+    assert raised is None and buffer.puts == 1
     assert errors == []  # no "Task exception was never retrieved" (QueueClosed) at shutdown
 
 
 @pytest.mark.parametrize("env", [False, True], ids=["single_turn", "env_episodes"])
-def test_generator_run_fails_loudly_when_the_hub_refuses_rollouts_while_running(env):
+def test_generator_run_fails_loudly_when_the_buffer_refuses_rollouts_while_running(env):
     # not stopped: the group would stay running at the gate forever, so the loop must end with the error
-    hub = _ClosingHub()
-    raised, errors = _run_collecting_loop_errors(_generator(hub, env).run())
-    assert type(raised).__name__ == "QueueClosed" and hub.puts == 1
+    buffer = _ClosingBuffer()
+    raised, errors = _run_collecting_loop_errors(_generator(buffer, env).run())
+    assert type(raised).__name__ == "QueueClosed" and buffer.puts == 1
     assert errors == []
 
 
-# -- env metrics from the hub: each stats() reports its window (since the previous one), plus totals ---------
+# -- env metrics from the buffer: each stats() reports its window (since the previous one), plus totals ---------
 
-def test_hub_env_metrics_count_the_window_since_the_previous_stats_and_the_totals():
+def test_buffer_env_metrics_count_the_window_since_the_previous_stats_and_the_totals():
     from asyncrl.messages import Trajectory
     from asyncrl.telemetry.metrics import WindowReducer
-    from buffers.hub import ReplayHub
+    from buffers.replay import ReplayBuffer
 
     def episode(error: str = "", turns: int = 2, truncated: bool = False) -> Trajectory:
         return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2], loss_mask=[True],
@@ -411,16 +411,16 @@ def test_hub_env_metrics_count_the_window_since_the_previous_stats_and_the_total
                           env_reward=1.0, env_error=error, turns=turns, truncated=truncated)
 
     async def main() -> list[dict[str, float]]:
-        hub = ReplayHub(prompts_per_step=1, group_size=1, max_staleness=0, rollout_capacity=16, train_capacity=4)
-        reducer = WindowReducer()  # as the Controller reduces the hub's windows into rows
+        buffer = ReplayBuffer(prompts_per_step=1, group_size=1, max_staleness=0, rollout_capacity=16, train_capacity=4)
+        reducer = WindowReducer()  # as the Controller reduces the buffer's windows into rows
 
         async def read() -> dict[str, float]:
-            return reducer.reduce([(await hub.stats()).metrics], window_s=1.0)
+            return reducer.reduce([(await buffer.stats()).metrics], window_s=1.0)
 
         out = [await read()]
-        await hub.put_rollouts([episode(), episode(turns=4, error="env step 1: boom")])
+        await buffer.put_rollouts([episode(), episode(turns=4, error="env step 1: boom")])
         out += [await read(), await read()]  # the second read: nothing since the first, an empty window
-        await hub.put_rollouts([episode(truncated=True)])
+        await buffer.put_rollouts([episode(truncated=True)])
         out.append(await read())
         return out
 

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.roles.learner import Learner, collate
+from asyncrl.training.learner import Learner, collate
 
 torch.set_num_threads(1)
 

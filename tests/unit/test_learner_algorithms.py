@@ -18,9 +18,9 @@ from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.roles.critic import Critic, load_value_model
-from asyncrl.roles.learner import Learner
-from asyncrl.roles.reference import ReferencePolicy
+from asyncrl.training.critic import Critic, load_value_model
+from asyncrl.training.learner import Learner
+from asyncrl.training.reference import ReferencePolicy
 from asyncrl.roles.scorer import Scorer
 
 torch.set_num_threads(1)
@@ -236,7 +236,7 @@ def test_sum_norm_aggregation_without_a_length_fails_at_construction():
 
 # -- Scorer: cost, ReMax baseline, reference logprobs ----------------------------------------------
 
-class _Hub:
+class _Buffer:
     def __init__(self) -> None:
         self.accepted: list[Group] = []
         self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
@@ -267,24 +267,24 @@ def test_scorer_fills_costs_and_fails_the_group_whose_cost_function_raises():
             raise RuntimeError("cost bug")
         return float(len(completion) > 1)
 
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode, cost_fn=cost)
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode, cost_fn=cost)
     asyncio.run(scorer.score_batch([_scored("a", 0, 0), _scored("ab", 0, 1), _scored("a", 1, 0), _scored("boom", 1, 1)]))
-    assert [g.group_id for g in hub.accepted] == [0] and hub.released["failed"] == [1]
-    assert [t.cost for t in hub.accepted[0].trajectories] == [0.0, 1.0]
+    assert [g.group_id for g in buffer.accepted] == [0] and buffer.released["failed"] == [1]
+    assert [t.cost for t in buffer.accepted[0].trajectories] == [0.0, 1.0]
     assert scorer.counts["cost_errors"] == 1
 
 
 def test_scorer_costs_episodes_that_bring_their_own_reward():
     # an episode submitted to asyncrl.Runtime carries env_reward; Safe-RLHF still needs its cost
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=lambda p, c, **f: 99.0, decode=_decode,
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: 99.0, decode=_decode,
                     cost_fn=lambda p, c, **f: float(len(c)))
     trajs = [msgspec.structs.replace(_scored(text, 0, j), env_reward=0.5 * j) for j, text in enumerate(["a", "abc"])]
     asyncio.run(scorer.score_batch(trajs))
-    assert [(t.reward, t.cost) for t in hub.accepted[0].trajectories] == [(0.0, 1.0), (0.5, 3.0)]
-    plain = _Hub()  # without a cost function the env reward is taken as it is, nothing decoded
-    asyncio.run(Scorer(scorer_id=0, hub=plain, reward_fn=lambda p, c, **f: 99.0, decode=None).score_batch(
+    assert [(t.reward, t.cost) for t in buffer.accepted[0].trajectories] == [(0.0, 1.0), (0.5, 3.0)]
+    plain = _Buffer()  # without a cost function the env reward is taken as it is, nothing decoded
+    asyncio.run(Scorer(scorer_id=0, buffer=plain, reward_fn=lambda p, c, **f: 99.0, decode=None).score_batch(
         [msgspec.structs.replace(_scored("a", 1, j), env_reward=1.0) for j in range(2)]))
     assert [t.reward for t in plain.accepted[0].trajectories] == [1.0, 1.0]
 
@@ -296,10 +296,10 @@ def test_scorer_scores_the_greedy_baseline_once_per_group_into_every_member():
         calls.append(completion)
         return float(completion == "a")
 
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=reward, decode=_decode)
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward, decode=_decode)
     asyncio.run(scorer.score_batch([_scored("b", 0, 0, baseline="a"), _scored("a", 0, 1, baseline="a")]))
-    assert [t.baseline_reward for t in hub.accepted[0].trajectories] == [1.0, 1.0]
+    assert [t.baseline_reward for t in buffer.accepted[0].trajectories] == [1.0, 1.0]
     assert calls.count("a") == 2 and scorer.counts["baselines_scored"] == 1  # one sample + the baseline
 
 
@@ -307,13 +307,13 @@ def test_scorer_fills_reference_logprobs_equal_to_a_teacher_forced_forward():
     model = _model(3)
     reference = ReferencePolicy(model, pad_token_id=PAD, micro_batch_size=1)
     learner = Learner(_model(3), algorithm=AlgorithmConfig(), trainer=TrainerConfig(), pad_token_id=PAD)
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=lambda p, c, **f: float(len(c)), decode=lambda ids: "x" * len(ids),
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(len(c)), decode=lambda ids: "x" * len(ids),
                     reference=reference)
     trajs = [_traj(0, 0, [3, 4], [5, 6, 7], [0.0] * 3), _traj(1, 0, [3], [9], [0.0])]
     trajs = [msgspec.structs.replace(t, group_size=2) for t in trajs]
     asyncio.run(scorer.score_batch(trajs))
-    for t in hub.accepted[0].trajectories:
+    for t in buffer.accepted[0].trajectories:
         want = learner.teacher_forced_logprobs(t.prompt_ids, t.response_ids, 1.0)
         assert t.ref_logprobs == pytest.approx(want, abs=1e-5)
 
@@ -321,20 +321,20 @@ def test_scorer_fills_reference_logprobs_equal_to_a_teacher_forced_forward():
 # -- dynamic sampling refills the step -------------------------------------------------------------
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_the_step_is_refilled_to_prompts_per_step():
-    from buffers.hub import ReplayHub
+    from buffers.replay import ReplayBuffer
 
     async def main() -> list[Group]:
-        hub = ReplayHub(prompts_per_step=2, group_size=2, max_staleness=0, rollout_capacity=64, train_capacity=8)
-        scorer = Scorer(scorer_id=0, hub=hub, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode,
+        buffer = ReplayBuffer(prompts_per_step=2, group_size=2, max_staleness=0, rollout_capacity=64, train_capacity=8)
+        scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode,
                         filter_zero_variance=True)
-        ids = await hub.admit(2, 0, timeout=1)
+        ids = await buffer.admit(2, 0, timeout=1)
         assert ids == [0, 1]
         # group 0 all-correct (zero variance: dropped), group 1 mixed
         await scorer.score_batch([_scored("a", 0, 0), _scored("a", 0, 1), _scored("a", 1, 0), _scored("b", 1, 1)])
-        refill = await hub.admit(2, 0, timeout=1)  # the dropped group's slot came back
+        refill = await buffer.admit(2, 0, timeout=1)  # the dropped group's slot came back
         assert refill == [2]
         await scorer.score_batch([_scored("b", 2, 0), _scored("a", 2, 1)])
-        return await hub.take_step(0, timeout=1)
+        return await buffer.take_step(0, timeout=1)
 
     groups = asyncio.run(main())
     assert [g.group_id for g in groups] == [1, 2]
@@ -401,7 +401,7 @@ def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
     sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=4)
     rows = iter([{"prompt": "a"}, {"prompt": "b"}])
     sink = Sink()
-    gen = Generator(generator_id=0, engine=engine, hub=sink, next_row=lambda: next(rows),
+    gen = Generator(generator_id=0, engine=engine, buffer=sink, next_row=lambda: next(rows),
                     encode=lambda s: [ord(s) % VOCAB, 4], sampling=sampling, greedy_baseline=True)
 
     async def main():
@@ -423,8 +423,8 @@ def test_a_failing_greedy_baseline_fails_its_group_once():
             raise RuntimeError("reward bug on the baseline")
         return 1.0
 
-    hub = _Hub()
-    scorer = Scorer(scorer_id=0, hub=hub, reward_fn=reward, decode=_decode)
+    buffer = _Buffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward, decode=_decode)
     asyncio.run(scorer.score_batch([_scored("a", 0, 0, baseline="boom"), _scored("b", 0, 1, baseline="boom")]))
-    assert hub.released["failed"] == [0] and not hub.accepted
+    assert buffer.released["failed"] == [0] and not buffer.accepted
     assert scorer.counts["baseline_errors"] == 1

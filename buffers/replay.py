@@ -1,6 +1,6 @@
-"""ReplayHub: the rollout queue, the staleness gate and the train store behind one async interface.
+"""ReplayBuffer: the rollout queue, the staleness gate and the train store behind one async interface.
 
-Place in the dataflow (the runtime hosts one hub inside one async actor; every role calls it):
+Place in the dataflow (the runtime hosts one buffer inside one async actor; every role calls it):
 
 | caller    | calls                                           | waits for                                 |
 |-----------|-------------------------------------------------|-------------------------------------------|
@@ -19,9 +19,9 @@ for is still running behind a store full of later groups. A smaller train_capaci
 exactly that way, so the constructor raises it to (k + 1) * P with a logged warning (the memory bound
 is then the gate's). Below prompts_per_step it is a config error (as the config schema documents).
 
-Metrics. `stats()` reports the hub's window (since its previous call): the gate's and the queues' counts
+Metrics. `stats()` reports the buffer's window (since its previous call): the gate's and the queues' counts
 and waits of the window as `Total`s (the Controller adds them up: `buffer/*` are counts since the start),
-the depths now, and the env episodes that reached the rollout queue in the window. The hub holds the one
+the depths now, and the env episodes that reached the rollout queue in the window. The buffer holds the one
 count of failed groups (`buffer/failed`: released as failed by a generator or a scorer), of filtered
 groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) and of env episodes.
 """
@@ -39,7 +39,7 @@ from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 log = logging.getLogger(__name__)
 
 
-class ReplayHub:
+class ReplayBuffer:
     """All buffers of a run; every method is safe to call concurrently from one event loop."""
 
     def __init__(
@@ -108,7 +108,7 @@ class ReplayHub:
         generated group: this waits while the capacity rule has no room (backpressure) and returns None
         — the group dropped and counted as `buffer/submitted_dropped_stale` — once the published version
         is newer and a group that old no longer fits. Sets group_id, seq_id (group_id * n + j) and
-        group_size on the trajectories. Returns the group id; QueueClosed once the hub is closed;
+        group_size on the trajectories. Returns the group id; QueueClosed once the buffer is closed;
         TimeoutError after `timeout` seconds without room.
         """
         if not trajs:
@@ -120,7 +120,7 @@ class ReplayHub:
             if ids:
                 break
             if self._closed or self.gate.closed:
-                raise QueueClosed("replay hub is closed")
+                raise QueueClosed("replay buffer is closed")
             if self.gate.published_version > version and self.gate.capacity(version) <= self._admitted_live():
                 self.submitted["dropped_stale"] += 1
                 return None
@@ -146,7 +146,7 @@ class ReplayHub:
 
         Raises ValueError for a group that is not running at the gate, or whose min_version is
         older than the version it was admitted at (the generator admitted with a newer version than
-        its engine held, which would void the staleness bound); QueueClosed once the hub is closed.
+        its engine held, which would void the staleness bound); QueueClosed once the buffer is closed.
         """
         for group in groups:
             self._check_acceptable(group)
@@ -155,7 +155,7 @@ class ReplayHub:
             )
             self.train_put_wait_s += waited
             if self._closed:
-                raise QueueClosed("replay hub is closed")
+                raise QueueClosed("replay buffer is closed")
             self._check_acceptable(group)  # another caller may have accepted it while we waited
             # No await between these two lines: take_step sees a group accepted iff it is stored.
             self.gate.accept(group.group_id)
@@ -205,7 +205,7 @@ class ReplayHub:
         self._train_room.notify_all()
 
     async def stats(self) -> RoleStats:
-        """The hub's report of its window: what happened since the previous `stats()` call."""
+        """The buffer's report of its window: what happened since the previous `stats()` call."""
         gate, take = self.gate.stats(), self._window.take
         counts = {key: gate[key] for key in ("admitted", "accepted", "consumed", "filtered", "failed",
                                              "admit_wait_s", "trainer_wait_s")}

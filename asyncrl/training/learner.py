@@ -1,6 +1,6 @@
 """Learner: the single-process training core — groups in, one policy version out.
 
-Place in the dataflow: the Trainer role takes a step's groups off the train queue and calls
+Place in the dataflow: the Trainer role takes a step's groups off the train store and calls
 `Learner.update(groups)`; afterwards it broadcasts `state_dict_for_sync()` to the generators, stamped with
 `Learner.version`. No Ray, no queues here: this is plain torch, testable in-process. The algorithms are
 the registered pure functions of `asyncrl/algorithms` (docs/algorithms.md); this file only feeds them.
@@ -51,9 +51,9 @@ from asyncrl.algorithms.losses import PolicyLossParams
 from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.roles.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
-from asyncrl.roles.critic import Critic, CriticStats
-from asyncrl.roles.reference import ReferencePolicy
+from asyncrl.training.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
+from asyncrl.training.critic import Critic, CriticStats
+from asyncrl.training.reference import ReferencePolicy
 
 __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from asyncrl.algorithms.value import value_loss
 from asyncrl.config_schema import CriticConfig
 from asyncrl.messages import Trajectory
-from asyncrl.roles.batch import collate, gather_response
+from asyncrl.training.batch import collate, gather_response
 
 log = logging.getLogger(__name__)
 

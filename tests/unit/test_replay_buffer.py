@@ -1,4 +1,4 @@
-"""ReplayHub: capacity checks, train-store ordering, and a fake generator/scorer/trainer run."""
+"""ReplayBuffer: capacity checks, train-store ordering, and a fake generator/scorer/trainer run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, Total
 from buffers.grouping import GroupAssembler
-from buffers.hub import ReplayHub
+from buffers.replay import ReplayBuffer
 from buffers.queue import QueueClosed
 
 SHORT = 0.02  # seconds
@@ -34,34 +34,34 @@ def group(group_id: int, version: int, size: int = 2) -> Group:
     return Group(group_id=group_id, min_version=version, trajectories=members)
 
 
-def make_hub(**overrides) -> ReplayHub:
+def make_buffer(**overrides) -> ReplayBuffer:
     kwargs = dict(prompts_per_step=2, group_size=2, max_staleness=1, rollout_capacity=8, train_capacity=8)
     kwargs.update(overrides)
-    return ReplayHub(**kwargs)
+    return ReplayBuffer(**kwargs)
 
 
 def test_capacities_below_one_step_are_config_errors_naming_the_key():
     with pytest.raises(ValueError, match=r"buffer\.rollout_capacity"):
-        make_hub(rollout_capacity=3)  # one step is 2 * 2 = 4 samples
+        make_buffer(rollout_capacity=3)  # one step is 2 * 2 = 4 samples
     with pytest.raises(ValueError, match=r"buffer\.train_capacity"):
-        make_hub(train_capacity=1)
+        make_buffer(train_capacity=1)
 
 
 def test_train_capacity_below_k_plus_1_steps_is_raised_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="buffers.hub"):
-        hub = make_hub(max_staleness=3, train_capacity=2)
-    assert hub.train_capacity == 8
+    with caplog.at_level(logging.WARNING, logger="buffers.replay"):
+        buffer = make_buffer(max_staleness=3, train_capacity=2)
+    assert buffer.train_capacity == 8
     assert "buffer.train_capacity" in caplog.text
-    assert make_hub(max_staleness=3, train_capacity=20).train_capacity == 20
+    assert make_buffer(max_staleness=3, train_capacity=20).train_capacity == 20
 
 
 def test_accept_groups_never_blocks_with_the_most_groups_the_gate_lets_live():
     async def main():
-        hub = make_hub(max_staleness=2, train_capacity=2)  # raised to (2 + 1) * 2 = 6
-        ids = await hub.admit(100, 0)
+        buffer = make_buffer(max_staleness=2, train_capacity=2)  # raised to (2 + 1) * 2 = 6
+        ids = await buffer.admit(100, 0)
         # every admitted group accepted, newest first (out of admission order)
-        await asyncio.wait_for(hub.accept_groups([group(g, 0) for g in reversed(ids)]), SHORT * 5)
-        return ids, (await hub.stats()).values()
+        await asyncio.wait_for(buffer.accept_groups([group(g, 0) for g in reversed(ids)]), SHORT * 5)
+        return ids, (await buffer.stats()).values()
 
     ids, stats = run(main())
     assert len(ids) == 6
@@ -70,15 +70,15 @@ def test_accept_groups_never_blocks_with_the_most_groups_the_gate_lets_live():
 
 def test_take_step_returns_groups_in_admission_order_after_out_of_order_accepts():
     async def main():
-        hub = make_hub()
-        ids = await hub.admit(4, 0)
-        await hub.accept_groups([group(ids[3], 0), group(ids[1], 0), group(ids[2], 0)])
-        early = await hub.take_step(0, timeout=SHORT)  # ids[0] still running
-        await hub.accept_groups([group(ids[0], 0)])
-        first = await hub.take_step(0, timeout=0)
-        await hub.publish(1)
-        second = await hub.take_step(1, timeout=0)
-        return ids, early, first, second, (await hub.stats()).values()
+        buffer = make_buffer()
+        ids = await buffer.admit(4, 0)
+        await buffer.accept_groups([group(ids[3], 0), group(ids[1], 0), group(ids[2], 0)])
+        early = await buffer.take_step(0, timeout=SHORT)  # ids[0] still running
+        await buffer.accept_groups([group(ids[0], 0)])
+        first = await buffer.take_step(0, timeout=0)
+        await buffer.publish(1)
+        second = await buffer.take_step(1, timeout=0)
+        return ids, early, first, second, (await buffer.stats()).values()
 
     ids, early, first, second, stats = run(main())
     assert early == []
@@ -88,41 +88,41 @@ def test_take_step_returns_groups_in_admission_order_after_out_of_order_accepts(
 
 def test_accept_groups_rejects_a_group_older_than_its_admission_or_not_running():
     async def main():
-        hub = make_hub()
-        [gid] = await hub.admit(1, 0)
-        await hub.release_groups([gid], "filtered")
+        buffer = make_buffer()
+        [gid] = await buffer.admit(1, 0)
+        await buffer.release_groups([gid], "filtered")
         with pytest.raises(ValueError, match="not running"):
-            await hub.accept_groups([group(gid, 0)])
-        for gid in await hub.admit(3, 0):
-            await hub.accept_groups([group(gid, 0)])
-        await hub.take_step(0)
-        await hub.publish(1)
-        [late] = await hub.admit(1, 1)
+            await buffer.accept_groups([group(gid, 0)])
+        for gid in await buffer.admit(3, 0):
+            await buffer.accept_groups([group(gid, 0)])
+        await buffer.take_step(0)
+        await buffer.publish(1)
+        [late] = await buffer.admit(1, 1)
         with pytest.raises(ValueError, match="admitted at version 1"):
-            await hub.accept_groups([group(late, 0)])
+            await buffer.accept_groups([group(late, 0)])
         with pytest.raises(ValueError, match="not running"):
-            await hub.release_groups([late, 999], "failed")
-        return hub.gate.is_running(late), (await hub.stats()).values()
+            await buffer.release_groups([late, 999], "failed")
+        return buffer.gate.is_running(late), (await buffer.stats()).values()
 
     still_running, stats = run(main())
     assert still_running  # the bad id in the batch released nothing
     assert stats["buffer/filtered"] == 1 and stats["buffer/failed"] == 0
 
 
-def test_close_wakes_every_hub_waiter():
+def test_close_wakes_every_buffer_waiter():
     async def main():
-        hub = make_hub(max_staleness=0)
-        await hub.admit(2, 0)
+        buffer = make_buffer(max_staleness=0)
+        await buffer.admit(2, 0)
         waiters = [
-            asyncio.create_task(hub.admit(1, 0)),
-            asyncio.create_task(hub.get_rollouts(4)),
-            asyncio.create_task(hub.take_step(0)),
+            asyncio.create_task(buffer.admit(1, 0)),
+            asyncio.create_task(buffer.get_rollouts(4)),
+            asyncio.create_task(buffer.take_step(0)),
         ]
         await asyncio.sleep(SHORT)
-        await hub.close()
+        await buffer.close()
         results = await asyncio.wait_for(asyncio.gather(*waiters), SHORT * 5)
         with pytest.raises(QueueClosed):
-            await hub.put_rollouts([traj(0, 0, 2, 0)])
+            await buffer.put_rollouts([traj(0, 0, 2, 0)])
         return results
 
     assert run(main()) == [[], [], []]
@@ -133,51 +133,51 @@ def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
     seq = itertools.count()
 
     async def main():
-        hub = ReplayHub(prompts_per_step=p, group_size=size, max_staleness=k,
+        buffer = ReplayBuffer(prompts_per_step=p, group_size=size, max_staleness=k,
                         rollout_capacity=p * size, train_capacity=p)
         staleness: list[int] = []
 
         async def generator() -> None:
             try:
                 while True:
-                    version = hub.gate.published_version
-                    ids = await hub.admit(2, version)
+                    version = buffer.gate.published_version
+                    ids = await buffer.admit(2, version)
                     if not ids:
-                        if hub.gate.closed:
+                        if buffer.gate.closed:
                             return
                         continue
                     await asyncio.sleep(0)  # "decode"
-                    await hub.put_rollouts([traj(next(seq), g, size, version) for g in ids for _ in range(size)])
+                    await buffer.put_rollouts([traj(next(seq), g, size, version) for g in ids for _ in range(size)])
             except QueueClosed:
                 return
 
         async def scorer() -> None:
             assembler = GroupAssembler()
-            while batch := await hub.get_rollouts(4):
+            while batch := await buffer.get_rollouts(4):
                 for t in batch:
                     done = assembler.add(t)
                     if done is None:
                         continue
                     try:
                         if done.group_id % 4 == 3:  # e.g. zero reward variance
-                            await hub.release_groups([done.group_id], "filtered")
+                            await buffer.release_groups([done.group_id], "filtered")
                         else:
-                            await hub.accept_groups([done])
+                            await buffer.accept_groups([done])
                     except QueueClosed:
                         return
 
         async def trainer() -> None:
             for step in range(steps):
-                groups = await hub.take_step(step)
+                groups = await buffer.take_step(step)
                 assert len(groups) == p
                 staleness.extend(step - g.min_version for g in groups)
                 await asyncio.sleep(0)  # "train"
-                await hub.publish(step + 1)
-            await hub.close()
+                await buffer.publish(step + 1)
+            await buffer.close()
 
         roles = [generator(), generator(), scorer(), trainer()]
         await asyncio.gather(*roles)
-        return staleness, hub.rollouts, (await hub.stats()).values()  # the first stats(): since the start
+        return staleness, buffer.rollouts, (await buffer.stats()).values()  # the first stats(): since the start
 
     staleness, rollouts, stats = run(main())
     assert len(staleness) == steps * p and 0 <= min(staleness) and max(staleness) <= k
@@ -190,23 +190,23 @@ def test_fake_generators_scorer_and_trainer_run_steps_with_consistent_counts():
     assert rollouts.total_put == rollouts.total_got + stats["buffer/rollout_depth"]
 
 
-def test_hub_stats_report_the_window_since_the_previous_read_and_depths_as_they_are_now():
+def test_buffer_stats_report_the_window_since_the_previous_read_and_depths_as_they_are_now():
     async def main():
-        hub = make_hub(report_filtered=True)
-        ids = await hub.admit(4, 0)
-        await hub.put_rollouts(group(ids[0], 0).trajectories)
-        await hub.accept_groups([group(ids[1], 0)])
-        await hub.release_groups([ids[2]], "filtered")
-        first = await hub.stats()
-        again = await hub.stats()  # nothing happened since: every count of the window is 0
-        await hub.release_groups([ids[3]], "failed")
-        return first, again, await hub.stats()
+        buffer = make_buffer(report_filtered=True)
+        ids = await buffer.admit(4, 0)
+        await buffer.put_rollouts(group(ids[0], 0).trajectories)
+        await buffer.accept_groups([group(ids[1], 0)])
+        await buffer.release_groups([ids[2]], "filtered")
+        first = await buffer.stats()
+        again = await buffer.stats()  # nothing happened since: every count of the window is 0
+        await buffer.release_groups([ids[3]], "failed")
+        return first, again, await buffer.stats()
 
     first, again, third = run(main())
     assert first.spans == [] and isinstance(first.metrics["buffer/admitted"], Total)
     f, a, t = first.values(), again.values(), third.values()
     assert (f["buffer/admitted"], f["buffer/accepted"], f["buffer/filtered"], f["buffer/failed"]) == (4, 1, 1, 0)
-    assert f["dapo/groups_filtered"] == f["dapo/groups_filtered_total"] == 1  # the hub's one count of filtered
+    assert f["dapo/groups_filtered"] == f["dapo/groups_filtered_total"] == 1  # the buffer's one count of filtered
     assert all(a[k] == 0 for k in ("buffer/admitted", "buffer/accepted", "buffer/filtered", "dapo/groups_filtered"))
     assert (t["buffer/failed"], t["buffer/admitted"]) == (1, 0)
     # gauges are the state at the read, not a window's increment
@@ -215,5 +215,5 @@ def test_hub_stats_report_the_window_since_the_previous_read_and_depths_as_they_
     assert f["buffer/train_depth"] == 1 and isinstance(first.metrics["buffer/train_depth"], Last)
 
 
-def test_hub_reports_dapo_filtered_groups_only_when_filtering_refills_them():
-    assert "dapo/groups_filtered" not in run(make_hub().stats()).metrics
+def test_buffer_reports_dapo_filtered_groups_only_when_filtering_refills_them():
+    assert "dapo/groups_filtered" not in run(make_buffer().stats()).metrics

@@ -1,7 +1,7 @@
 """The frozen reference policy of the KL term: teacher-forced logprobs of the behaviour tokens.
 
 Place in the dataflow: with `[reference] where = "scorer"` (default) each Scorer holds one and fills
-`Trajectory.ref_logprobs` before a group goes to the train queue — off the trainer's critical path, the
+`Trajectory.ref_logprobs` before a group goes to the train store — off the trainer's critical path, the
 forward overlaps training; with `where = "trainer"` the Learner holds it and runs it at the start of a
 step. Either way the logprobs are log_softmax(logits / T) of the sampled tokens, T the trajectory's own
 temperature, exactly as the Learner computes the policy's, so KL estimates compare like with like.
@@ -14,7 +14,7 @@ import logging
 import torch
 
 from asyncrl.messages import Trajectory
-from asyncrl.roles.batch import collate, gather_response, token_logprobs
+from asyncrl.training.batch import collate, gather_response, token_logprobs
 
 log = logging.getLogger(__name__)
 

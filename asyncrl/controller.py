@@ -1,0 +1,238 @@
+"""The Controller: runs the dataflow built from one Config until `trainer.total_steps`, then stops it.
+
+```
+ loop        consumes                    produces                 waits for                 unblocked by
+ ─────────── ─────────────────────────── ──────────────────────── ───────────────────────── ──────────────────────────
+ Generator   prompt rows, gate slots     trajectories → rollout q  gate capacity (staleness) publish(v), returned slots
+ Scorer      rollout queue               groups → train store      trajectories              generators
+ Trainer     P oldest groups (take_step) new weights, version v+1  the P oldest groups done  scorers accepting groups
+ Controller  step results                broadcast, publish(v+1),  the trainer's step        train_step returning
+                                         metrics.jsonl row
+```
+
+Each train step runs through the step pipeline (asyncrl/pipeline.py, which shows the whole sequence):
+`train_step(s)` → the weight send every generator joins → `publish(s+1)` on the gate; step s+1 is asked
+for at once and trains meanwhile (after the evaluation, every `eval_every` steps). Then the roles'
+statistics of step s's window are gathered and one metrics row is written. Generators and scorers run
+their own loops the whole time, so generation of later versions overlaps training up to the staleness
+bound.
+
+The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
+or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Protocol
+
+from asyncrl.aio import discard
+from asyncrl.config import config_to_toml
+from asyncrl.config_schema import Config
+from asyncrl.pipeline import StepPipeline
+from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
+from asyncrl.telemetry.metrics import RoleStats, WindowReducer
+from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
+from asyncrl.telemetry.summary import summarize_rows
+from asyncrl.telemetry.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+class Deployment(Protocol):
+    """Where the roles live. Each attribute exposes the role's async methods."""
+
+    buffer: Any
+    trainer: Any
+    generators: list[Any]
+    scorers: list[Any]
+
+    async def setup_weight_sync(self) -> None: ...
+    async def save_checkpoint(self, path: str) -> None: ...
+    async def shutdown(self) -> None: ...
+
+
+class RoleFailed(RuntimeError):
+    pass
+
+
+class Controller:
+    def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
+                 config_text: str | None = None) -> None:
+        self.cfg = cfg
+        self.d = deployment
+        self.run_dir = Path(run_dir or cfg.run.output_dir)
+        self.config_text = config_text
+        self._loops: list[asyncio.Future] = []
+        self._spans: list[Span] = []
+        self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
+        self._trace: TraceWriter | None = None
+        self._window_end = 0.0
+        # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
+        self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
+                                  buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard)
+        self.rows: list[dict[str, Any]] = []
+
+    async def run(self) -> list[dict[str, Any]]:
+        cfg, d = self.cfg, self.d
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # always: `asyncrl report` and `asyncrl plan` read the run's settings from it
+        (self.run_dir / "config.toml").write_text(self.config_text if self.config_text is not None
+                                                  else config_to_toml(cfg))
+        t_start = time.time()
+        sinks: list[MetricSink] = []
+        quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
+        try:
+            sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
+            if cfg.logging.trace:
+                self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
+            await d.setup_weight_sync()
+            self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            if cfg.trainer.eval_every > 0:
+                first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
+                first.update(await self._guard(d.trainer.evaluate()))
+                _log_row(sinks, first)
+                self.rows.append(first)
+            await self.steps.start()
+            t_prev = time.time()
+            for step in range(cfg.trainer.total_steps):
+                row = await self._one_step(step, t_start, t_prev)
+                t_prev = self._window_end
+                _log_row(sinks, row)
+                self.rows.append(row)
+                if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
+                    log.info(_progress_line(row, cfg.trainer.total_steps))
+            summary = self._summary(t_start)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if cfg.run.save_checkpoint:
+                await d.save_checkpoint(str(self.run_dir / "checkpoint"))
+            return self.rows
+        finally:
+            self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
+            close_sinks(sinks)
+            if self._trace is not None:
+                self._trace.close()
+            try:
+                await self._stop_loops()
+            finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
+                await d.shutdown()
+
+    async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
+        """Train step `step` through publish (the step pipeline), then evaluation when due, then the
+        window's metrics row. An evaluation reads the trainer's weights, so the next step is asked for
+        after it; otherwise it is asked for at once and trains while the row is gathered."""
+        version = step + 1
+        every = self.cfg.trainer.eval_every
+        eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
+        metrics, sent = await self.steps.step(step, ask_next=not eval_due)
+        row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
+        row.update(metrics)
+        row.update(dict(sent))
+        if eval_due:
+            row.update(await self._guard(self.d.trainer.evaluate()))
+        t_end = time.time()
+        self.steps.ask_next(version)
+        row.update(await self._role_metrics(t_prev, t_end))
+        row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
+        row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
+        self._window_end = t_end
+        return row
+
+    async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
+        """Every role's report of its window (what happened since its previous `stats()`), reduced by each
+        metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
+        d = self.d
+        reports: list[RoleStats] = await self._guard(asyncio.gather(
+            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()))
+        out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
+        new_spans = [sp for r in reports for sp in r.spans]
+        if self._trace is not None:
+            self._trace.add_spans(new_spans)
+            self._trace.add_counters(t1, {k: out[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
+                                          if k in out})
+        # Keep spans that can still overlap the next window (a long generate started two windows ago).
+        self._spans = [s for s in [*self._spans, *new_spans] if s.end >= t0 - 60.0]
+        out.update(busy_shares(self._spans, (t0, t1)))
+        out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
+        return out
+
+    async def _guard(self, aw: Awaitable[Any]) -> Any:
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
+        fut = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
+            discard(fut)
+            raise
+        if fut not in done:
+            fut.cancel()
+            dead = next(iter(done))
+            exc = dead.exception() if not dead.cancelled() else None
+            raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
+        try:
+            return fut.result()
+        except Exception as exc:  # e.g. an actor died mid-call: one line, the cause stays chained
+            if _is_actor_death(exc):
+                raise RoleFailed(f"an actor died: {_first_line(exc)}") from exc
+            raise
+
+    async def _stop_loops(self) -> None:
+        d = self.d
+        for r in [*d.generators, *d.scorers]:
+            try:
+                await asyncio.wait_for(r.stop(), 10)
+            except Exception as exc:  # a dead actor must not block shutdown
+                log.debug("stop failed: %s", exc)
+        try:
+            await asyncio.wait_for(d.buffer.close(), 10)
+        except Exception as exc:
+            log.debug("buffer close failed: %s", exc)
+        if self._loops:
+            done, pending = await asyncio.wait(self._loops, timeout=15)
+            for f in pending:
+                f.cancel()
+            for f in done:  # retrieve: a loop that died has already been reported by _guard
+                if not f.cancelled() and f.exception() is not None:
+                    log.debug("role loop ended with %r", f.exception())
+
+    def _summary(self, t_start: float) -> dict[str, Any]:
+        out: dict[str, Any] = {"wall_s": time.time() - t_start}
+        out.update(summarize_rows(self.rows))
+        out["setting"] = {"num_generators": self.cfg.rollout.num_generators,
+                          "max_staleness": self.cfg.staleness.max_staleness,
+                          "prompts_per_step": self.cfg.trainer.prompts_per_step,
+                          "group_size": self.cfg.rollout.group_size,
+                          "concurrency": self.cfg.rollout.concurrency,
+                          "torch_threads": self.cfg.cluster.torch_threads}
+        return out
+
+
+def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
+    for sink in sinks:
+        sink.log(row)
+
+
+def _first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "cancelled"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
+    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+               for c in type(exc).__mro__)
+
+
+def _progress_line(row: dict[str, Any], total: int) -> str:
+    parts = [f"step {row['step']}/{total}", f"reward {row.get('reward/mean', float('nan')):.3f}"]
+    if "eval/greedy_reward" in row:
+        parts.append(f"eval greedy {row['eval/greedy_reward']:.3f}")
+    parts.append(f"staleness max {row.get('staleness/max', 0):.0f}")
+    parts.append(f"{row['time/elapsed_s']:.1f}s")
+    return " | ".join(parts)
