@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ray
 
-from asyncrl.build import build_generator, build_buffer, build_scorer, build_trainer, pin_cpus, set_torch_threads
+from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.weights.base import SENDERS

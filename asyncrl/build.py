@@ -13,19 +13,19 @@ from typing import Any
 
 import torch
 
+from asyncrl.algorithms.advantages import LagrangeMultiplier
+from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config_schema import Config
 from asyncrl.data import PromptStream, load_rows
 from asyncrl.messages import SamplingParams
-from asyncrl.algorithms.advantages import LagrangeMultiplier
-from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.rewards.loader import resolve_cost, resolve_reward
-from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
-from asyncrl.training.learner import Learner
-from asyncrl.training.reference import ReferencePolicy
 from asyncrl.roles.scorer import Scorer
 from asyncrl.roles.trainer import Trainer
+from asyncrl.training.critic import Critic, load_value_model
+from asyncrl.training.learner import Learner
+from asyncrl.training.reference import ReferencePolicy
 from buffers.replay import ReplayBuffer
 from engines.base import create_engine
 from engines.hf import load_model, load_tokenizer

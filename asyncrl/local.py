@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from asyncrl.build import build_generator, build_buffer, build_scorer, build_trainer, set_torch_threads
+from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.weights.local import LocalWeightChannel
 

@@ -36,9 +36,9 @@ from typing import Any, Sequence
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
 from asyncrl.config_schema import Config
+from asyncrl.controller import Controller
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
 from asyncrl.messages import Completion, SamplingParams, Trajectory
-from asyncrl.controller import Controller
 from engines.hf import ensure_model, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)

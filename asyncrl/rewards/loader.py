@@ -19,13 +19,13 @@ ValueError at call time (the scorer catches and counts it).
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
-import asyncio
 import inspect
-import threading
 import math
-from typing import Any, Callable
+import threading
+from typing import Any
 
 from asyncrl.registry import import_path
 from asyncrl.rewards.rules import RULES, RewardFn

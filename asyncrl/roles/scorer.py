@@ -29,9 +29,9 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.loader import call_reward_async, call_rewards_async
-from asyncrl.training.reference import ReferencePolicy
 from asyncrl.telemetry.metrics import Rate, RoleStats, Total, Window
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
 
 log = logging.getLogger(__name__)

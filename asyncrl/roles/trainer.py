@@ -20,9 +20,9 @@ from typing import Any
 
 from asyncrl.pipeline import StepSource, UpdatePipeline
 from asyncrl.roles.evaluator import Evaluator
-from asyncrl.training.learner import Learner
 from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.training.learner import Learner
 from asyncrl.weights.base import WeightSender
 
 log = logging.getLogger(__name__)

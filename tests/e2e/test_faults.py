@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -88,8 +87,8 @@ def test_killed_generator_actor_fails_the_run_fast_and_shuts_the_deployment_down
                                                                                  tmp_path):
     import ray
 
-    from asyncrl.launch import RayDeployment
     from asyncrl.controller import Controller, RoleFailed
+    from asyncrl.launch import RayDeployment
 
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
                       f'run.output_dir="{tmp_path / "dead"}"')

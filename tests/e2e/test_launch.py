@@ -64,8 +64,8 @@ def test_slow_trainer_reaches_but_never_exceeds_staleness_2(ray_cluster, make_co
 def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make_config, tmp_path):
     """cluster.scorer_placement = "buffer": no scorer actors; the buffer's actor runs both scorers, which
     score every sample the trainer trains on."""
-    from asyncrl.launch import RayDeployment, run_loop
     from asyncrl.controller import Controller
+    from asyncrl.launch import RayDeployment, run_loop
 
     cfg = make_config('cluster.scorer_placement="buffer"', "reward.num_scorers=2", "trainer.total_steps=3",
                       "trainer.eval_every=0", "run.save_checkpoint=false", f'run.output_dir="{tmp_path / "buffer"}"')

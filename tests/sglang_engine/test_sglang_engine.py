@@ -27,8 +27,8 @@ from asyncrl.config_schema import TinyModelConfig  # noqa: E402
 from asyncrl.messages import SamplingParams  # noqa: E402
 from asyncrl.weights.bucketing import plan_buckets  # noqa: E402
 from asyncrl.weights.collective import create_store  # noqa: E402
-from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from asyncrl.weights.sglang import PerTensorSender, join_sglang_sender  # noqa: E402
+from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.sglang_engine import SGLangEngine  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow,

@@ -13,7 +13,12 @@ import pytest
 
 import asyncrl.config as config_mod
 from asyncrl.config import (
-    ActorPlan, ConfigError, config_to_toml, derived, load_config, plan_resources,
+    ActorPlan,
+    ConfigError,
+    config_to_toml,
+    derived,
+    load_config,
+    plan_resources,
 )
 from asyncrl.config_schema import Config
 

@@ -11,8 +11,8 @@ import pytest
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, Total
 from buffers.grouping import GroupAssembler
-from buffers.replay import ReplayBuffer
 from buffers.queue import QueueClosed
+from buffers.replay import ReplayBuffer
 
 SHORT = 0.02  # seconds
 

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from asyncrl.messages import SamplingParams
 from asyncrl.weights.bucketing import plan_buckets
 from asyncrl.weights.collective import create_store
+from asyncrl.weights.sglang import PerTensorSender, broadcast_per_tensor, join_sglang_sender
 from engines.base import CollectiveWeightEngine, RolloutEngine, create_engine
 from engines.hf import eos_token_ids, load_model, load_tokenizer
-from asyncrl.weights.sglang import PerTensorSender, broadcast_per_tensor, join_sglang_sender
 from engines.sglang_engine import SGLangEngine, SGLangResponseError
 
 TIMEOUT_S = 20.0
@@ -149,8 +149,13 @@ class FakeSGLangEngine:
         self.control.append(("init_weights_update_group", dict(master_address=master_address,
                             master_port=master_port, rank_offset=rank_offset, world_size=world_size,
                             group_name=group_name, backend=backend)))
-        from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                        _world, rendezvous)
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
 
         def init():
             timeout = timedelta(seconds=TIMEOUT_S)
