@@ -77,7 +77,10 @@ def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make
     assert [r["step"] for r in rows] == [1, 2, 3]
     samples = 3 * cfg.samples_per_step
     assert sum(r["trainer/samples"] for r in rows) == samples
-    assert all(r["scorer/samples_per_s"] > 0 and r["buffer/failed"] == 0 for r in rows)
+    # every trained sample was scored by the hosted scorers (a window may score none: its groups were
+    # scored ahead, during the window before)
+    scored = sum(r["scorer/samples_per_s"] * r["time/step_s"] for r in rows)
+    assert scored >= samples - 0.5 and all(r["buffer/failed"] == 0 for r in rows)
     trace = json.loads((tmp_path / "buffer" / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
