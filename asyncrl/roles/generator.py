@@ -284,7 +284,7 @@ class Generator:
             temperature=self.sampling.temperature,
             prompt_text=str(row[self.prompt_key]),
             row_json=row_json,
-            kv_reused=getattr(c, "kv_reused", False),
+            kv_reused=c.kv_reused,
             generator_id=self.generator_id,
         )
 
