@@ -440,7 +440,8 @@ def _check_algorithm_options(cfg: Config) -> list[str]:
                       f"algorithm.decoupled = true (ratio against the proximal policy), or use a *_mask correction")
     if a.overlong_buffer >= cfg.rollout.max_new_tokens:
         errors.append(f"algorithm.overlong_buffer: {a.overlong_buffer} must be below rollout.max_new_tokens = "
-                      f"{cfg.rollout.max_new_tokens} — responses longer than max_new_tokens - overlong_buffer are penalised")
+                      f"{cfg.rollout.max_new_tokens} — responses longer than max_new_tokens - overlong_buffer "
+                      f"are penalised")
     if a.dynamic_sampling and cfg.rollout.group_size < 2:
         errors.append("algorithm.dynamic_sampling: every group of rollout.group_size = 1 has zero reward variance "
                       "and would be dropped — use rollout.group_size >= 2")

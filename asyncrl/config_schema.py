@@ -29,22 +29,37 @@ class TinyModelConfig(Section):
     num_heads: Annotated[int, _d("attention heads; must divide hidden_size", ge=1)] = 4
     num_kv_heads: Annotated[int, _d("key/value heads; must divide num_heads", ge=1)] = 2
     intermediate_size: Annotated[int, _d("MLP width", ge=8)] = 128
-    vocab: Annotated[str, _d("characters of the tiny char-level tokenizer (besides special tokens)", min_length=1)] = "0123456789+-*=?, abcdefghijklmnopqrstuvwxyz"
+    vocab: Annotated[
+        str,
+        _d("characters of the tiny char-level tokenizer (besides special tokens)", min_length=1),
+    ] = "0123456789+-*=?, abcdefghijklmnopqrstuvwxyz"
     max_positions: Annotated[int, _d("max_position_embeddings", ge=8)] = 128
     seed: Annotated[int, _d("seed of the random initialisation", ge=0)] = 0
-    init_std: Annotated[float, _d("std of the random weight init (initializer_range); larger gives peakier logits", gt=0)] = 0.02
+    init_std: Annotated[
+        float,
+        _d("std of the random weight init (initializer_range); larger gives peakier logits", gt=0),
+    ] = 0.02
 
 
 class ModelConfig(Section):
     path: Annotated[str, _d("local Hugging Face model folder (config.json + safetensors + tokenizer)", min_length=1)]
     build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
-    dtype: Annotated[Literal["float32", "bfloat16", "float16"], _d("parameter dtype for engine and trainer")] = "float32"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        _d("parameter dtype for engine and trainer"),
+    ] = "float32"
 
 
 class DataConfig(Section):
     path: Annotated[str, _d("JSONL or Parquet file of prompt rows; or leave empty and set `source`")] = ""
-    source: Annotated[str, _d("'pkg.module:function' returning an iterable of rows, called as fn(split=..., seed=...)")] = ""
-    eval_path: Annotated[str, _d("held-out JSONL/Parquet rows for evaluation (default: `source` with split='eval')")] = ""
+    source: Annotated[
+        str,
+        _d("'pkg.module:function' returning an iterable of rows, called as fn(split=..., seed=...)"),
+    ] = ""
+    eval_path: Annotated[
+        str,
+        _d("held-out JSONL/Parquet rows for evaluation (default: `source` with split='eval')"),
+    ] = ""
     prompt_key: Annotated[str, _d("row field holding the prompt text", min_length=1)] = "prompt"
     max_prompt_len: Annotated[int, _d("prompts longer than this many tokens are cut (and counted)", ge=1)] = 256
     shuffle: Annotated[bool, _d("reshuffle the prompt order every epoch (seeded by run.seed)")] = True
@@ -59,63 +74,167 @@ class RolloutConfig(Section):
     top_p: Annotated[float, _d("nucleus sampling; keep 1.0 for training", gt=0, le=1)] = 1.0
     top_k: Annotated[int, _d("top-k sampling; -1 = off (keep -1 for training)", ge=-1)] = -1
     max_new_tokens: Annotated[int, _d("response length limit in tokens", ge=1)] = 64
-    weight_update: Annotated[Literal["in_flight", "between_requests"], _d("in_flight: new weights land at the next decode step, sequences carry on across versions; between_requests: finish the groups in flight first")] = "in_flight"
-    kv_on_update: Annotated[Literal["recompute", "keep"], _d("after an in-flight swap, recompute the KV cache of unfinished sequences (exact) or keep it (a mixture of versions, recorded on the trajectory)")] = "recompute"
+    weight_update: Annotated[
+        Literal["in_flight", "between_requests"],
+        _d("in_flight: new weights land at the next decode step, sequences carry on across versions; "
+           "between_requests: finish the groups in flight first"),
+    ] = "in_flight"
+    kv_on_update: Annotated[
+        Literal["recompute", "keep"],
+        _d("after an in-flight swap, recompute the KV cache of unfinished sequences (exact) or keep it (a mixture of "
+           "versions, recorded on the trajectory)"),
+    ] = "recompute"
     stop_token_ids: Annotated[list[int], _d("token ids that end a response besides the model's eos, e.g. [2, 3]")] = []
-    stop: Annotated[list[str], _d("strings that end a response once the decoded text contains them, e.g. [\"\\n\"]")] = []
-    ignore_eos: Annotated[bool, _d("the model's eos does not end a response: every response runs to max_new_tokens unless a stop token or string ends it (fixed-length rollouts for throughput experiments)")] = False
+    stop: Annotated[
+        list[str],
+        _d("strings that end a response once the decoded text contains them, e.g. [\"\\n\"]"),
+    ] = []
+    ignore_eos: Annotated[
+        bool,
+        _d("the model's eos does not end a response: every response runs to max_new_tokens unless a stop token or "
+           "string ends it (fixed-length rollouts for throughput experiments)"),
+    ] = False
 
 
 class RewardConfig(Section):
-    fn: Annotated[str, _d("built-in rule name (e.g. 'exact_match') or 'pkg.module:function'", min_length=1)] = "exact_match"
+    fn: Annotated[
+        str,
+        _d("built-in rule name (e.g. 'exact_match') or 'pkg.module:function'", min_length=1),
+    ] = "exact_match"
     answer_key: Annotated[str, _d("row field holding the reference answer for built-in rules", min_length=1)] = "answer"
     timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
     num_scorers: Annotated[int, _d("scorer actors", ge=1)] = 1
-    cost_fn: Annotated[str, _d("Safe-RLHF cost: a built-in cost rule (e.g. 'digit_cost') or 'pkg.module:function' with the reward fn's calling convention; empty = no cost signal")] = ""
-    cost_threshold: Annotated[float, _d("Safe-RLHF: the mean cost per sample the policy should stay under (the multiplier grows while the measured cost exceeds it)")] = 0.0
+    cost_fn: Annotated[
+        str,
+        _d("Safe-RLHF cost: a built-in cost rule (e.g. 'digit_cost') or 'pkg.module:function' with the reward fn's "
+           "calling convention; empty = no cost signal"),
+    ] = ""
+    cost_threshold: Annotated[
+        float,
+        _d("Safe-RLHF: the mean cost per sample the policy should stay under (the multiplier grows while the measured "
+           "cost exceeds it)"),
+    ] = 0.0
     lagrange_init: Annotated[float, _d("Safe-RLHF: initial Lagrange multiplier lambda", ge=0)] = 0.0
-    lagrange_lr: Annotated[float, _d("Safe-RLHF: step size of the multiplier update lambda += lr * (mean_cost - cost_threshold), clamped at 0", ge=0)] = 0.05
+    lagrange_lr: Annotated[
+        float,
+        _d("Safe-RLHF: step size of the multiplier update lambda += lr * (mean_cost - cost_threshold), "
+           "clamped at 0", ge=0),
+    ] = 0.05
     lagrange_max: Annotated[float, _d("Safe-RLHF: upper bound of the multiplier; 0 = unbounded", ge=0)] = 0.0
 
 
 class AlgorithmConfig(Section):
     """What the trainer optimises. See docs/algorithms.md for one section per algorithm."""
 
-    advantage: Annotated[str, _d("advantage estimator: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy-rollout baseline, sampled by the generator), gae (PPO with a [critic])", min_length=1)] = "grpo"
-    policy_loss: Annotated[str, _d("policy loss: ppo_clip (token ratio), gspo (sequence-level ratio), vanilla_pg", min_length=1)] = "ppo_clip"
-    loss_agg: Annotated[str, _d("loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (sum / rollout.max_new_tokens, Dr.GRPO)", min_length=1)] = "token-mean"
-    clip_eps: Annotated[float, _d("PPO clip range epsilon; the default of clip_eps_low and clip_eps_high", gt=0, lt=1)] = 0.2
-    clip_eps_low: Annotated[float, _d("lower clip range: ratio >= 1 - clip_eps_low; 0 = use clip_eps", ge=0, lt=1)] = 0.0
-    clip_eps_high: Annotated[float, _d("upper clip range: ratio <= 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); 0 = use clip_eps", ge=0)] = 0.0
-    dual_clip: Annotated[float, _d("dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 = off", ge=0)] = 0.0
+    advantage: Annotated[
+        str,
+        _d("advantage estimator: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, "
+           "remax (greedy-rollout baseline, sampled by the generator), gae (PPO with a [critic])", min_length=1),
+    ] = "grpo"
+    policy_loss: Annotated[
+        str,
+        _d("policy loss: ppo_clip (token ratio), gspo (sequence-level ratio), vanilla_pg", min_length=1),
+    ] = "ppo_clip"
+    loss_agg: Annotated[
+        str,
+        _d("loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (sum / "
+           "rollout.max_new_tokens, Dr.GRPO)", min_length=1),
+    ] = "token-mean"
+    clip_eps: Annotated[
+        float,
+        _d("PPO clip range epsilon; the default of clip_eps_low and clip_eps_high", gt=0, lt=1),
+    ] = 0.2
+    clip_eps_low: Annotated[
+        float,
+        _d("lower clip range: ratio >= 1 - clip_eps_low; 0 = use clip_eps", ge=0, lt=1),
+    ] = 0.0
+    clip_eps_high: Annotated[
+        float,
+        _d("upper clip range: ratio <= 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); 0 = use clip_eps", ge=0),
+    ] = 0.0
+    dual_clip: Annotated[
+        float,
+        _d("dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 = off", ge=0),
+    ] = 0.0
     gamma: Annotated[float, _d("discount of GAE and of token-level returns (REINFORCE++)", ge=0, le=1)] = 1.0
     lam: Annotated[float, _d("GAE lambda", ge=0, le=1)] = 0.95
     adv_eps: Annotated[float, _d("epsilon added to standard deviations when normalising advantages", gt=0)] = 1e-6
-    whiten_advantages: Annotated[bool, _d("whiten advantages over the step's loss tokens (mean 0, std 1) where the estimator supports it (gae)")] = True
-    reward_norm: Annotated[Literal["none", "whiten", "scale"], _d("normalise the step's rewards before the estimator: whiten = (r - mean) / std, scale = r / std, none")] = "none"
-    reward_clip: Annotated[float, _d("clip rewards (after shaping and normalisation) to [-reward_clip, reward_clip]; 0 = off", ge=0)] = 0.0
-    entropy_coef: Annotated[float, _d("entropy bonus: loss -= entropy_coef * entropy per token (same aggregation); 0 = off", ge=0)] = 0.0
-    kl_mode: Annotated[Literal["off", "reward", "loss"], _d("KL to the [reference] policy: 'reward' subtracts kl_coef*KL from the token rewards, 'loss' adds kl_coef*KL per token to the loss, 'off'")] = "off"
+    whiten_advantages: Annotated[
+        bool,
+        _d("whiten advantages over the step's loss tokens (mean 0, std 1) where the estimator supports it (gae)"),
+    ] = True
+    reward_norm: Annotated[
+        Literal["none", "whiten", "scale"],
+        _d("normalise the step's rewards before the estimator: whiten = (r - mean) / std, scale = r / std, none"),
+    ] = "none"
+    reward_clip: Annotated[
+        float,
+        _d("clip rewards (after shaping and normalisation) to [-reward_clip, reward_clip]; 0 = off", ge=0),
+    ] = 0.0
+    entropy_coef: Annotated[
+        float,
+        _d("entropy bonus: loss -= entropy_coef * entropy per token (same aggregation); 0 = off", ge=0),
+    ] = 0.0
+    kl_mode: Annotated[
+        Literal["off", "reward", "loss"],
+        _d("KL to the [reference] policy: 'reward' subtracts kl_coef*KL from the token rewards, "
+           "'loss' adds kl_coef*KL per token to the loss, 'off'"),
+    ] = "off"
     kl_coef: Annotated[float, _d("weight of the KL to the reference policy", ge=0)] = 0.001
-    kl_estimator: Annotated[Literal["k1", "k2", "k3"], _d("KL estimator: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - 1 - log(ref/pi) (low variance, never negative)")] = "k3"
-    correction: Annotated[Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"], _d("off-policy correction of stale samples: truncated importance sampling (token or sequence level, weights capped at correction_cap) or masking of tokens/sequences whose ratio leaves [correction_low, correction_high]")] = "none"
+    kl_estimator: Annotated[
+        Literal["k1", "k2", "k3"],
+        _d("KL estimator: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - 1 - log(ref/pi) (low variance, "
+           "never negative)"),
+    ] = "k3"
+    correction: Annotated[
+        Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"],
+        _d("off-policy correction of stale samples: truncated importance sampling (token or sequence level, "
+           "weights capped at correction_cap) or masking of tokens/sequences whose ratio leaves [correction_low, "
+           "correction_high]"),
+    ] = "none"
     correction_cap: Annotated[float, _d("cap of the truncated IS weights (token_tis, seq_tis)", gt=0)] = 2.0
     correction_low: Annotated[float, _d("lowest ratio kept by token_mask / seq_mask, in [0, 1]", ge=0, le=1)] = 0.5
     correction_high: Annotated[float, _d("highest ratio kept by token_mask / seq_mask, >= 1", ge=1)] = 2.0
-    decoupled: Annotated[bool, _d("decoupled PPO: the ratio is taken against the proximal policy (the trainer's weights at the start of the step, logprobs recomputed without grad), and the correction weight is proximal / behaviour")] = False
-    filter_zero_variance: Annotated[bool, _d("drop groups whose rewards are all equal (their slots are returned)")] = False
-    dynamic_sampling: Annotated[bool, _d("DAPO dynamic sampling: drop groups whose rewards have zero variance and refill the step with fresh prompts (implies filter_zero_variance)")] = False
-    overlong_buffer: Annotated[int, _d("DAPO overlong shaping: responses longer than rollout.max_new_tokens - overlong_buffer are penalised linearly, up to overlong_penalty at the limit; 0 = off", ge=0)] = 0
+    decoupled: Annotated[
+        bool,
+        _d("decoupled PPO: the ratio is taken against the proximal policy (the trainer's weights at the start of the "
+           "step, logprobs recomputed without grad), and the correction weight is proximal / behaviour"),
+    ] = False
+    filter_zero_variance: Annotated[
+        bool,
+        _d("drop groups whose rewards are all equal (their slots are returned)"),
+    ] = False
+    dynamic_sampling: Annotated[
+        bool,
+        _d("DAPO dynamic sampling: drop groups whose rewards have zero variance and refill the step with fresh prompts "
+           "(implies filter_zero_variance)"),
+    ] = False
+    overlong_buffer: Annotated[
+        int,
+        _d("DAPO overlong shaping: responses longer than rollout.max_new_tokens - overlong_buffer are penalised "
+           "linearly, up to overlong_penalty at the limit; 0 = off", ge=0),
+    ] = 0
     overlong_penalty: Annotated[float, _d("DAPO overlong shaping: the penalty at rollout.max_new_tokens", ge=0)] = 1.0
-    safe_rlhf: Annotated[bool, _d("Safe-RLHF: optimise the reward advantage minus lambda times the cost advantage (reward.cost_fn), lambda updated from the measured cost against reward.cost_threshold")] = False
+    safe_rlhf: Annotated[
+        bool,
+        _d("Safe-RLHF: optimise the reward advantage minus lambda times the cost advantage (reward.cost_fn), "
+           "lambda updated from the measured cost against reward.cost_threshold"),
+    ] = False
 
 
 class CriticConfig(Section):
     """The value model of PPO (`algorithm.advantage = "gae"`): the policy's backbone with a fresh scalar head."""
 
-    path: Annotated[str, _d("HF model folder the critic starts from (its LM head replaced by a fresh value head); empty = model.path")] = ""
+    path: Annotated[
+        str,
+        _d("HF model folder the critic starts from (its LM head replaced by a fresh value head); empty = model.path"),
+    ] = ""
     lr: Annotated[float, _d("critic AdamW learning rate", gt=0, le=1)] = 1e-4
-    value_clip: Annotated[float, _d("clip of the value update around the values at the start of the step (PPO clipped value loss); 0 = unclipped", ge=0)] = 0.2
+    value_clip: Annotated[
+        float,
+        _d("clip of the value update around the values at the start of the step (PPO clipped value loss); "
+           "0 = unclipped", ge=0),
+    ] = 0.2
     grad_clip: Annotated[float, _d("critic max gradient norm; 0 disables clipping", ge=0)] = 1.0
     weight_decay: Annotated[float, _d("critic AdamW weight decay", ge=0)] = 0.0
 
@@ -124,18 +243,28 @@ class ReferenceConfig(Section):
     """The frozen reference policy of the KL term (`algorithm.kl_mode` reward or loss)."""
 
     path: Annotated[str, _d("HF model folder of the reference policy; empty = model.path (the initial policy)")] = ""
-    where: Annotated[Literal["scorer", "trainer"], _d("where its logprobs are computed: 'scorer' (off the trainer's critical path, filled into each trajectory) or 'trainer' (a forward pass at the start of each step)")] = "scorer"
+    where: Annotated[
+        Literal["scorer", "trainer"],
+        _d("where its logprobs are computed: 'scorer' (off the trainer's critical path, "
+           "filled into each trajectory) or 'trainer' (a forward pass at the start of each step)"),
+    ] = "scorer"
 
 
 class TrainerConfig(Section):
     total_steps: Annotated[int, _d("train steps (policy versions) of the run", ge=1)] = 100
     prompts_per_step: Annotated[int, _d("groups consumed per train step", ge=1)] = 16
-    mini_batches: Annotated[int, _d("optimizer steps per epoch over the step's samples; must divide prompts_per_step*group_size", ge=1)] = 1
+    mini_batches: Annotated[
+        int,
+        _d("optimizer steps per epoch over the step's samples; must divide prompts_per_step*group_size", ge=1),
+    ] = 1
     micro_batch_size: Annotated[int, _d("samples per forward/backward (gradient accumulation)", ge=1)] = 64
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
     weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
-    betas: Annotated[list[float], _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2)] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    betas: Annotated[
+        list[float],
+        _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2),
+    ] = msgspec.field(default_factory=lambda: [0.9, 0.999])
     grad_clip: Annotated[float, _d("max gradient norm; 0 disables clipping", ge=0)] = 1.0
     eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 disables", ge=0)] = 10
     eval_prompts: Annotated[int, _d("number of held-out prompts per evaluation", ge=1)] = 64
@@ -147,13 +276,19 @@ class BufferConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    backend: Annotated[Literal["auto", "gloo", "nccl"], _d("collective backend: auto = nccl with CUDA else gloo")] = "auto"
+    backend: Annotated[
+        Literal["auto", "gloo", "nccl"],
+        _d("collective backend: auto = nccl with CUDA else gloo"),
+    ] = "auto"
     bucket_mb: Annotated[float, _d("size of one broadcast bucket in MiB", gt=0)] = 64.0
     timeout_s: Annotated[float, _d("timeout of every collective call", gt=0)] = 120.0
 
 
 class StalenessConfig(Section):
-    max_staleness: Annotated[int, _d("k: trainer version minus a trajectory's min_version never exceeds this; 0 = on-policy", ge=0)] = 1
+    max_staleness: Annotated[
+        int,
+        _d("k: trainer version minus a trajectory's min_version never exceeds this; 0 = on-policy", ge=0),
+    ] = 1
 
 
 class AffinityConfig(Section):
@@ -166,7 +301,10 @@ class AffinityConfig(Section):
     generator: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every generator actor")] = []
     scorer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of every scorer actor")] = []
     buffer: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the replay buffer actor")] = []
-    controller: Annotated[list[Annotated[int, Meta(ge=0)]], _d("CPUs of the driver process (the Controller) and of the local Ray cluster it starts")] = []
+    controller: Annotated[
+        list[Annotated[int, Meta(ge=0)]],
+        _d("CPUs of the driver process (the Controller) and of the local Ray cluster it starts"),
+    ] = []
 
 
 class ClusterConfig(Section):
@@ -175,8 +313,16 @@ class ClusterConfig(Section):
     object_store_mb: Annotated[int, _d("object store size of the local cluster in MiB", ge=64)] = 256
     dashboard: Annotated[bool, _d("start the Ray dashboard with the local cluster")] = False
     generator_cpus: Annotated[float, _d("logical CPUs each generator actor asks for", ge=0)] = 0.5
-    scorer_cpus: Annotated[float, _d("logical CPUs each scorer actor asks for (scorer_placement = 'actor')", ge=0)] = 0.25
-    scorer_placement: Annotated[Literal["actor", "buffer"], _d("actor: each scorer is its own actor (process); buffer: the scorers run inside the replay buffer actor's process and call the buffer without actor calls (light rule rewards: one process and two actor calls per batch fewer; reward functions still run on worker threads)")] = "actor"
+    scorer_cpus: Annotated[
+        float,
+        _d("logical CPUs each scorer actor asks for (scorer_placement = 'actor')", ge=0),
+    ] = 0.25
+    scorer_placement: Annotated[
+        Literal["actor", "buffer"],
+        _d("actor: each scorer is its own actor (process); buffer: the scorers run inside the replay buffer actor's "
+           "process and call the buffer without actor calls (light rule rewards: one process and two actor calls per "
+           "batch fewer; reward functions still run on worker threads)"),
+    ] = "actor"
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
@@ -193,23 +339,53 @@ class RunConfig(Section):
 class LoggingConfig(Section):
     """Where a run's metrics go besides metrics.jsonl (always written), and the live console view."""
 
-    live: Annotated[Literal["auto"] | bool, _d("live console view (progress, reward, staleness, busy shares, ETA): 'auto' = on when stdout is a terminal, or true/false")] = "auto"
-    trace: Annotated[bool, _d("write the Perfetto/Chrome timeline <run_dir>/trace.json (open it in ui.perfetto.dev)")] = True
-    tensorboard: Annotated[bool, _d("also write TensorBoard scalars to <run_dir>/tensorboard (needs: pip install 'asyncrl[loggers]')")] = False
-    wandb: Annotated[bool, _d("also log to Weights & Biases in offline mode under <run_dir>/wandb (needs: pip install 'asyncrl[loggers]')")] = False
+    live: Annotated[
+        Literal["auto"] | bool,
+        _d("live console view (progress, reward, staleness, busy shares, ETA): 'auto' = on when stdout is a terminal, "
+           "or true/false"),
+    ] = "auto"
+    trace: Annotated[
+        bool,
+        _d("write the Perfetto/Chrome timeline <run_dir>/trace.json (open it in ui.perfetto.dev)"),
+    ] = True
+    tensorboard: Annotated[
+        bool,
+        _d("also write TensorBoard scalars to <run_dir>/tensorboard (needs: pip install 'asyncrl[loggers]')"),
+    ] = False
+    wandb: Annotated[
+        bool,
+        _d("also log to Weights & Biases in offline mode under <run_dir>/wandb (needs: pip install "
+           "'asyncrl[loggers]')"),
+    ] = False
     wandb_project: Annotated[str, _d("W&B project name of the offline run", min_length=1)] = "asyncrl"
 
 
 class EnvConfig(Section):
     """Multi-turn environment episodes instead of single completions (docs/envs.md)."""
 
-    env: Annotated[str, _d("built-in environment ('first_digit', 'tool_arith', 'guess') or 'pkg.module:Class' with async reset(row) and step(action)", min_length=1)]
+    env: Annotated[
+        str,
+        _d("built-in environment ('first_digit', 'tool_arith', 'guess') or 'pkg.module:Class' with async reset(row) "
+           "and step(action)", min_length=1),
+    ]
     kwargs: Annotated[dict[str, Any], _d("keyword arguments for the environment class, e.g. {max_guesses = 4}")] = {}
     max_turns: Annotated[int, _d("model turns per episode; reaching it ends the episode (truncated)", ge=1)] = 8
     max_episode_tokens: Annotated[int, _d("response tokens per episode, model and environment together", ge=1)] = 64
-    step_timeout_s: Annotated[float, _d("a reset or step taking longer ends the episode with an error (counted)", gt=0)] = 10.0
-    chat_template: Annotated[Literal["auto", "none", "strict", "concat"], _d("auto: the tokenizer's chat template if it is append-only, else per-message concatenation, none without one; none: plain append; strict: the template, failing on a turn that is not append-only; concat: per-message rendering")] = "auto"
-    on_step_error: Annotated[Literal["keep", "fail"], _d("an env step that raises, hangs or returns garbage ends the episode; keep: train on it with the reward so far; fail: fail its group (slots returned)")] = "keep"
+    step_timeout_s: Annotated[
+        float,
+        _d("a reset or step taking longer ends the episode with an error (counted)", gt=0),
+    ] = 10.0
+    chat_template: Annotated[
+        Literal["auto", "none", "strict", "concat"],
+        _d("auto: the tokenizer's chat template if it is append-only, else per-message concatenation, "
+           "none without one; none: plain append; strict: the template, failing on a turn that is not append-only; "
+           "concat: per-message rendering"),
+    ] = "auto"
+    on_step_error: Annotated[
+        Literal["keep", "fail"],
+        _d("an env step that raises, hangs or returns garbage ends the episode; keep: train on it with the reward so "
+           "far; fail: fail its group (slots returned)"),
+    ] = "keep"
 
 
 class Config(Section):

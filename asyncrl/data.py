@@ -62,7 +62,8 @@ def check_data(data_cfg: DataConfig) -> list[str]:
     errors: list[str] = []
     if bool(data_cfg.path) == bool(data_cfg.source):
         which = "both are set" if data_cfg.path else "neither is set"
-        errors.append(f"data.path, data.source: set exactly one of them ({which}) — a JSONL/Parquet file or 'pkg.module:function'")
+        errors.append(f"data.path, data.source: set exactly one of them ({which}) — a JSONL/Parquet file "
+                      f"or 'pkg.module:function'")
     for field, value in (("data.path", data_cfg.path), ("data.eval_path", data_cfg.eval_path)):
         if value:
             errors += _check_file(field, value)
@@ -217,5 +218,6 @@ def _check_source(spec: str) -> list[str]:
              and p.kind is not inspect.Parameter.VAR_POSITIONAL]
     if missing or extra:
         what = f"missing: {', '.join(missing)}" if missing else f"it also requires: {', '.join(extra)}"
-        return [f"data.source: {spec!r} must be callable as fn(split=..., seed=...) ({what}) — e.g. def rows(split, seed): ..."]
+        return [f"data.source: {spec!r} must be callable as fn(split=..., seed=...) ({what}) — "
+                f"e.g. def rows(split, seed): ..."]
     return []

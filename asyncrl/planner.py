@@ -533,6 +533,8 @@ def plan(costs: Costs, generators: Sequence[int], staleness: Sequence[int], step
 def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
     """The table and recommendation `asyncrl plan` prints."""
     c = costs
+    contention_note = ("fitted so that the simulation reproduces the calibration run" if c.contention_measured
+                       else "not observable in an on-policy run: calibrate from an asynchronous one")
     lines = [
         f"calibrated from {c.source}: generation a={c.gen_a:.4f}s + b={c.gen_b:.4f}s per group in flight, "
         f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, overhead {c.overhead_s:.4f}s, "
@@ -542,12 +544,13 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
         f"{_range(c.gen_jitter)}" + (f"; each prediction the mean of {REPLICATES} simulations"
                                      if c.train_jitter or c.gen_jitter else ""),
         f"contention when generation and training overlap: x{c.contention:.2f} "
-        f"({'fitted so that the simulation reproduces the calibration run' if c.contention_measured else 'not observable in an on-policy run: calibrate from an asynchronous one'}; "
+        f"({contention_note}; "
         f"at least the CPU the roles computing at once want (gate phase {c.gate_cpu_share:.2f}, training "
         f"{c.train_cpu_share:.2f} core-seconds per second, x {c.threads} thread(s)) / {capacity(c):g} core(s)"
         f"{'; one interpreter lock shared by every role (in-process run)' if c.shared_interpreter else ''})",
         "",
-        "| generators | max_staleness | samples/s (sim) | samples/s (closed form) | step s | generator busy | trainer busy | staleness mean | staleness histogram |",
+        "| generators | max_staleness | samples/s (sim) | samples/s (closed form) | step s | generator busy "
+        "| trainer busy | staleness mean | staleness histogram |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in predictions:

@@ -123,8 +123,8 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[int]:
         mask[row, width - len(p):] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=1.0,
-            max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=hf.PAD_ID, use_cache=True,
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=TEMPERATURE,
+            top_k=None, top_p=1.0, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=hf.PAD_ID, use_cache=True,
         )
     return [out.shape[1] - width] * len(prompts)
 
@@ -340,7 +340,8 @@ def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int, op
     device = next(model.parameters()).device
     if device.type == "cuda":
         graphs = getattr(getattr(getattr(engine, "scheduler", None), "backend", None), "graphs", "n/a")
-        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; native decode graphs: {graphs}")
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
+              f"native decode graphs: {graphs}")
     try:
         table = fixed_batches(s, model, engine, vocab, repeats)
         staggered(s, model, engine, vocab)

@@ -155,9 +155,10 @@ def affinity_toml(args: argparse.Namespace) -> str:
 def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
     from asyncrl.launch import run_local, run_with_ray
 
-    text = CONFIG.format(affinity=affinity_toml(args), model_dir=root / "model", run_dir=root / name, cpus=args.cpus, hidden=args.hidden,
-                         layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts, group=args.group,
-                         tokens=args.tokens, weight_update=args.weight_update, steps=args.steps, micro=args.micro, epochs=args.epochs)
+    text = CONFIG.format(affinity=affinity_toml(args), model_dir=root / "model", run_dir=root / name, cpus=args.cpus,
+                         hidden=args.hidden, layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts,
+                         group=args.group, tokens=args.tokens, weight_update=args.weight_update, steps=args.steps,
+                         micro=args.micro, epochs=args.epochs)
     path = root / f"{name}.toml"
     path.write_text(text)
     cfg = load_config(path, overrides)
@@ -179,11 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sync and async runs alternate this many times (the machine's speed drifts between runs); "
                     "default 5 (1 with --quick)")
     ap.add_argument("--cpus", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40, help="train steps per run (longer runs average out the machine's drift within a run)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="train steps per run (longer runs average out the machine's drift within a run)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=28, help="new tokens per response (ignore_eos: every response has exactly this many; raises G more than T)")
+    ap.add_argument("--tokens", type=int, default=28,
+                    help="new tokens per response (ignore_eos: every response has exactly this many; "
+                    "raises G more than T)")
     ap.add_argument("--epochs", type=int, default=1, help="trainer epochs per step (raises T)")
     ap.add_argument("--prompts", type=int, default=10, help="prompts per step (raises T more than G)")
     ap.add_argument("--group", type=int, default=8)

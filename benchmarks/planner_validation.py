@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         root = Path(args.out)
         dirs = [root] if args.rounds == 1 else [root / f"round-{i}" for i in range(1, args.rounds + 1)]
-        axes = parse_axes([f"rollout.num_generators={args.generators}", f"staleness.max_staleness={args.max_staleness}"])
+        axes = parse_axes([f"rollout.num_generators={args.generators}",
+                           f"staleness.max_staleness={args.max_staleness}"])
         extra = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
                  *args.extra]
         rounds = []
@@ -120,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
                                 (f"{len(v)} factors, mean {sum(v) / len(v):.3f}" if isinstance(v, list) and v else v)
                                 for f, v in msgspec.to_builtins(costs).items()}))
     if shares is not None:
+        starved = ("  <- well below 1: other jobs starved it, and the costs carry that load"
+                   if min(shares) < 0.9 else "")
         print(f"calibration run's process CPU per wall second: gate wait {shares[0]:.2f}, train {shares[1]:.2f}"
-              f"{'  <- well below 1: other jobs starved it, and the costs carry that load' if min(shares) < 0.9 else ''}")
+              f"{starved}")
     print()
     print(f"measured = trained samples/s of {len(dirs)} round(s) pooled, each run without its first "
           f"{args.warmup} steps")
@@ -138,9 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
         held_out = s != Setting(g, k)
         if held_out:
             errors.append(abs(err))
-        print(f"| {s.num_generators} | {s.max_staleness} | {meas:.1f} | {' / '.join(f'{x:.0f}' for x in per_round[p.name])} | "
+        print(f"| {s.num_generators} | {s.max_staleness} | {meas:.1f} | "
+              f"{' / '.join(f'{x:.0f}' for x in per_round[p.name])} | "
               f"{pred.samples_per_s:.1f} | {err:+.1%} | {pred.closed_form_samples_per_s:.1f} | {cf_err:+.1%} | "
-              f"{p.summary.get('staleness_mean', 0.0):.2f} / {pred.staleness_mean:.2f} | {'yes' if held_out else 'calibration'} |")
+              f"{p.summary.get('staleness_mean', 0.0):.2f} / {pred.staleness_mean:.2f} | "
+              f"{'yes' if held_out else 'calibration'} |")
     best = max(ok, key=lambda p: measured[p.name])
     rec = recommend(list(preds.values()))
     rec_point = next(p for p in ok if setting_of(p) == rec.setting)
@@ -149,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     # the machine's own noise: how much one setting's rounds differ (a floor under any prediction error)
     spread = max((max(v) / min(v) - 1.0 for v in per_round.values()), default=0.0) if len(dirs) > 1 else None
     print()
-    print(f"held-out settings within {TOLERANCE:.0%}: {within:.0%} (mean |error| {sum(errors) / max(1, len(errors)):.1%}, "
-          f"max {max(errors, default=0.0):.1%})")
+    print(f"held-out settings within {TOLERANCE:.0%}: {within:.0%} "
+          f"(mean |error| {sum(errors) / max(1, len(errors)):.1%}, max {max(errors, default=0.0):.1%})")
     print(f"recommended {rec.setting.num_generators} generator(s), max_staleness {rec.setting.max_staleness}: measured "
           f"{measured[rec_point.name]:.1f} samples/s = {rec_share:.1%} of the best measured "
           f"({best.name}, {measured[best.name]:.1f}); goal >= {1 - RECOMMEND_TOLERANCE:.0%}")

@@ -51,7 +51,9 @@ def main():
     # EOS ignored on the vLLM side too (equal token counts): wrap the engine's sampling builder.
     orig = vl._sampling
     def sampling(params, n):
-        sp = orig(params, n); sp.ignore_eos = True; return sp
+        sp = orig(params, n)
+        sp.ignore_eos = True
+        return sp
     vl._sampling = sampling
     rng = random.Random(0)
     prompts = random_prompts(rng, 32, s.prompt_len, vocab)
@@ -59,7 +61,8 @@ def main():
         timed(fn, m, prompts, s.new_tokens)  # warm-up
     times = {"hf": [], "native": [], "vllm": []}
     for _ in range(REPEATS):
-        for name, fn, m in (("hf", hf_generate, model), ("native", native_generate, native), ("vllm", vllm_generate, vl)):
+        for name, fn, m in (("hf", hf_generate, model), ("native", native_generate, native),
+                            ("vllm", vllm_generate, vl)):
             t, tok = timed(fn, m, prompts, s.new_tokens)
             assert tok == 32 * s.new_tokens, (name, tok)
             times[name].append(t)
@@ -72,20 +75,27 @@ def main():
     def t_load(engine):
         ts = []
         for i in range(REPEATS):
-            t0 = time.perf_counter(); engine.load_weights(sd, i + 1); ts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            engine.load_weights(sd, i + 1)
+            ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
-    print(f"weights {nbytes/1e6:.2f} MB; load_weights idle: native {t_load(native)*1e3:.1f} ms, vLLM {t_load(vl)*1e3:.1f} ms")
+    print(f"weights {nbytes/1e6:.2f} MB; load_weights idle: native {t_load(native)*1e3:.1f} ms, "
+          f"vLLM {t_load(vl)*1e3:.1f} ms")
     # ---- weight update through a gloo group (trainer rank 0 in a thread) --------------------------
     meta = plan_buckets(sd, 64 * 2**20)
     store, port = create_store(3, 60)
     groups = {}
     def join(rank, st=None):
-        groups[rank] = join_group(host="127.0.0.1", port=port, rank=rank, world_size=3, backend="gloo", timeout_s=60, store=st)
+        groups[rank] = join_group(host="127.0.0.1", port=port, rank=rank, world_size=3, backend="gloo", timeout_s=60,
+                                  store=st)
     async def setup():
         ths = [threading.Thread(target=join, args=(0, store)), threading.Thread(target=join, args=(1,))]
-        for t in ths: t.start()
-        await vl.join_weight_group(host="127.0.0.1", port=port, rank=2, world_size=3, backend="gloo", timeout_s=60, meta=meta)
-        for t in ths: await asyncio.to_thread(t.join)
+        for t in ths:
+            t.start()
+        await vl.join_weight_group(host="127.0.0.1", port=port, rank=2, world_size=3, backend="gloo", timeout_s=60,
+                                   meta=meta)
+        for t in ths:
+            await asyncio.to_thread(t.join)
     asyncio.run(setup())
     recv = CollectiveReceiver(groups[1], meta)
     def native_receive():
@@ -96,14 +106,19 @@ def main():
         send = asyncio.to_thread(groups[0].broadcast_weights, sd, meta, version)
         nat = asyncio.to_thread(lambda: (native_receive(), time.perf_counter() - t0)[1])
         async def v():
-            await vl.receive_weights(); return time.perf_counter() - t0
+            await vl.receive_weights()
+            return time.perf_counter() - t0
         _, t_nat, t_vl = await asyncio.gather(send, nat, v())
         return t_nat, t_vl
     res = [asyncio.run(one(100 + i)) for i in range(REPEATS)]
-    print(f"broadcast + swap (both receivers in the same broadcast): native {statistics.median(r[0] for r in res)*1e3:.1f} ms, "
-          f"vLLM {statistics.median(r[1] for r in res)*1e3:.1f} ms; vLLM swap pauses {[round(x*1e3,1) for x in vl.swap_pauses_s[-REPEATS:]]} ms")
-    for g in groups.values(): g.close()
-    asyncio.run(native.close()); asyncio.run(vl.close())
+    print(f"broadcast + swap (both receivers in the same broadcast): "
+          f"native {statistics.median(r[0] for r in res)*1e3:.1f} ms, "
+          f"vLLM {statistics.median(r[1] for r in res)*1e3:.1f} ms; "
+          f"vLLM swap pauses {[round(x*1e3,1) for x in vl.swap_pauses_s[-REPEATS:]]} ms")
+    for g in groups.values():
+        g.close()
+    asyncio.run(native.close())
+    asyncio.run(vl.close())
     print(json.dumps({"benchmark": "vllm_engine", "value": round(tps["vllm"], 1), "unit": "tokens/s",
                       "baseline": round(tps["native"], 1), "ratio": round(tps["vllm"] / tps["native"], 3),
                       "target": None, "hf_tokens_per_s": round(tps["hf"], 1)}))

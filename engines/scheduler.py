@@ -8,11 +8,17 @@ until the swap has landed; `interrupt` aborts everything in flight. One thread o
 | phase | does |
 |---|---|
 | commands | take new requests, staged weight swaps and interrupts, all at once under the lock |
-| swap | copy the staged tensors into the module's parameters, bump `version`, then (default `kv_on_update="recompute"`) re-prefill every unfinished sequence (prompt + tokens so far) under the new weights; `"keep"` reuses the old K/V and flags the sequences `kv_reused`. The whole pause is recorded in `swap_pauses_s` |
+| swap | copy the staged tensors into the module's parameters, bump `version`, then re-prefill or keep the K/V |
 | interrupt | every running and waiting sequence finishes now with `finish_reason="abort"` and its partial tokens |
-| admit | FIFO: whole prompts (all n samples) while slots are free; one batched prefill per `max_prefill_tokens`, shared by a prompt's n samples; their first token is sampled from the prefill logits |
+| admit | FIFO: whole prompts (all n samples) while slots are free; one batched prefill per `max_prefill_tokens` |
 | decode | one forward over all running sequences (slots 0..B-1), sample, stamp each token with `version` |
-| retire | finished sequences leave; the last running slot moves into the hole so slots stay dense; a request's future resolves (on its own loop, `call_soon_threadsafe`) once all its sequences finished |
+| retire | finished sequences leave; the last running slot moves into the hole so slots stay dense |
+
+After a swap, by default (`kv_on_update="recompute"`) every unfinished sequence (prompt + tokens so far) is
+re-prefilled under the new weights; `"keep"` reuses the old K/V and flags the sequences `kv_reused`. The whole
+pause is recorded in `swap_pauses_s`. On admission a prompt's n samples share its prefill; their first token is
+sampled from the prefill logits. A request's future resolves (on its own loop, `call_soon_threadsafe`) once all
+its sequences finished.
 
 Counters: `num_prefill_forwards`, `num_decode_forwards`, `tokens_generated`, the decode batch size and
 duration of each step (`decode_batch_sizes`, `step_times_s`, the last `history` steps), `swap_pauses_s`.

@@ -6,10 +6,13 @@ drives one backend. Both backends keep one *slot* per running sequence and imple
 | method | does |
 |---|---|
 | `capacity(slots, length)` | make room for `slots` sequences of up to `length` tokens (grows, never shrinks) |
-| `prefill(contexts, start, repeats, logits)` | run each context once, write its K/V into `repeats[p]` consecutive slots from `start` (the n samples of a prompt share one prefill) and return the last-position logits [P, V] |
+| `prefill(contexts, start, repeats, logits)` | run each context once; return the last-position logits [P, V] |
 | `decode(tokens)` | one forward of tokens [B] over slots 0..B-1, each at its slot's current length; logits [B, V] |
 | `move(src, dst)` | slot `src`'s K/V and length to `dst` (the scheduler keeps the running slots dense) |
 | `refresh()` | recompute tables derived from buffers after a weight swap |
+
+`prefill` writes each context's K/V into `repeats[p]` consecutive slots from `start` (the n samples of a prompt
+share one prefill).
 
 `SlotDecoder` (the fast path) computes with the HF module's own parameter tensors — it copies nothing —
 so an engine built with `from_model` sees the trainer's optimizer steps and `load_weights` lands in the

@@ -221,7 +221,9 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6, no
     "grpo" / "drgrpo" estimators call it.
     """
     if rewards.dim() != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"rewards and group_ids must both be [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     if rewards.numel() == 0:
         return rewards.to(out_dtype)

@@ -52,7 +52,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return r.exp() - 1.0 - r  # the operation order of diagnostics.approx_kl_k3: bit-identical values
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind | str = "k3", *, mask: Tensor | None = None) -> Tensor:
+def kl_estimate(
+    logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind | str = "k3", *, mask: Tensor | None = None
+) -> Tensor:
     """logprobs [B, T] (maybe with grad), ref_logprobs [B, T] -> per-token KL estimate [B, T] of `kind`.
 
     With `mask` [B, T] bool, positions outside it are exactly 0 (and garbage there, e.g. -inf, never

@@ -56,7 +56,9 @@ class CorrectionParams:
         if not self.cap > 0:
             raise ValueError(f"off-policy cap={self.cap} must be > 0")
         if not 0 <= self.low <= 1.0 <= self.high:
-            raise ValueError(f"off-policy band [low={self.low}, high={self.high}] must contain 1 (0 <= low <= 1 <= high)")
+            raise ValueError(
+                f"off-policy band [low={self.low}, high={self.high}] must contain 1 (0 <= low <= 1 <= high)"
+            )
 
 
 def _seq_log_ratio(log_ratio: Tensor, mask: Tensor, *, mean: bool) -> Tensor:
@@ -79,21 +81,27 @@ def correction_none(log_ratio: Tensor, mask: Tensor, params: CorrectionParams) -
 
 
 @register_correction("token_tis")
-def correction_token_tis(log_ratio: Tensor, mask: Tensor, params: CorrectionParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def correction_token_tis(
+    log_ratio: Tensor, mask: Tensor, params: CorrectionParams
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token-level truncated IS: w_t = min(ρ_t, cap)."""
     ratio = log_ratio.exp()
     return ratio, ratio.clamp(max=params.cap), mask, (ratio > params.cap) & mask
 
 
 @register_correction("seq_tis")
-def correction_seq_tis(log_ratio: Tensor, mask: Tensor, params: CorrectionParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def correction_seq_tis(
+    log_ratio: Tensor, mask: Tensor, params: CorrectionParams
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sequence-level truncated IS: w = min(∏_t ρ_t, cap) on all of the sequence's tokens."""
     ratio = _seq_log_ratio(log_ratio, mask, mean=False).exp()
     return ratio, ratio.clamp(max=params.cap), mask, (ratio > params.cap) & mask
 
 
 @register_correction("token_mask")
-def correction_token_mask(log_ratio: Tensor, mask: Tensor, params: CorrectionParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def correction_token_mask(
+    log_ratio: Tensor, mask: Tensor, params: CorrectionParams
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token-level rejection: drop tokens with ρ_t outside [low, high]; weight 1 on the others."""
     ratio = log_ratio.exp()
     keep = mask & (ratio >= params.low) & (ratio <= params.high)
@@ -101,7 +109,9 @@ def correction_token_mask(log_ratio: Tensor, mask: Tensor, params: CorrectionPar
 
 
 @register_correction("seq_mask")
-def correction_seq_mask(log_ratio: Tensor, mask: Tensor, params: CorrectionParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def correction_seq_mask(
+    log_ratio: Tensor, mask: Tensor, params: CorrectionParams
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sequence-level rejection: drop whole sequences whose geometric-mean ratio leaves [low, high]."""
     ratio = _seq_log_ratio(log_ratio, mask, mean=True).exp()
     keep = mask & (ratio >= params.low) & (ratio <= params.high)
@@ -141,8 +151,12 @@ def offpolicy_weights(
         has = n > 0
         stats = {
             "is_ratio_mean": torch.where(mask, ratio, zero).sum() / denom,
-            "is_ratio_max": torch.where(mask, ratio, torch.full_like(ratio, -torch.inf)).amax() if has else zero.clone(),
-            "is_ratio_min": torch.where(mask, ratio, torch.full_like(ratio, torch.inf)).amin() if has else zero.clone(),
+            "is_ratio_max": (
+                torch.where(mask, ratio, torch.full_like(ratio, -torch.inf)).amax() if has else zero.clone()
+            ),
+            "is_ratio_min": (
+                torch.where(mask, ratio, torch.full_like(ratio, torch.inf)).amin() if has else zero.clone()
+            ),
             "share_clipped": (clipped & mask).sum().to(dtype) / denom,
             "share_masked": (mask & ~new_mask).sum().to(dtype) / denom,
         }

@@ -64,10 +64,12 @@ def as_step_result(value: Any) -> StepResult:
     elif isinstance(value, tuple) and len(value) == 3:
         result = StepResult(*value)
     else:
-        raise EnvGarbage(f"step returned {type(value).__name__} {value!r:.80}; expected StepResult(observation, reward, done)")
+        raise EnvGarbage(f"step returned {type(value).__name__} {value!r:.80}; "
+                         f"expected StepResult(observation, reward, done)")
     if not isinstance(result.observation, str):
         raise EnvGarbage(f"step observation is {type(result.observation).__name__}, not str")
-    if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
+    if (isinstance(result.reward, bool) or not isinstance(result.reward, (int, float))
+            or not math.isfinite(result.reward)):
         raise EnvGarbage(f"step reward is {result.reward!r:.40}; expected a finite number")
     if not isinstance(result.done, bool):
         raise EnvGarbage(f"step done is {type(result.done).__name__}, not bool")

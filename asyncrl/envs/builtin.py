@@ -76,7 +76,8 @@ class ToolArithEnv:
         if given == self.answer:
             reward = 1.0
         else:  # partial credit: the share of leading digits that are right
-            right = next((i for i, (a, b) in enumerate(zip(given, self.answer)) if a != b), min(len(given), len(self.answer)))
+            right = next((i for i, (a, b) in enumerate(zip(given, self.answer)) if a != b),
+                         min(len(given), len(self.answer)))
             reward = self.partial * right / len(self.answer)
         reward += self.tool_bonus if self.used_tool else 0.0
         return StepResult(reward=reward, done=True)

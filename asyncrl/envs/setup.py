@@ -25,14 +25,18 @@ def limits(cfg: Config) -> EpisodeLimits:
                          step_timeout_s=e.step_timeout_s, on_step_error=e.on_step_error)
 
 
-def episode_runner(cfg: Config, engine: RolloutEngine, tokenizer: Any, *, temperature: float | None = None) -> EpisodeRunner:
+def episode_runner(
+    cfg: Config, engine: RolloutEngine, tokenizer: Any, *, temperature: float | None = None
+) -> EpisodeRunner:
     """The runner for `[env]`; `rollout.max_new_tokens` is the per-turn limit."""
     e, r = cfg.env, cfg.rollout
     if e is None:
         raise ValueError("episode_runner needs an [env] section")
     cls = resolve_env(e.env)
     codec = HFCodec(tokenizer)
-    eos = getattr(engine, "eos_token_ids", None) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    eos = getattr(engine, "eos_token_ids", None) or (
+        [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    )
     sampling = SamplingParams(n=1, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                               top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop_token_ids=list(r.stop_token_ids), stop=list(r.stop))

@@ -196,7 +196,8 @@ def _adapt(spec: str, fn: Any) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward.fn: {spec!r} is not callable (got {type(fn).__name__})")
     if inspect.iscoroutinefunction(fn):
-        raise ValueError(f"reward.fn: {spec!r} is an async function — make it a plain def (scorers call it in a thread)")
+        raise ValueError(f"reward.fn: {spec!r} is an async function — make it a plain def "
+                         f"(scorers call it in a thread)")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

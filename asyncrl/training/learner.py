@@ -164,7 +164,9 @@ class Learner:
                               entropy_grad=entropy_grad)
 
     @torch.no_grad()
-    def teacher_forced_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
+    def teacher_forced_logprobs(
+        self, prompt_ids: list[int], response_ids: list[int], temperature: float
+    ) -> list[float]:
         """The current policy's logprob of each response token given the prompt (one per response token)."""
         if not prompt_ids:
             raise ValueError("teacher_forced_logprobs needs at least one prompt token")
@@ -268,7 +270,8 @@ class Learner:
         """[N, width] reference logprobs: the scorer's when every trajectory carries them, else computed here."""
         if all(len(t.ref_logprobs) == len(t.response_ids) for t in trajs):
             rows, _ = response_rows(trajs, [t.ref_logprobs for t in trajs])
-            return rows[:, :width] if rows.shape[1] >= width else torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+            return (rows[:, :width] if rows.shape[1] >= width
+                    else torch.nn.functional.pad(rows, (0, width - rows.shape[1])))
         if self.reference is None:
             bad = next(t.seq_id for t in trajs if len(t.ref_logprobs) != len(t.response_ids))
             raise ValueError(f"trajectory {bad} has no reference logprobs and the trainer holds no reference "
@@ -413,7 +416,8 @@ class Learner:
         steps = len(norms)
         if self.lagrange is not None and data.costs is not None:
             data.metrics["safety/lambda_next"] = self.lagrange.update(float(data.costs.mean()))
-        logger.debug("update: version %d -> %d, %d samples, %d optimizer steps", self.version, self.version + 1, n, steps)
+        logger.debug("update: version %d -> %d, %d samples, %d optimizer steps",
+                     self.version, self.version + 1, n, steps)
         self.version += 1
         return self._metrics(trajs, data, stats, cstats, norms, time.perf_counter() - t0)
 
@@ -486,9 +490,11 @@ def _flatten(groups: list[Group]) -> list[Trajectory]:
         raise ValueError("update() got no trajectories")
     for t in trajs:
         if t.finish_reason == "error":
-            raise ValueError(f"trajectory {t.seq_id} has finish_reason='error' ({t.error!r}); failed samples are never trained")
+            raise ValueError(f"trajectory {t.seq_id} has finish_reason='error' ({t.error!r}); "
+                             f"failed samples are never trained")
         if t.temperature <= 0:
-            raise ValueError(f"trajectory {t.seq_id} was sampled greedily (temperature={t.temperature}); greedy samples are never trained")
+            raise ValueError(f"trajectory {t.seq_id} was sampled greedily (temperature={t.temperature}); "
+                             f"greedy samples are never trained")
         if not t.prompt_ids:
             raise ValueError(f"trajectory {t.seq_id} has an empty prompt")
         n = len(t.response_ids)

@@ -9,8 +9,10 @@ Transports, sender and receiver side together in this package:
 | name | sender | receiver | between |
 |---|---|---|---|
 | `local` | `local.LocalWeightChannel` | `local.LocalReceiver` | roles in one process (`--local`, tests) |
-| `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`, or the vLLM worker's member | processes: a bucketed broadcast over a gloo/NCCL group |
+| `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`, or the vLLM worker | processes |
 | `per_tensor` | `sglang.PerTensorSender` | `engines.sglang_engine.SGLangEngine` | SGLang's own weight-update group |
+
+`bucketed` is a bucketed broadcast over a gloo/NCCL group, which a vLLM engine's worker joins as a member.
 
 A Ray deployment picks the sender by the name the rollout engine declares (`engines.base.weight_transport`)
 from `SENDERS`; in-process runs always use `local`.

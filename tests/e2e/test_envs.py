@@ -141,7 +141,8 @@ def test_concurrent_episodes_share_the_engines_decode_batches(env_model_dir):
     batch = sum(b for b, _ in samples)
     waited = sum(w for _, w in samples)
     assert samples and max(w for _, w in samples) >= 150
-    print(f"decode steps {len(samples)}: mean batch {batch / len(samples):.1f}, mean waiting {waited / len(samples):.1f}")
+    print(f"decode steps {len(samples)}: mean batch {batch / len(samples):.1f}, "
+          f"mean waiting {waited / len(samples):.1f}")
     assert batch >= 0.8 * waited, (batch / len(samples), waited / len(samples))
 
 

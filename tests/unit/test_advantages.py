@@ -30,7 +30,9 @@ ALL = ["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax
 # ------------------------------------------------------------------------- slow references
 
 
-def _reference_grpo(rewards: list[float], group_ids: list[int], eps: float = 1e-6, norm_by_std: bool = True) -> list[float]:
+def _reference_grpo(
+    rewards: list[float], group_ids: list[int], eps: float = 1e-6, norm_by_std: bool = True
+) -> list[float]:
     """Obviously correct, one group at a time."""
     out = [0.0] * len(rewards)
     for g in set(group_ids):
@@ -258,7 +260,8 @@ def test_grpo_hand_worked_example() -> None:
     # makes its reward 0.5: rewards [0.5, 0, 0, 1], mean 0.375, std sqrt((.015625+.140625*2+.390625)/3)=0.47871
     mask = torch.tensor([[True, True], [True, False], [False, True], [True, True]])
     tok = torch.tensor([[-0.25, -0.25], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
-    out = compute_grpo(AdvantageInput(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([7] * 4), mask, token_rewards=tok), AdvantageParams())
+    out = compute_grpo(AdvantageInput(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([7] * 4), mask,
+                                      token_rewards=tok), AdvantageParams())
     want = torch.tensor([[0.26112, 0.26112], [-0.78335, 0.0], [0.0, -0.78335], [1.30558, 1.30558]])
     assert torch.allclose(out.advantages, want, atol=1e-4)
 
@@ -296,7 +299,8 @@ def test_reinforce_pp_baseline_hand_worked_example() -> None:
 
 def test_remax_hand_worked_example_and_missing_baselines() -> None:
     # rewards [1, 0.2], greedy-rollout rewards [0.5, 0.5] -> [0.5, -0.3]
-    out = get_advantage("remax")(_one_token_each([1.0, 0.2], [0, 1], baselines=torch.tensor([0.5, 0.5])), AdvantageParams())
+    out = get_advantage("remax")(_one_token_each([1.0, 0.2], [0, 1], baselines=torch.tensor([0.5, 0.5])),
+                                 AdvantageParams())
     assert torch.allclose(out.advantages.flatten(), torch.tensor([0.5, -0.3]))
     with pytest.raises(ValueError, match="remax needs AdvantageInput.baselines"):
         get_advantage("remax")(_one_token_each([1.0], [0]), AdvantageParams())
@@ -308,7 +312,8 @@ def test_gae_hand_worked_example_skips_a_hole() -> None:
     # A3 = 0.6; A2 = 0.16 + 0.72*0.6 = 0.592; A1 = -0.32 + 0.72*0.592 = 0.10624; returns = A + V.
     mask = torch.tensor([[True, False, True, True]])
     values = torch.tensor([[0.5, 123.0, 0.2, 0.4]])
-    out = get_advantage("gae")(AdvantageInput(torch.tensor([1.0]), torch.tensor([0]), mask, values=values), AdvantageParams(gamma=0.9, lam=0.8))
+    out = get_advantage("gae")(AdvantageInput(torch.tensor([1.0]), torch.tensor([0]), mask, values=values),
+                               AdvantageParams(gamma=0.9, lam=0.8))
     assert torch.allclose(out.advantages, torch.tensor([[0.10624, 0.0, 0.592, 0.6]]), atol=1e-6)
     assert torch.allclose(out.returns, torch.tensor([[0.60624, 0.0, 0.792, 1.0]]), atol=1e-6)
     with pytest.raises(ValueError, match="gae needs AdvantageInput.values"):
@@ -320,7 +325,8 @@ def test_gae_with_lambda_one_and_gamma_one_is_return_minus_value() -> None:
     mask = torch.tensor([[True, True, True]])
     values = torch.tensor([[0.3, -0.2, 0.7]])
     tok = torch.tensor([[0.1, 0.2, 0.0]])
-    out = get_advantage("gae")(AdvantageInput(torch.tensor([1.0]), torch.tensor([0]), mask, values=values, token_rewards=tok), AdvantageParams())
+    out = get_advantage("gae")(AdvantageInput(torch.tensor([1.0]), torch.tensor([0]), mask, values=values,
+                                              token_rewards=tok), AdvantageParams())
     assert torch.allclose(out.advantages, torch.tensor([[1.3 - 0.3, 1.2 + 0.2, 1.0 - 0.7]]), atol=1e-6)
 
 
@@ -374,10 +380,12 @@ def test_grpo_keeps_float_dtype_and_accepts_integer_rewards() -> None:
 
 def test_bad_shapes_and_params_fail_with_one_clear_line() -> None:
     with pytest.raises(ValueError, match="mask must be"):
-        compute_grpo(AdvantageInput(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)), AdvantageParams())
+        compute_grpo(AdvantageInput(torch.zeros(3), torch.zeros(3, dtype=torch.long),
+                                    torch.ones(2, 4, dtype=torch.bool)), AdvantageParams())
     with pytest.raises(ValueError, match="values must be"):
-        get_advantage("gae")(AdvantageInput(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
-                                            values=torch.zeros(2, 3)), AdvantageParams())
+        get_advantage("gae")(AdvantageInput(torch.zeros(2), torch.zeros(2, dtype=torch.long),
+                                            torch.ones(2, 4, dtype=torch.bool), values=torch.zeros(2, 3)),
+                             AdvantageParams())
     with pytest.raises(ValueError, match="gamma"):
         AdvantageParams(gamma=1.5)
     with pytest.raises(ValueError, match="lam"):

@@ -171,7 +171,8 @@ def test_vanilla_pg_has_the_ppo_gradient_on_policy_and_differs_off_policy() -> N
 
 def test_aggregations_differ_on_unequal_lengths_and_agree_on_equal_ones() -> None:
     adv = _adv("grpo")
-    losses = {agg: _loss(adv, agg=agg) for agg in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]}
+    losses = {agg: _loss(adv, agg=agg)
+              for agg in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]}
     vals = [v.item() for v in losses.values()]
     assert len({round(v, 9) for v in vals}) == 4, losses
     loss_tok = torch.randn(3, 4, dtype=torch.float64)
@@ -208,7 +209,8 @@ PRESETS = {
     "rloo": ("rloo", {}, "ppo_clip", PolicyLossParams(), "token-mean"),
     "reinforce_pp": ("reinforce_pp", {}, "ppo_clip", PolicyLossParams(), "token-mean"),
     "reinforce_pp_baseline": ("reinforce_pp_baseline", {}, "ppo_clip", PolicyLossParams(), "token-mean"),
-    "remax": ("remax", {"baselines": torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])}, "vanilla_pg", PolicyLossParams(), "token-mean"),
+    "remax": ("remax", {"baselines": torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])},
+              "vanilla_pg", PolicyLossParams(), "token-mean"),
     "ppo": ("gae", {"values": "values"}, "ppo_clip", PolicyLossParams(), "token-mean"),
 }
 

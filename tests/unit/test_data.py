@@ -133,8 +133,11 @@ def test_empty_train_file_is_an_error(tmp_path):
         ({"path": "missing.jsonl"}, "data.path: file 'missing.jsonl' does not exist"),
         ({"path": "rows.csv"}, "data.path: 'rows.csv' must end in .jsonl, .json, .parquet"),
         ({"source": f"{FIX}:rows", "eval_path": "missing.parquet"}, "data.eval_path: file 'missing.parquet'"),
-        ({"source": f"{FIX}:rows_without_seed"}, "data.source: 'asyncrl_unit_fixtures:rows_without_seed' must be callable as fn(split=..., seed=...) (missing: seed)"),
-        ({"source": f"{FIX}:NOT_A_FUNCTION"}, "data.source: 'asyncrl_unit_fixtures:NOT_A_FUNCTION' is not callable (got int)"),
+        ({"source": f"{FIX}:rows_without_seed"},
+         "data.source: 'asyncrl_unit_fixtures:rows_without_seed' must be callable as fn(split=..., seed=...) "
+         "(missing: seed)"),
+        ({"source": f"{FIX}:NOT_A_FUNCTION"},
+         "data.source: 'asyncrl_unit_fixtures:NOT_A_FUNCTION' is not callable (got int)"),
         ({"source": "no_such_module_xyz:rows"}, "data.source: cannot import module 'no_such_module_xyz'"),
     ],
 )

@@ -317,7 +317,8 @@ def test_hf_tokenizer_chat_template_is_applied_append_only(tiny_model_dir):
     sampled = codec.encode("7") + [tok.eos_token_id]
     t.add_model_turn(sampled, [-1.0, -1.0], [0, 0])
     t.add_observation("+", t.observation_ids("+"), 0)
-    assert codec.decode_raw(t.prompt_ids + t.response_ids) == codec.render(t.messages, True) == "15<eos>=27<eos>=1+<eos>=2"
+    assert (codec.decode_raw(t.prompt_ids + t.response_ids) == codec.render(t.messages, True)
+            == "15<eos>=27<eos>=1+<eos>=2")
     assert t.response_ids[:2] == sampled and t.loss_mask == [True, True] + [False] * (len(t.response_ids) - 2)
 
 

@@ -33,7 +33,8 @@ def test_kl_estimates_match_per_token_reference_with_masked_garbage(kind: str) -
                           for j in range(5)] for i in range(3)], dtype=torch.float64)
     assert torch.allclose(got, want, atol=1e-12)
     assert torch.allclose(kl_estimate(lp, ref, kind), torch.tensor(
-        [[_reference_kl(float(a), float(b), kind) for a, b in zip(r1, r2)] for r1, r2 in zip(lp, ref)], dtype=torch.float64))
+        [[_reference_kl(float(a), float(b), kind) for a, b in zip(r1, r2)] for r1, r2 in zip(lp, ref)],
+        dtype=torch.float64))
 
 
 def test_kl_hand_worked_example() -> None:
@@ -132,7 +133,8 @@ def test_value_loss_hand_worked_example_and_stats() -> None:
     # Token 1: v = 0.1, R = 0.1: unclipped 0, clipped 0 -> 0. Token 2: v = -1, R = 0: unclipped 1,
     # clipped (-0.2)^2 = 0.04 -> 1/2 * 1 = 0.5 (the unclipped one is larger: moves the value back).
     v = torch.tensor([[1.0, 0.1, -1.0]])
-    loss, stats = value_loss(v, torch.zeros(1, 3), torch.tensor([[2.0, 0.1, 0.0]]), torch.ones(1, 3, dtype=torch.bool), 0.2)
+    loss, stats = value_loss(v, torch.zeros(1, 3), torch.tensor([[2.0, 0.1, 0.0]]), torch.ones(1, 3, dtype=torch.bool),
+                             0.2)
     assert torch.allclose(loss, torch.tensor([[1.62, 0.0, 0.5]]))
     assert stats["vf_clip_frac"].item() == pytest.approx(1 / 3)
     assert stats["value_mean"].item() == pytest.approx(0.1 / 3)
@@ -153,4 +155,5 @@ def test_value_loss_explained_variance_is_one_for_a_perfect_critic_and_zero_with
 
 def test_value_loss_passes_gradcheck() -> None:
     v, v_old, ret, mask = _value_inputs(4)
-    assert torch.autograd.gradcheck(lambda x: value_loss(x, v_old, ret, mask, 0.3)[0], (v.clone().requires_grad_(True),))
+    assert torch.autograd.gradcheck(lambda x: value_loss(x, v_old, ret, mask, 0.3)[0],
+                                    (v.clone().requires_grad_(True),))

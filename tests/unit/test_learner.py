@@ -100,7 +100,8 @@ def test_sequence_logprobs_with_right_padding_equal_unpadded_forwards() -> None:
     trajs, _ = _ragged_samples(learner, n=5)
     batch = collate(trajs, torch.zeros(5), PAD)
     with torch.no_grad():
-        logprobs, entropy = learner.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature)
+        logprobs, entropy = learner.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                      batch.temperature)
     assert batch.attention_mask.eq(0).any(), "the batch must contain padding"
     for i, t in enumerate(trajs):
         ids = torch.tensor([t.prompt_ids + t.response_ids])
@@ -111,13 +112,17 @@ def test_sequence_logprobs_with_right_padding_equal_unpadded_forwards() -> None:
         want = logp_all[p - 1 :].gather(-1, ids[0, p:, None]).squeeze(-1)
         got = logprobs[i, p : p + len(t.response_ids)]
         assert torch.allclose(got, want, atol=1e-5)
-        assert torch.allclose(torch.tensor(learner.teacher_forced_logprobs(t.prompt_ids, t.response_ids, t.temperature)), want, atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(learner.teacher_forced_logprobs(t.prompt_ids, t.response_ids, t.temperature)), want, atol=1e-5
+        )
         want_ent = -(logp_all[p - 1 :].exp() * logp_all[p - 1 :]).sum(-1)
         assert torch.allclose(entropy[i, p : p + len(t.response_ids)], want_ent, atol=1e-5)
     assert (logprobs[~batch.response_mask] == 0).all()
 
 
-def _sample_bandit_group(learner: Learner, prompt: list[int], target: int, n: int, gen: torch.Generator, group_id: int) -> Group:
+def _sample_bandit_group(
+    learner: Learner, prompt: list[int], target: int, n: int, gen: torch.Generator, group_id: int
+) -> Group:
     with torch.no_grad():
         logits = learner.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     logp = torch.log_softmax(logits, dim=-1)

@@ -268,8 +268,10 @@ def test_scorer_fills_costs_and_fails_the_group_whose_cost_function_raises():
         return float(len(completion) > 1)
 
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode, cost_fn=cost)
-    asyncio.run(scorer.score_batch([_scored("a", 0, 0), _scored("ab", 0, 1), _scored("a", 1, 0), _scored("boom", 1, 1)]))
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode,
+                    cost_fn=cost)
+    asyncio.run(scorer.score_batch([_scored("a", 0, 0), _scored("ab", 0, 1), _scored("a", 1, 0),
+                                    _scored("boom", 1, 1)]))
     assert [g.group_id for g in buffer.accepted] == [0] and buffer.released["failed"] == [1]
     assert [t.cost for t in buffer.accepted[0].trajectories] == [0.0, 1.0]
     assert scorer.counts["cost_errors"] == 1
@@ -308,8 +310,8 @@ def test_scorer_fills_reference_logprobs_equal_to_a_teacher_forced_forward():
     reference = ReferencePolicy(model, pad_token_id=PAD, micro_batch_size=1)
     learner = Learner(_model(3), algorithm=AlgorithmConfig(), trainer=TrainerConfig(), pad_token_id=PAD)
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(len(c)), decode=lambda ids: "x" * len(ids),
-                    reference=reference)
+    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(len(c)),
+                    decode=lambda ids: "x" * len(ids), reference=reference)
     trajs = [_traj(0, 0, [3, 4], [5, 6, 7], [0.0] * 3), _traj(1, 0, [3], [9], [0.0])]
     trajs = [msgspec.structs.replace(t, group_size=2) for t in trajs]
     asyncio.run(scorer.score_batch(trajs))
@@ -360,7 +362,8 @@ def _config_errors(tiny_model_dir, **sections) -> list[str]:
     ({"algorithm": {"advantage": "gaee"}}, "algorithm.advantage"),
     ({"algorithm": {"kl_estimator": "k4"}}, "algorithm.kl_estimator"),
     ({"algorithm": {"overlong_buffer": 64}}, "algorithm.overlong_buffer"),
-    ({"algorithm": {"safe_rlhf": True, "advantage": "gae"}, "reward": {"fn": "prefix_match", "cost_fn": "longer_than_answer"}}, "algorithm.safe_rlhf"),
+    ({"algorithm": {"safe_rlhf": True, "advantage": "gae"},
+      "reward": {"fn": "prefix_match", "cost_fn": "longer_than_answer"}}, "algorithm.safe_rlhf"),
     ({"reward": {"fn": "prefix_match", "cost_fn": "nope"}}, "reward.cost_fn"),
     ({"algorithm": {"advantage": "gae"}, "critic": {"path": "/nonexistent"}}, "critic.path"),
     ({"reference": {"where": "gpu"}}, "reference.where"),

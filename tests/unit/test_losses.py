@@ -111,7 +111,8 @@ def test_builtins_are_registered_and_unknown_names_list_known_ones() -> None:
     assert get_policy_loss("vanilla_pg") is vanilla_pg_loss
     assert available_policy_losses() == ["gspo", "ppo_clip", "vanilla_pg"]
     assert get_loss_agg("token-mean") is token_mean
-    assert available_loss_aggs() == ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]
+    assert available_loss_aggs() == ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                     "token-mean"]
     with pytest.raises(KeyError, match="unknown policy loss 'nope'; known: .*ppo_clip"):
         get_policy_loss("nope")
     with pytest.raises(KeyError, match="token-mean"):
@@ -298,8 +299,8 @@ def test_vanilla_pg_loss_and_gradient_after_token_mean() -> None:
 
 def test_vanilla_pg_hand_worked_example() -> None:
     # -A * log pi: A = 1, log pi = -0.5 -> 0.5; A = -1, log pi = -2 -> -2; a masked -inf token -> 0
-    loss, _ = vanilla_pg_loss(torch.tensor([[-0.5, -2.0, -math.inf]]), torch.zeros(1, 3), torch.tensor([[1.0, -1.0, 5.0]]),
-                              torch.tensor([[True, True, False]]), PolicyLossParams())
+    loss, _ = vanilla_pg_loss(torch.tensor([[-0.5, -2.0, -math.inf]]), torch.zeros(1, 3),
+                              torch.tensor([[1.0, -1.0, 5.0]]), torch.tensor([[True, True, False]]), PolicyLossParams())
     assert loss.tolist() == [[0.5, -2.0, 0.0]]
 
 
@@ -307,7 +308,8 @@ def test_ppo_clip_loss_takes_either_params_or_the_legacy_clip_eps() -> None:
     logprobs, old, adv, mask = _random_inputs(2)
     legacy, _ = ppo_clip_loss(logprobs, old, adv, mask, clip_eps=0.1)
     assert torch.equal(legacy, ppo_clip_loss(logprobs, old, adv, mask, PolicyLossParams(0.1, 0.1))[0])
-    assert torch.equal(ppo_clip_loss(logprobs, old, adv, mask)[0], ppo_clip_loss(logprobs, old, adv, mask, PolicyLossParams())[0])
+    assert torch.equal(ppo_clip_loss(logprobs, old, adv, mask)[0],
+                       ppo_clip_loss(logprobs, old, adv, mask, PolicyLossParams())[0])
     with pytest.raises(ValueError, match="not both"):
         ppo_clip_loss(logprobs, old, adv, mask, PolicyLossParams(), clip_eps=0.1)
 

@@ -112,7 +112,8 @@ def test_on_policy_data_gets_unit_weights_in_every_mode() -> None:
 
 def test_empty_mask_gives_zero_stats_not_nan() -> None:
     z = torch.zeros(2, 3)
-    weights, new_mask, stats = offpolicy_weights(z, z, torch.zeros(2, 3, dtype=torch.bool), CorrectionParams("token_tis"))
+    weights, new_mask, stats = offpolicy_weights(z, z, torch.zeros(2, 3, dtype=torch.bool),
+                                                 CorrectionParams("token_tis"))
     assert weights.abs().sum() == 0 and not new_mask.any()
     assert all(v.item() == 0.0 for v in stats.values())
 
