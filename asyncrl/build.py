@@ -100,11 +100,15 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
     engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
                            max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                            kv_on_update=cfg.rollout.kv_on_update)
-    stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=seed, shuffle=cfg.data.shuffle)
-    generator = Generator(generator_id=generator_id, engine=engine, buffer=buffer, next_row=stream.next_row,
+    # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it)
+    stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=derive_seed(cfg.run.seed, "data"),
+                          shuffle=cfg.data.shuffle)
+    generator = Generator(generator_id=generator_id, engine=engine, buffer=buffer, prompt_row=stream.row,
                           encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
                           concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update,
-                          greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline)
+                          greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline,
+                          group_seed=(lambda gid: derive_seed(cfg.run.seed, "group", gid))
+                          if cfg.rollout.seed_groups else None)
     if cfg.env is not None:  # multi-turn environment episodes (asyncrl/envs)
         from asyncrl.envs.setup import episode_runner
 

@@ -70,6 +70,12 @@ class RolloutConfig(Section):
     num_generators: Annotated[int, _d("generator actors", ge=1)] = 1
     concurrency: Annotated[int, _d("groups a generator keeps in flight (batched together)", ge=1)] = 16
     group_size: Annotated[int, _d("samples per prompt (GRPO group)", ge=1)] = 8
+    seed_groups: Annotated[
+        bool,
+        _d("sample each group from random streams seeded by (run.seed, group id): its tokens then do not "
+           "depend on the batch or the generator, so runs repeat and a resume is exact (single-turn "
+           "rollouts; env episodes keep the engine's stream)"),
+    ] = False
     temperature: Annotated[float, _d("sampling temperature for training rollouts", gt=0)] = 1.0
     top_p: Annotated[float, _d("nucleus sampling; keep 1.0 for training", gt=0, le=1)] = 1.0
     top_k: Annotated[int, _d("top-k sampling; -1 = off (keep -1 for training)", ge=-1)] = -1

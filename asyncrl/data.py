@@ -73,10 +73,14 @@ def check_data(data_cfg: DataConfig) -> list[str]:
 
 
 class PromptStream:
-    """Endless iterator over rows; each epoch is a fresh permutation seeded by (seed, epoch).
+    """The endless prompt order: epoch e is a fresh permutation of the rows seeded by (seed, e), and
+    `row(i)` is its i-th row overall, so the order is a function of the index alone.
 
-    The same seed gives the same sequence in every process; different seeds give different orders.
-    Rows are returned as shallow copies, so a consumer may add fields without touching the source.
+    The generators ask for the row of each group they admit by its group id (`row(group_id)`): the gate
+    hands ids out in order, so all generators share one order, a group regenerated after a failure or a
+    resume gets the same prompt, and the data position of a run is the gate's next group id (nothing to
+    checkpoint). The same seed gives the same order in every process. Rows are returned as shallow copies,
+    so a consumer may add fields without touching the source.
     """
 
     def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool = True) -> None:
@@ -88,6 +92,27 @@ class PromptStream:
         self.epoch = -1
         self._order: list[int] = []
         self._pos = 0
+        self._orders: dict[int, list[int]] = {}  # epoch -> permutation, for row(); the newest two kept
+
+    def row(self, index: int) -> dict[str, Any]:
+        """The `index`-th row of the endless order (index >= 0)."""
+        if index < 0:
+            raise ValueError(f"PromptStream.row: index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self._rows))
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._permutation(epoch)
+            self._orders[epoch] = order
+            for old in sorted(self._orders)[:-2]:  # ids arrive nearly in order: two epochs cover the overlap
+                del self._orders[old]
+        return dict(self._rows[order[pos]])
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self._rows)))
+        if self._shuffle:
+            # A string seed is hashed with SHA-512 by `random`: stable across processes and runs.
+            random.Random(f"asyncrl-prompts:{self._seed}:{epoch}").shuffle(order)
+        return order
 
     def next_row(self) -> dict[str, Any]:
         if self._pos >= len(self._order):
@@ -98,10 +123,7 @@ class PromptStream:
 
     def _start_epoch(self) -> None:
         self.epoch += 1
-        self._order = list(range(len(self._rows)))
-        if self._shuffle:
-            # A string seed is hashed with SHA-512 by `random`: stable across processes and runs.
-            random.Random(f"asyncrl-prompts:{self._seed}:{self.epoch}").shuffle(self._order)
+        self._order = self._permutation(self.epoch)
         self._pos = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

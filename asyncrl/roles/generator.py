@@ -48,13 +48,14 @@ class Generator:
         generator_id: int,
         engine: RolloutEngine,
         buffer: GroupSource,
-        next_row: Callable[[], dict[str, Any]],
+        prompt_row: Callable[[int], dict[str, Any]],
         encode: Callable[[str], list[int]],
         sampling: SamplingParams,
         prompt_key: str = "prompt",
         concurrency: int = 16,
         weight_update: str = "in_flight",
         greedy_baseline: bool = False,
+        group_seed: Callable[[int], int] | None = None,
         recorder: SpanRecorder | None = None,
     ) -> None:
         if weight_update not in ("in_flight", "between_requests"):
@@ -62,7 +63,7 @@ class Generator:
         self.generator_id = generator_id
         self.engine = engine
         self.buffer = buffer
-        self.next_row = next_row
+        self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.PromptStream.row)
         self.encode = encode
         self.sampling = sampling
         self.prompt_key = prompt_key
@@ -74,6 +75,8 @@ class Generator:
         # the estimator's AlgorithmNeeds.greedy_baseline (ReMax): also decode each prompt greedily into
         # baseline_response_ids, which the scorer scores into baseline_reward
         self.greedy_baseline = greedy_baseline
+        # rollout.seed_groups: group id -> the seed of its samples' own random streams (reproducible runs)
+        self.group_seed = group_seed
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
@@ -194,7 +197,7 @@ class Generator:
     async def _play_groups(self, group_ids: list[int], version: int) -> None:
         """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
         try:
-            rows = [self.next_row() for _ in group_ids]
+            rows = [self.prompt_row(gid) for gid in group_ids]
             t0 = time.time()
             groups = await asyncio.gather(*[self.episodes.run_group(gid, row, self.sampling.n, self.generator_id)
                                             for gid, row in zip(group_ids, rows)])
@@ -212,11 +215,11 @@ class Generator:
             await self._play_groups(group_ids, version)
             return
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
-            rows = [self.next_row() for _ in group_ids]
+            rows = [self.prompt_row(gid) for gid in group_ids]
             row_jsons = [json.dumps(row).encode() for row in rows]
             prompts = [self.encode(row[self.prompt_key]) for row in rows]
             t0 = time.time()
-            completions, baselines = await self._sample(prompts)
+            completions, baselines = await self._sample(prompts, group_ids)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
@@ -253,15 +256,21 @@ class Generator:
             if not self._stopped.is_set():
                 raise
 
-    async def _sample(self, prompts: list[list[int]]) -> tuple[list[list[Completion]], list[list[int]]]:
+    async def _sample(self, prompts: list[list[int]],
+                      group_ids: list[int]) -> tuple[list[list[Completion]], list[list[int]]]:
         """The training samples of each prompt and, with `greedy_baseline` (ReMax), its greedy completion (else []).
 
         Both requests go to the engine together, so its continuous batching decodes them in the same
-        batch; the greedy completion is never trained, only scored (the ReMax baseline)."""
+        batch; the greedy completion is never trained, only scored (the ReMax baseline). With `group_seed`,
+        the samples of a single group draw from streams seeded by its id: the same tokens whatever the
+        batch, the generator or the run (an exact resume regenerates a group in flight as it was)."""
+        sampling = self.sampling
+        if self.group_seed is not None and len(group_ids) == 1:
+            sampling = msgspec.structs.replace(sampling, seed=self.group_seed(group_ids[0]))
         if not self.greedy_baseline:
-            return await self.engine.generate(prompts, self.sampling), [[] for _ in prompts]
+            return await self.engine.generate(prompts, sampling), [[] for _ in prompts]
         greedy = msgspec.structs.replace(self.sampling, n=1, temperature=0.0, seed=None)
-        completions, greedy_out = await asyncio.gather(self.engine.generate(prompts, self.sampling),
+        completions, greedy_out = await asyncio.gather(self.engine.generate(prompts, sampling),
                                                        self.engine.generate(prompts, greedy))
         return completions, [g[0].response_ids for g in greedy_out]
 

@@ -236,8 +236,8 @@ class FakeReceiver:
 
 def make_generator(buffer: FakeBuffer, engine: FakeEngine, concurrency: int = 2, rows: Any = None) -> Generator:
     counter = iter(range(10**6))
-    next_row = rows or (lambda: {"prompt": f"q{next(counter)}", "answer": "a"})
-    return Generator(generator_id=0, engine=engine, buffer=buffer, next_row=next_row,
+    prompt_row = rows or (lambda gid: {"prompt": f"q{next(counter)}", "answer": "a"})
+    return Generator(generator_id=0, engine=engine, buffer=buffer, prompt_row=prompt_row,
                      encode=lambda s: [ord(c) for c in s], sampling=SamplingParams(n=2, max_new_tokens=1),
                      concurrency=concurrency)
 
@@ -389,10 +389,10 @@ def test_generator_fails_groups_whose_rows_lack_the_prompt_key():
     buffer = FakeBuffer()
     rows = iter([{"question": "no prompt key"}, {"question": "neither"}])
 
-    def next_row() -> dict[str, str]:
+    def prompt_row(gid: int) -> dict[str, str]:
         return next(rows, {"prompt": "ok"})
 
-    gen = make_generator(buffer, FakeEngine(), rows=next_row)
+    gen = make_generator(buffer, FakeEngine(), rows=prompt_row)
     run(_run_until(gen, lambda: len(buffer.rollouts) >= 2))
     assert buffer.released["failed"] == [0, 1]
     assert buffer.rollouts[0].group_id == 2 and buffer.rollouts[0].prompt_text == "ok"

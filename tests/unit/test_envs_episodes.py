@@ -354,8 +354,9 @@ def _generator(buffer: _ClosingBuffer, env: bool):
     from asyncrl.roles.generator import Generator
 
     codec = MergeCodec()
-    gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), buffer=buffer, next_row=lambda: {"prompt": "q"},
-                    encode=codec.encode, sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
+    gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), buffer=buffer,
+                    prompt_row=lambda gid: {"prompt": "q"}, encode=codec.encode,
+                    sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
     if env:
         gen.episodes = runner(ScriptedEngine([[1]] * 8), codec)
     return gen

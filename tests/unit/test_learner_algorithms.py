@@ -404,7 +404,7 @@ def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
     sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=4)
     rows = iter([{"prompt": "a"}, {"prompt": "b"}])
     sink = Sink()
-    gen = Generator(generator_id=0, engine=engine, buffer=sink, next_row=lambda: next(rows),
+    gen = Generator(generator_id=0, engine=engine, buffer=sink, prompt_row=lambda gid: next(rows),
                     encode=lambda s: [ord(s) % VOCAB, 4], sampling=sampling, greedy_baseline=True)
 
     async def main():
