@@ -35,8 +35,11 @@ All methods run on one event loop; sync methods wake waiters through `Signal` (n
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from itertools import islice
+
+import msgspec
 
 from buffers.queue import Signal, timed_wait
 
@@ -51,6 +54,18 @@ class _Live:
 
     version: int            # the engine version it was admitted at: its min_version for the gate
     accepted: bool = False  # False while running (generation or scoring)
+
+
+class GateState(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The gate's counts and live groups at a checkpoint (`AdmissionGate.state` / `restore`)."""
+
+    steps_taken: int
+    published: int
+    next_id: int                 # the next fresh group id: with prompts indexed by group id, the data position
+    accepted: int
+    consumed: int
+    released: dict[str, int]
+    live: list[tuple[int, int, bool]]  # (group id, admitted version, accepted), in admission order
 
 
 class AdmissionGate:
@@ -76,6 +91,7 @@ class AdmissionGate:
         self._accepted = 0
         self._consumed = 0
         self._released = {reason: 0 for reason in RELEASE_REASONS}
+        self._regenerate: deque[int] = deque()  # running groups of a restored run, handed out again first
         self.admit_wait_s = 0.0    # generators blocked on the capacity rule (summed)
         self.trainer_wait_s = 0.0  # trainer blocked in take_step: its idle time on the gate
 
@@ -121,6 +137,8 @@ class AdmissionGate:
         # against steps taken, which is all the lower bound of the staleness proof needs.
         if version > self._steps_taken:
             raise ValueError(f"admit: version {version} needs {version} steps taken, only {self._steps_taken} were")
+        if self._regenerate and not self._closed:
+            return self._readmit(max_groups, version)
 
         def room() -> int:
             return self.capacity(version) - (self._accepted + self._running)
@@ -146,6 +164,34 @@ class AdmissionGate:
         return ids
 
     # -- scorers ------------------------------------------------------------------------------
+    def _readmit(self, max_groups: int, version: int) -> list[int]:
+        """Groups that were running when the restored checkpoint was taken, in admission order: they keep
+        their ids (so their prompts) and their slots, and are admitted again at `version`. The bound holds:
+        a group's rank in admission order is what it was, and `version` is no older than its first one."""
+        ids = [self._regenerate.popleft() for _ in range(min(max_groups, len(self._regenerate)))]
+        for gid in ids:
+            self._live[gid].version = version
+        return ids
+
+    def state(self) -> GateState:
+        """A checkpoint of the gate; running groups are listed with the rest (a restore regenerates them)."""
+        return GateState(steps_taken=self._steps_taken, published=self._published, next_id=self._next_id,
+                         accepted=self._accepted, consumed=self._consumed, released=dict(self._released),
+                         live=[(gid, g.version, g.accepted) for gid, g in self._live.items()])
+
+    def restore(self, state: GateState) -> None:
+        """Continue from `state` (a fresh gate, before any admit): accepted groups wait for training as they
+        were; running ones are handed out again, first and in admission order, by the next `admit`s."""
+        if self._next_id or self._steps_taken:
+            raise RuntimeError("restore: the gate has already been used")
+        self._steps_taken, self._published, self._held = state.steps_taken, state.published, state.published
+        self._next_id, self._accepted, self._consumed = state.next_id, state.accepted, state.consumed
+        self._released = {reason: state.released.get(reason, 0) for reason in RELEASE_REASONS}
+        self._live = {gid: _Live(version, accepted) for gid, version, accepted in state.live}
+        self._running = sum(not accepted for _, _, accepted in state.live)
+        self._regenerate = deque(gid for gid, _, accepted in state.live if not accepted)
+        self._signal.notify_all()
+
     def accept(self, group_id: int) -> None:
         """A running group finished scoring and goes to training."""
         if not self.is_running(group_id):

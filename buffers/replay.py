@@ -31,12 +31,26 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
+
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, Mean, RoleStats, Sum, Total, Window
-from buffers.gate import AdmissionGate
+from buffers.gate import AdmissionGate, GateState
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 
 log = logging.getLogger(__name__)
+
+
+class BufferState(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a checkpoint keeps of the buffer: the gate, the groups accepted and not yet trained (whole,
+    in admission order), and the counters behind its metrics. Trajectories still queued for scoring belong
+    to running groups, which a restored run regenerates."""
+
+    gate: GateState
+    train: list[Group]
+    env_counts: dict[str, int]
+    submitted: dict[str, int]
+    window: dict[str, float]
 
 
 class ReplayBuffer:
@@ -195,6 +209,23 @@ class ReplayBuffer:
 
     async def publish(self, version: int) -> None:
         self.gate.publish(version)
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    async def state(self) -> BufferState:
+        """The buffer's part of a checkpoint (accepted groups whole; running ones by id only)."""
+        gate = self.gate.state()
+        return BufferState(gate=gate, train=[self._train[gid] for gid, _, accepted in gate.live if accepted],
+                           env_counts=dict(self.env_counts), submitted=dict(self.submitted),
+                           window=self._window.marks())
+
+    async def restore(self, state: BufferState) -> None:
+        """Continue from a checkpoint (a fresh buffer, before the generators start): the accepted groups are
+        trained as they were; the running ones are generated again, with their ids (`AdmissionGate.restore`)."""
+        self.gate.restore(state.gate)
+        self._train = {g.group_id: g for g in state.train}
+        self.env_counts.update(state.env_counts)
+        self.submitted.update(state.submitted)
+        self._window = Window(state.window)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:

@@ -157,8 +157,12 @@ class Window:
     its window without resetting counters that must stay whole (the gate's counts drive admission, an
     engine keeps its own pause record)."""
 
-    def __init__(self) -> None:
-        self._read: dict[str, float] = {}
+    def __init__(self, marks: Mapping[str, float] | None = None) -> None:
+        self._read: dict[str, float] = dict(marks or {})
+
+    def marks(self) -> dict[str, float]:
+        """Each counter's value at its previous read (a checkpoint keeps them: `Window(marks)` goes on)."""
+        return dict(self._read)
 
     def take(self, key: str, total: float) -> float:
         """`total` minus its value at the previous `take` of `key` (0 before the first)."""
@@ -172,8 +176,8 @@ class WindowReducer:
     metric's type over the step's window, and each `Total` key added up over the windows so far (a total
     stays in every row once it has been reported)."""
 
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
+    def __init__(self, totals: Mapping[str, float] | None = None) -> None:
+        self.totals: dict[str, float] = dict(totals or {})  # a resumed run starts from the checkpoint's
 
     def reduce(self, reports: Iterable[Mapping[str, Metric]], window_s: float) -> dict[str, float]:
         reports = list(reports)

@@ -372,3 +372,48 @@ def test_admit_accepts_weights_loaded_before_their_publish_arrives():
 
     ids, version = run(main())
     assert len(ids) == 1 and version == 1
+
+
+# -- checkpoint and restore ------------------------------------------------------------------------
+def test_a_restored_gate_trains_the_accepted_groups_and_hands_out_the_running_ones_again_first():
+    import msgspec
+
+    from buffers.gate import GateState
+
+    async def before() -> GateState:
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        assert await gate.admit(4, 0) == [0, 1, 2, 3]
+        for gid in (0, 1, 3):
+            gate.accept(gid)
+        assert await gate.take_step(0) == [0, 1]
+        gate.publish(1)
+        assert await gate.admit(4, 1) == [4, 5]  # capacity (1 + 1 + 1) * 2 = 6
+        gate.release(4, "failed")
+        return gate.state()
+
+    state = msgspec.json.decode(msgspec.json.encode(run(before())), type=GateState)  # as a checkpoint keeps it
+    assert state.live == [(2, 0, False), (3, 0, True), (5, 1, False)] and state.next_id == 6
+
+    async def after() -> tuple[list[int], list[int], list[int]]:
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        gate.restore(state)
+        assert gate.published_version == 1 and gate.steps_taken == 1
+        again = await gate.admit(1, 1) + await gate.admit(4, 1)  # the running ones first, in order
+        assert gate.stats()["running"] == 2 and gate.stats()["failed"] == 1
+        for gid in again:
+            gate.accept(gid)
+        step1 = await gate.take_step(1)
+        gate.publish(2)
+        fresh = await gate.admit(8, 2)  # then fresh ids, from where the run was
+        return again, step1, fresh
+
+    again, step1, fresh = run(after())
+    assert again == [2, 5] and step1 == [2, 3] and fresh[0] == 6
+
+
+def test_restore_refuses_a_gate_that_was_already_used():
+    gate = AdmissionGate(prompts_per_step=1, max_staleness=0)
+    state = gate.state()
+    run(gate.admit(1, 0))
+    with pytest.raises(RuntimeError, match="already been used"):
+        gate.restore(state)

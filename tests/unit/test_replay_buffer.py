@@ -217,3 +217,36 @@ def test_buffer_stats_report_the_window_since_the_previous_read_and_depths_as_th
 
 def test_buffer_reports_dapo_filtered_groups_only_when_filtering_refills_them():
     assert "dapo/groups_filtered" not in run(make_buffer().stats()).metrics
+
+
+def test_a_restored_buffer_trains_its_accepted_groups_whole_and_its_totals_go_on():
+    import msgspec
+
+    from buffers.replay import BufferState
+
+    async def before() -> BufferState:
+        buf = make_buffer()
+        assert await buf.admit(4, 0) == [0, 1, 2, 3]
+        await buf.put_rollouts(group(2, 0).trajectories)  # queued for scoring: regenerated after a restore
+        await buf.accept_groups([group(0, 0), group(1, 0), group(3, 0)])
+        first = (await buf.stats()).values()
+        assert first["buffer/accepted"] == 3
+        return await buf.state()
+
+    state = msgspec.msgpack.decode(msgspec.msgpack.encode(run(before())), type=BufferState)
+
+    async def after() -> tuple[list[int], dict[str, float], list[int]]:
+        buf = make_buffer()
+        await buf.restore(state)
+        again = await buf.admit(4, 0)
+        await buf.accept_groups([group(2, 0)])
+        step0 = await buf.take_step(0)
+        assert [len(g.trajectories) for g in step0] == [2, 2]
+        window = (await buf.stats()).values()
+        return again, window, [g.group_id for g in step0 + await buf.take_step(1, timeout=SHORT)]
+
+    again, window, trained = run(after())
+    assert again == [2]  # only the running group, with its id
+    assert window["buffer/accepted"] == 1 and window["buffer/admitted"] == 0  # not counted twice
+    assert window["buffer/rollout_depth"] == 0  # its queued trajectories were not kept
+    assert trained == [0, 1, 2, 3]
