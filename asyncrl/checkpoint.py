@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -45,7 +46,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import msgspec
+import numpy as np
 import safetensors.torch
+import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,100 @@ def load(path: str | Path) -> Checkpoint:
                for rel in manifest.files if rel.endswith(TENSOR_SUFFIX)}
     state = msgspec.msgpack.decode((path / STATE).read_bytes()) if STATE in manifest.files else {}
     return Checkpoint(path=path, manifest=manifest, tensors=tensors, state=state)
+
+
+# ---------------------------------------------------------------- trainer state without pickle
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """optimizer.state_dict() split into tensors (`state.<param>.<key>`, `param_groups.<i>.<key>`; the
+    optimizer's own tensors, not copies) and a msgspec-encodable meta with everything else."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for idx, entry in sd["state"].items():
+        per_param[str(idx)] = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"state.{idx}.{key}"] = value
+            else:  # e.g. a float `step`, or SGD's momentum_buffer=None
+                per_param[str(idx)][key] = value
+    groups = []
+    for i, group in enumerate(sd["param_groups"]):
+        values, tuples = {}, []
+        for key, value in group.items():
+            if isinstance(value, Tensor):  # a tensor lr (capturable / fused setups)
+                tensors[f"param_groups.{i}.{key}"] = value
+            elif isinstance(value, tuple):  # betas: msgspec writes tuples as lists
+                values[key], tuples = list(value), [*tuples, key]
+            else:
+                values[key] = value
+        groups.append({"values": values, "tuples": tuples})
+    return tensors, {"state": per_param, "param_groups": groups}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """The inverse of `optimizer_state`: load the pieces into `optimizer` (built over the same parameters)."""
+    state = {int(idx): dict(entry) for idx, entry in meta["state"].items()}
+    groups = [{k: tuple(v) if k in g["tuples"] else v for k, v in g["values"].items()} for g in meta["param_groups"]]
+    for name, value in tensors.items():
+        kind, index, key = name.split(".", 2)
+        if kind == "state":
+            state[int(index)][key] = value
+        elif kind == "param_groups":
+            groups[int(index)][key] = value
+        else:
+            raise CheckpointError(f"optimizer tensor {name!r} is neither state.* nor param_groups.*")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """scheduler.state_dict(), checked to be msgspec-encodable (LambdaLR keeps None or a callable object's
+    __dict__ per lambda, so plain functions and functools.partial pass)."""
+    state = scheduler.state_dict()
+    try:
+        msgspec.msgpack.encode(state)
+    except (TypeError, msgspec.EncodeError) as e:
+        raise CheckpointError(f"{type(scheduler).__name__} state is not msgspec-encodable: {e}") from e
+    return state
+
+
+def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+    """The inverse of `scheduler_state`."""
+    scheduler.load_state_dict(state)
+
+
+def rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This process's torch (CPU, and every CUDA device when CUDA is available), Python `random` and
+    numpy global RNG states, as tensors and a msgspec-encodable meta."""
+    tensors = {"torch.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"torch.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    version, internal, gauss_next = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    meta = {"python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+            "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
+                      "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                      "gauss": float(np_state["gauss"])}}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """The inverse of `rng_state`. CUDA states are set for the devices present; a mismatch is logged."""
+    torch.set_rng_state(tensors["torch.cpu"])
+    cuda_names = sorted((k for k in tensors if k.startswith("torch.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    cuda = [tensors[k] for k in cuda_names]
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(cuda) != present:
+        log.warning("checkpoint holds RNG states for %d CUDA devices, this process has %d", len(cuda), present)
+    for i, s in enumerate(cuda[:present]):
+        torch.cuda.set_rng_state(s, i)
+    py = meta["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    npm = meta["numpy"]
+    np.random.set_state({"bit_generator": npm["bit_generator"],
+                         "state": {"key": np.array(npm["key"], dtype=np.uint32), "pos": npm["pos"]},
+                         "has_gauss": npm["has_gauss"], "gauss": npm["gauss"]})
 
 
 # ---------------------------------------------------------------- internals

@@ -1,8 +1,9 @@
 """asyncrl.checkpoint: atomic saves, verification (a flipped byte anywhere is detected), keep_last, no
-pickle."""
+pickle, and bit-exact round trips of optimizer, scheduler and RNG state."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -10,6 +11,7 @@ import random
 import shutil
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -225,3 +227,108 @@ def test_keep_last_never_deletes_a_newer_step_than_the_one_saved(tmp_path):
         save(tmp_path, s)
     save(tmp_path, 3, keep_last=1)  # e.g. resumed from step 2
     assert steps(tmp_path) == [3, 5]
+
+
+# ---------------------------------------------------------------- optimizer, scheduler, RNG
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _train(model, optimizer, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(16, 4, generator=g)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False, fused=False),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True, amsgrad=True, betas=(0.8, 0.95)),
+    lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), foreach=False),
+    lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+], ids=["adamw", "adamw-for-loop", "adamw-foreach-amsgrad", "adamw-tensor-lr", "sgd-nesterov"])
+def test_optimizer_state_round_trips_through_a_checkpoint_bit_exactly(tmp_path, make):
+    model = _tiny_model()
+    optimizer = make(model.parameters())
+    _train(model, optimizer, 3, seed=1)
+    tensors, meta = ck.optimizer_state(optimizer)
+    path = ck.save(tmp_path, step=3, version=3, config_text=CONFIG, tensors={"optimizer": tensors},
+                   state={"optimizer": meta, "model": None})
+    reloaded_model = copy.deepcopy(model)
+    reloaded = make(reloaded_model.parameters())
+    got = ck.load(path)
+    ck.load_optimizer_state(reloaded, got.tensors["optimizer"], got.state["optimizer"])
+    assert reloaded.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    _train(model, optimizer, 2, seed=2)
+    _train(reloaded_model, reloaded, 2, seed=2)
+    for a, b in zip(model.parameters(), reloaded_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _schedulers(optimizer):
+    from transformers import get_scheduler
+
+    return [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)),
+            get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)]
+
+
+def test_scheduler_state_round_trips_lambda_lr_and_transformers_cosine(tmp_path):
+    model = _tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedulers = _schedulers(optimizer)
+    for _ in range(3):
+        optimizer.step()
+        for s in schedulers:
+            s.step()
+    path = ck.save(tmp_path, step=3, version=3, config_text=CONFIG,
+                   state={"schedulers": [ck.scheduler_state(s) for s in schedulers]})
+    fresh_optimizer = torch.optim.AdamW(_tiny_model().parameters(), lr=1e-2)
+    fresh = _schedulers(fresh_optimizer)
+    for s, state in zip(fresh, ck.load(path).state["schedulers"], strict=True):
+        ck.load_scheduler_state(s, state)
+    for _ in range(4):
+        for opt, group in ((optimizer, schedulers), (fresh_optimizer, fresh)):
+            opt.step()
+            for s in group:
+                s.step()
+        assert [s.get_last_lr() for s in fresh] == [s.get_last_lr() for s in schedulers]
+    assert fresh[0].last_epoch == schedulers[0].last_epoch == 7
+
+
+def test_a_scheduler_holding_an_object_is_refused_with_its_name():
+    class Odd(torch.optim.lr_scheduler.LambdaLR):
+        def state_dict(self):
+            return {"fn": object()}
+
+    optimizer = torch.optim.SGD(_tiny_model().parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="Odd state is not msgspec-encodable"):
+        ck.scheduler_state(Odd(optimizer, lambda s: 1.0))
+
+
+def _draw():
+    return (torch.rand(5).tolist(), torch.randn(2).tolist(), random.random(), random.gauss(0, 1),
+            np.random.rand(3).tolist(), np.random.standard_normal(), np.random.randint(0, 10**6))
+
+
+def test_rng_state_restores_torch_python_and_numpy_streams(tmp_path):
+    random.gauss(0, 1)  # leave a cached second gaussian in both Python and numpy
+    np.random.standard_normal()
+    tensors, meta = ck.rng_state()
+    path = ck.save(tmp_path, step=1, version=1, config_text=CONFIG, tensors={"rng": tensors}, state={"rng": meta})
+    first = _draw()
+    got = ck.load(path)
+    ck.set_rng_state(got.tensors["rng"], got.state["rng"])
+    assert _draw() == first
+    assert _draw() != first  # the streams move on
+
+
+def test_a_state_msgspec_cannot_encode_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(CheckpointError, match="not msgspec-encodable"):
+        ck.save(tmp_path, step=1, version=1, config_text=CONFIG, state={"x": object()})
+    assert os.listdir(tmp_path) == []
