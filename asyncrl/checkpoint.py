@@ -3,7 +3,8 @@
 Place in the dataflow: the Controller asks every role for its state every `run.save_every` steps (the
 trainer's weights, optimizer, scheduler and RNG; the buffer's and gate's counters) and hands it to `save`,
 which writes `RUN_DIR/checkpoints/step_<N:08d>/`; `--resume` reads the newest valid one with
-`latest_valid` + `load` and gives each role back its part.
+`latest_valid` + `load` and gives each role back its part. `export_hf` writes the separate, derived
+Hugging Face folder that inference tools load.
 
 Layout of one checkpoint (one writer per checkpoint root)::
 
@@ -33,6 +34,7 @@ and pruning verifies up to `keep_last - 1` older ones after each save.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -300,6 +302,33 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
     np.random.set_state({"bit_generator": npm["bit_generator"],
                          "state": {"key": np.array(npm["key"], dtype=np.uint32), "pos": npm["pos"]},
                          "has_gauss": npm["has_gauss"], "gauss": npm["gauss"]})
+
+
+def export_hf(model: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None) -> Path:
+    """Write an HF folder (config + safetensors [+ tokenizer]) of a copy of `model` cast to `dtype`
+    ("float32" | "bfloat16" | "float16"; None = as is); `model` itself is not changed. The copy costs
+    one model's memory on its device. The folder appears whole: it is written beside `out_dir` and
+    renamed into place, replacing an older export."""
+    from engines.hf import torch_dtype
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{out.name}-", dir=out.parent))
+    try:
+        copied = copy.deepcopy(model)
+        if dtype is not None:
+            copied = copied.to(torch_dtype(dtype))
+        copied.save_pretrained(tmp, safe_serialization=True)
+        del copied
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            _discard(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 # ---------------------------------------------------------------- internals

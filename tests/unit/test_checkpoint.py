@@ -332,3 +332,38 @@ def test_a_state_msgspec_cannot_encode_is_refused_before_anything_is_written(tmp
     with pytest.raises(CheckpointError, match="not msgspec-encodable"):
         ck.save(tmp_path, step=1, version=1, config_text=CONFIG, state={"x": object()})
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- HF export
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
+def test_export_hf_writes_a_loadable_copy_in_the_asked_dtype_without_changing_the_model(
+        tmp_path, tiny_model_dir, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.hf import load_model, load_tokenizer
+
+    model = load_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = ck.export_hf(model, tmp_path / "export", tokenizer=load_tokenizer(tiny_model_dir), dtype=dtype)
+    assert model.dtype == torch.float32 and str(model.config.dtype).endswith("float32")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    want = getattr(torch, dtype or "float32")
+    assert loaded.dtype == want
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, before[name].to(want)), name
+    assert AutoTokenizer.from_pretrained(out, local_files_only=True).encode("12+3") == \
+        load_tokenizer(tiny_model_dir).encode("12+3")
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_export_hf_replaces_an_older_export(tmp_path, tiny_model_dir):
+    from engines.hf import load_model
+
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    ck.export_hf(load_model(tiny_model_dir), out)
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
