@@ -56,6 +56,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"  # the checkpoint root inside a run directory
 MANIFEST = "manifest.json"
 STATE = "state.msgpack"
 TENSOR_SUFFIX = ".safetensors"
@@ -208,6 +209,15 @@ def load(path: str | Path) -> Checkpoint:
                for rel in manifest.files if rel.endswith(TENSOR_SUFFIX)}
     state = msgspec.msgpack.decode((path / STATE).read_bytes()) if STATE in manifest.files else {}
     return Checkpoint(path=path, manifest=manifest, tensors=tensors, state=state)
+
+
+def read_state(path: str | Path) -> tuple[Manifest, dict[str, Any]]:
+    """Verify the checkpoint at `path` and read its manifest and state only (no tensors: what the
+    Controller needs to resume the buffer and its own totals)."""
+    path = Path(path)
+    manifest = verify(path)
+    state = msgspec.msgpack.decode((path / STATE).read_bytes()) if STATE in manifest.files else {}
+    return manifest, state
 
 
 # ---------------------------------------------------------------- trainer state without pickle

@@ -27,13 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("validate", "check a config file"), ("launch", "run a config")):
         s = sub.add_parser(name, help=text)
-        s.add_argument("config", help="path to the run's TOML file")
+        s.add_argument("config", nargs="?" if name == "launch" else None,
+                       help="path to the run's TOML file (launch --resume: default RUN_DIR/config.toml)")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set trainer.lr=1e-4 (repeatable)")
     launch = sub.choices["launch"]
     launch.add_argument("--dry-run", action="store_true", help="print the derived plan; start nothing")
     launch.add_argument("--local", action="store_true", help="run every role in this process, without Ray")
     launch.add_argument("--address", help="join an existing Ray cluster (same as --set cluster.address=...)")
+    launch.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its newest valid checkpoint (run.save_every)")
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
@@ -156,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if getattr(args, "address", None):
         overrides.append(f'cluster.address="{args.address}"')
+    resume = getattr(args, "resume", None)
+    if resume:  # the run's own resolved config, into the same directory (--set may change, e.g. total_steps)
+        args.config = args.config or str(Path(resume) / "config.toml")
+        overrides.append(f"run.output_dir={json.dumps(str(resume))}")
+    if args.config is None:
+        print("launch: give a CONFIG (or --resume RUN_DIR)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = run_local if args.local else run_with_ray
     try:
-        rows = runner(cfg, config_text=config_to_toml(cfg))
+        rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
     except KeyboardInterrupt:
         print("interrupted; actors stopped", file=sys.stderr)
         return 130

@@ -339,7 +339,16 @@ class RunConfig(Section):
     output_dir: Annotated[str, _d("run directory (config, metrics.jsonl, checkpoint)", min_length=1)] = "runs/default"
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
-    save_checkpoint: Annotated[bool, _d("write a checkpoint into the run directory")] = True
+    save_checkpoint: Annotated[bool, _d("write the final weights as an HF folder into RUN_DIR/checkpoint")] = True
+    save_every: Annotated[
+        int,
+        _d("write a durable checkpoint (weights, optimizer, RNG, the buffer's accepted groups, the gate) into "
+           "RUN_DIR/checkpoints every N train steps and after the last; 0 = off. `asyncrl launch --resume "
+           "RUN_DIR` continues from the newest valid one", ge=0),
+    ] = 0
+    keep_last: Annotated[
+        int, _d("durable checkpoints to keep (the newest valid ones); 0 = keep all", ge=0),
+    ] = 2
 
 
 class LoggingConfig(Section):

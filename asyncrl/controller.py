@@ -30,15 +30,19 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
+import msgspec
+
 from asyncrl.aio import discard
+from asyncrl.checkpoint import CHECKPOINTS, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
-from asyncrl.pipeline import StepPipeline
+from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
+from buffers.replay import BufferState
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class Deployment(Protocol):
     scorers: list[Any]
 
     async def setup_weight_sync(self) -> None: ...
-    async def save_checkpoint(self, path: str) -> None: ...
+    async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
 
 
@@ -62,11 +66,12 @@ class RoleFailed(RuntimeError):
 
 class Controller:
     def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
-                 config_text: str | None = None) -> None:
+                 config_text: str | None = None, resume: bool = False) -> None:
         self.cfg = cfg
         self.d = deployment
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
+        self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
         self._loops: list[asyncio.Future] = []
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
@@ -74,7 +79,8 @@ class Controller:
         self._window_end = 0.0
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
-                                  buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard)
+                                  buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
+                                  pause_after=self._eval_due, drain_after=self._save_due)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -87,23 +93,30 @@ class Controller:
         sinks: list[MetricSink] = []
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         try:
+            first_step = await self._restore() if self.resume else 0
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
+            if first_step:  # the generators start from the model folder: give them the checkpoint's weights
+                await self._guard(asyncio.gather(d.trainer.send_weights(),
+                                                 *[g.receive_weights() for g in d.generators]))
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
-            if cfg.trainer.eval_every > 0:
+            if cfg.trainer.eval_every > 0 and not first_step:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
                 _log_row(sinks, first)
                 self.rows.append(first)
             await self.steps.start()
             t_prev = time.time()
-            for step in range(cfg.trainer.total_steps):
+            for step in range(first_step, cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
                 _log_row(sinks, row)
                 self.rows.append(row)
+                if self._save_due(step + 1):
+                    await self._save(step + 1)
+                    self.steps.ask_next(step + 1)
                 if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
                     log.info(_progress_line(row, cfg.trainer.total_steps))
             summary = self._summary(t_start)
@@ -126,21 +139,72 @@ class Controller:
         window's metrics row. An evaluation reads the trainer's weights, so the next step is asked for
         after it; otherwise it is asked for at once and trains while the row is gathered."""
         version = step + 1
-        every = self.cfg.trainer.eval_every
-        eval_due = every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
-        metrics, sent = await self.steps.step(step, ask_next=not eval_due)
+        eval_due = self._eval_due(version)
+        metrics, sent = await self.steps.step(step)
+        self._write_ledger(version, metrics.pop(LEDGER_KEY, []))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
         row.update(dict(sent))
         if eval_due:
             row.update(await self._guard(self.d.trainer.evaluate()))
         t_end = time.time()
-        self.steps.ask_next(version)
+        if not self._save_due(version):  # (a checkpoint asks for the next step once it is written)
+            self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
         self._window_end = t_end
         return row
+
+    def _write_ledger(self, version: int, groups: list[list[Any]]) -> None:
+        """RUN_DIR/ledger.jsonl: the groups (id, prompt) each train step trained, one line per step. With
+        resume it shows every accepted group trained exactly once and no prompt skipped or repeated."""
+        with (self.run_dir / "ledger.jsonl").open("a") as f:
+            f.write(json.dumps({"step": version, "groups": groups}) + "\n")
+
+    def _eval_due(self, version: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
+
+    def _save_due(self, version: int) -> bool:
+        every = self.cfg.run.save_every
+        return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
+
+    async def _save(self, version: int) -> None:
+        """A durable checkpoint of version `version` (asyncrl/checkpoint.py), written by the trainer: its
+        weights, optimizer and RNG, the buffer's state (groups accepted and not trained, the gate) and the
+        Controller's totals. The pipeline drained first: nothing is half-trained or prefetched."""
+        t0 = time.time()
+        buffer_state = await self._guard(self.d.buffer.state())
+        extra = {"buffer": msgspec.to_builtins(buffer_state),
+                 "controller": {"totals": dict(self._reducer.totals), "rows": len(self.rows)}}
+        path = await self._guard(self.d.trainer.save_state(
+            str(self.run_dir / CHECKPOINTS), step=version, config_text=self._config_text(), extra=extra,
+            keep_last=self.cfg.run.keep_last))
+        log.info("checkpoint of version %d: %s (%.1fs)", version, path, time.time() - t0)
+
+    async def _restore(self) -> int:
+        """Load the newest valid checkpoint of RUN_DIR into the trainer and the buffer (before the
+        generators start); truncate metrics.jsonl to its step. Returns the step to continue from."""
+        root = self.run_dir / CHECKPOINTS
+        found = latest_valid(root)
+        if found is None:
+            raise RuntimeError(f"--resume: no valid checkpoint in {root} (run.save_every writes them)")
+        manifest, extra = read_state(found)
+        step = manifest.step
+        if step > self.cfg.trainer.total_steps:
+            raise RuntimeError(f"--resume: the checkpoint is at step {step}, past trainer.total_steps = "
+                               f"{self.cfg.trainer.total_steps}; raise it with --set trainer.total_steps=N")
+        await self._guard(self.d.trainer.load_state(str(found)))
+        await self._guard(self.d.buffer.restore(msgspec.convert(extra["buffer"], BufferState)))
+        self._reducer = WindowReducer(extra["controller"]["totals"])
+        self.rows = _truncate_rows(self.run_dir / "metrics.jsonl", step)
+        _truncate_rows(self.run_dir / "ledger.jsonl", step)
+        log.info("resuming from %s: version %d", found, step)
+        return step
+
+    def _config_text(self) -> str:
+        return self.config_text if self.config_text is not None else config_to_toml(self.cfg)
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
         """Every role's report of its window (what happened since its previous `stats()`), reduced by each
@@ -209,6 +273,17 @@ class Controller:
                           "concurrency": self.cfg.rollout.concurrency,
                           "torch_threads": self.cfg.cluster.torch_threads}
         return out
+
+
+def _truncate_rows(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep (and return) the rows of metrics.jsonl up to `step` (a run may have gone on past its last
+    checkpoint before it died); the resumed run appends after them, so no step appears twice."""
+    if not path.exists():
+        return []
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(f"{line}\n" for line in kept))
+    return [json.loads(line) for line in kept]
 
 
 def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:

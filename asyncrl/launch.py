@@ -109,7 +109,7 @@ class RayDeployment:
                 log.debug("kill failed: %s", exc)
 
 
-def run_with_ray(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
+def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
     """Run `cfg` on Ray; returns the metrics rows. Stops the cluster if this call started it."""
     ensure_model(cfg.model)
     started = start_ray(cfg)
@@ -120,19 +120,19 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None) -> list[dict[st
         except BaseException:
             asyncio.run(deployment.shutdown())
             raise
-        controller = Controller(cfg, deployment, config_text=config_text)
+        controller = Controller(cfg, deployment, config_text=config_text, resume=resume)
         return run_loop(controller.run())
     finally:
         if started:
             ray.shutdown()
 
 
-def run_local(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
+def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
     """Run `cfg` with every role in this process (no Ray): for tests and debugging."""
     from asyncrl.local import LocalDeployment
 
     ensure_model(cfg.model)
-    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text).run())
+    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text, resume=resume).run())
 
 
 def run_loop(coro: Any) -> Any:

@@ -21,9 +21,11 @@ One train step s (version s → s + 1), in the order the events happen:
  buffer.publish(s+1): the gate admits at s+1
 ```
 
-An evaluation reads the trainer's weights, so on an evaluation step the Controller asks for step s+1 only
-after it (`ask_next`). A generator whose receiver cannot wait for a send (an engine whose own workers
-receive: vLLM, SGLang) is asked to receive once the send has begun. The staleness bound holds as before:
+An evaluation reads the trainer's weights, so after an evaluation step the Controller asks for step s+1 only
+after it (`pause_after`, then `ask_next`); before a checkpoint the pipeline also drains: step s does not
+prefetch step s+1's groups, so they are still in the buffer's state (`drain_after`). A generator whose
+receiver cannot wait for a send (an engine whose own workers receive: vLLM, SGLang) is asked to receive
+once the send has begun. The staleness bound holds as before:
 the gate admitted every prefetched group at the version its generator held.
 
 The sequence, run with fakes in one process (`log` records what each side did; threads and the event
@@ -91,6 +93,10 @@ from asyncrl.weights.base import WeightSender
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The key under which a train step's metrics carry what it trained ([[group id, prompt], ...]); the Controller
+# takes it out of the metrics row and appends it to RUN_DIR/ledger.jsonl.
+LEDGER_KEY = "ledger/groups"
 
 
 # -- the trainer's half ----------------------------------------------------------------------------
@@ -270,6 +276,10 @@ async def _plain(aw: Awaitable[T]) -> T:
     return await aw
 
 
+def _never(version: int) -> bool:
+    return False
+
+
 class StepPipeline:
     """The Controller's half: asks for each train step ahead of time, arms the generators' receives while
     it trains, collects the send, waits until every generator holds the new version, then publishes it.
@@ -278,12 +288,18 @@ class StepPipeline:
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
-                 total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain) -> None:
+                 total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain,
+                 pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never) -> None:
         self.trainer = trainer
         self.generators = list(generators)
         self.buffer = buffer
         self.total_steps = total_steps
         self.watch = watch
+        # pause_after(v): after publishing v, step v is asked for only by `ask_next(v)` (an evaluation reads
+        # the weights first). drain_after(v): the same, and step v - 1 does not prefetch step v's groups, so
+        # the trainer and the buffer hold everything not yet trained (a checkpoint of both).
+        self.pause_after = pause_after
+        self.drain_after = drain_after
         self._arm = False  # every generator's receive may wait for the send (set by start())
         self._next: tuple[int, asyncio.Future] | None = None  # a train step asked for ahead of time
         self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
@@ -297,21 +313,20 @@ class StepPipeline:
         """Ask for train step `step` now (it waits in the trainer behind the one before), unless it was
         asked for already or the run ends before it."""
         if step < self.total_steps and self._next is None:
-            self._next = (step, asyncio.ensure_future(self.trainer.train_step(
-                step, prefetch=step + 1 < self.total_steps)))
+            prefetch = step + 1 < self.total_steps and not self.drain_after(step + 1)
+            self._next = (step, asyncio.ensure_future(self.trainer.train_step(step, prefetch=prefetch)))
 
-    async def step(self, step: int, *, ask_next: bool = True) -> tuple[dict[str, float], dict[str, float]]:
-        """Run train step `step` through publish(step + 1); returns (train metrics, send statistics).
-
-        `ask_next=False`: step + 1 is not asked for yet (an evaluation reads the weights first; the caller
-        calls `ask_next(step + 1)` after it)."""
+    async def step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Run train step `step` through publish(step + 1); returns (train metrics, send statistics). Step
+        step + 1 is asked for at once, unless the run pauses (or drains) after version step + 1: then the
+        caller calls `ask_next(step + 1)` once it is done with the weights."""
         self.ask_next(step)
         assert self._next is not None and self._next[0] == step, "train steps are run in order"
         (_, train), self._next = self._next, None
         receives, self._armed = self._armed, None
         if receives is None and self._arm:  # the first step: arm now, while it trains
             receives = self._receive(armed=True)
-        if ask_next:
+        if not (self.pause_after(step + 1) or self.drain_after(step + 1)):
             self.ask_next(step + 1)
         try:
             metrics = await self.watch(train)

@@ -12,13 +12,15 @@ A plain async class: no Ray here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.pipeline import StepSource, UpdatePipeline
+from asyncrl import checkpoint
+from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
@@ -72,6 +74,9 @@ class Trainer:
         metrics["trainer/gate_wait_s"] = out.gate_wait_s
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(out.train_s, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
+        # what was trained, for the run's ledger (the Controller takes it out of the row: ledger.jsonl)
+        metrics[LEDGER_KEY] = [[g.group_id, g.trajectories[0].prompt_text[:200] if g.trajectories else ""]
+                               for g in out.groups]
         return metrics
 
     async def send_weights(self) -> dict[str, float]:
@@ -91,6 +96,25 @@ class Trainer:
                                 temperature: float = 1.0) -> list[float]:
         """The trainer's logprobs of a fixed sequence (the reference an engine's logprobs must match)."""
         return self.learner.teacher_forced_logprobs(prompt_ids, response_ids, temperature)
+
+    async def save_state(self, root: str, *, step: int, config_text: str, extra: dict[str, Any],
+                         keep_last: int) -> str:
+        """A durable checkpoint of the current version under `root` (asyncrl/checkpoint.py): the learner's
+        state, this process's RNG and the caller's `extra` state (the buffer's, the Controller's). Called
+        between steps, when no update runs; written off the event loop."""
+        tensors, state = self.learner.checkpoint_state()
+        tensors["rng"], state["rng"] = checkpoint.rng_state()
+        state.update(extra)
+        path = await asyncio.to_thread(checkpoint.save, root, step=step, version=self.learner.version,
+                                       config_text=config_text, tensors=tensors, state=state, keep_last=keep_last)
+        return str(path)
+
+    async def load_state(self, path: str) -> int:
+        """Continue from the checkpoint at `path` (verified first: a corrupted one is never loaded)."""
+        ck = await asyncio.to_thread(checkpoint.load, path)
+        self.learner.restore_state(ck.tensors, ck.state)
+        checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
+        return self.learner.version
 
     def save_checkpoint(self, path: str, tokenizer: Any = None) -> str:
         """Write an HF-loadable folder (config + safetensors [+ tokenizer])."""

@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,6 +50,7 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.kl import kl_estimate
 from asyncrl.algorithms.losses import PolicyLossParams
 from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
+from asyncrl.checkpoint import load_optimizer_state, optimizer_state
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
@@ -461,6 +463,34 @@ class Learner:
             out["critic/grad_norm"] = cstats.grad_norm / max(cstats.steps, 1)
         out.update(data.metrics)
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Any]]:
+        """Everything an exact resume needs, as tensor groups (safetensors) and a msgspec-encodable state:
+        the policy and its AdamW state, the critic and its optimizer, the Lagrange multiplier, the version."""
+        opt_tensors, opt_meta = optimizer_state(self.optimizer)
+        tensors = {"policy": dict(self.model.state_dict()), "optimizer": opt_tensors}
+        state: dict[str, Any] = {"version": self.version, "optimizer": opt_meta}
+        if self.critic is not None:
+            tensors["critic"] = dict(self.critic.model.state_dict())
+            tensors["critic_optimizer"], state["critic_optimizer"] = optimizer_state(self.critic.optimizer)
+        if self.lagrange is not None:
+            state["lagrange"] = self.lagrange.state_dict()
+        return tensors, state
+
+    def restore_state(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
+        """The inverse of `checkpoint_state` (a learner built from the same config)."""
+        if ("critic" in tensors) != (self.critic is not None):
+            raise ValueError("checkpoint and config disagree on the critic (algorithm.advantage changed?)")
+        self.model.load_state_dict(tensors["policy"])
+        load_optimizer_state(self.optimizer, tensors["optimizer"], state["optimizer"])
+        if self.critic is not None:
+            self.critic.model.load_state_dict(tensors["critic"])
+            load_optimizer_state(self.critic.optimizer, tensors["critic_optimizer"], state["critic_optimizer"])
+        if self.lagrange is not None and "lagrange" in state:
+            self.lagrange.load_state_dict(state["lagrange"])
+        self.version = int(state["version"])
 
     # ------------------------------------------------------------------ weights
 

@@ -333,11 +333,12 @@ def test_step_pipeline_asks_the_next_step_behind_the_current_one_and_publishes_a
 def test_step_pipeline_asks_for_the_next_step_after_an_evaluation_not_before():
     log: list[str] = []
     trainer, _, steps = make_steps(log, total=2)
+    steps.pause_after = lambda version: version == 1
 
     async def go() -> None:
         await steps.start()
         trainer.finish[0].set()
-        await steps.step(0, ask_next=False)
+        await steps.step(0)
         assert "asked 1" not in log  # the evaluation may still read version 1's weights
         steps.ask_next(1)
         steps.ask_next(1)  # asked once only
@@ -347,6 +348,28 @@ def test_step_pipeline_asks_for_the_next_step_after_an_evaluation_not_before():
 
     run(go())
     assert log.count("asked 1") == 1 and log.index("publish 1") < log.index("asked 1")
+    assert "asked 0 prefetch" in log  # an evaluation does not drain the pipeline
+
+
+def test_step_pipeline_drains_before_a_checkpoint_no_prefetch_and_nothing_asked_ahead():
+    log: list[str] = []
+    trainer, _, steps = make_steps(log, total=3)
+    steps.drain_after = lambda version: version == 1
+
+    async def go() -> None:
+        await steps.start()
+        trainer.finish[0].set()
+        await steps.step(0)
+        assert "asked 1" not in log  # the trainer and the buffer hold all that is not trained yet
+        steps.ask_next(1)
+        trainer.finish[1].set()
+        trainer.finish[2].set()
+        await steps.step(1)
+        await steps.step(2)
+
+    run(go())
+    assert log.index("asked 0") < log.index("publish 1") < log.index("asked 1 prefetch")
+    assert "asked 0 prefetch" not in log and "asked 2" in log
 
 
 def test_step_pipeline_asks_receivers_that_cannot_wait_for_a_send_once_the_step_is_trained():

@@ -188,3 +188,17 @@ def test_prompt_stream_returns_copies_so_consumers_cannot_alter_the_dataset():
 def test_prompt_stream_rejects_no_rows():
     with pytest.raises(ValueError, match="at least one row"):
         PromptStream([], seed=0)
+
+
+def test_prompt_rows_are_a_function_of_the_group_id_alone():
+    from asyncrl.data import PromptStream
+
+    rows = [{"prompt": str(i)} for i in range(5)]
+    a, b = PromptStream(rows, seed=3), PromptStream(rows, seed=3)
+    forward = [a.row(i)["prompt"] for i in range(12)]
+    backward = [b.row(i)["prompt"] for i in reversed(range(12))][::-1]  # any order of asking
+    assert forward == backward
+    assert sorted(forward[:5]) == sorted(forward[5:10]) == [str(i) for i in range(5)]  # each epoch whole
+    assert forward[:5] != forward[5:10] or forward[5:10] != forward[10:] + forward[:3]  # reshuffled
+    with pytest.raises(ValueError):
+        a.row(-1)
