@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
+    from asyncrl.controller import RunStopped
     from asyncrl.launch import run_local, run_with_ray
 
     runner = run_local if args.local else run_with_ray
@@ -184,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; actors stopped", file=sys.stderr)
         return 130
+    except RunStopped as stop:  # SIGTERM: a checkpoint was written
+        print(str(stop), file=sys.stderr)
+        return 143
+    except asyncio.CancelledError:  # a second SIGTERM
+        print("stopped at once (second SIGTERM); actors stopped; resume from the last checkpoint with: "
+              f"asyncrl launch --resume {cfg.run.output_dir}", file=sys.stderr)
+        return 143
     except Exception as exc:  # a failed run ends with one line, the traceback goes to the log
         logging.getLogger("asyncrl").debug("run failed", exc_info=True)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import msgspec
 
@@ -64,6 +65,10 @@ class RoleFailed(RuntimeError):
     pass
 
 
+class RunStopped(RuntimeError):
+    """The run stopped on SIGTERM after writing a checkpoint; the message says how to resume."""
+
+
 class Controller:
     def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
                  config_text: str | None = None, resume: bool = False) -> None:
@@ -72,6 +77,7 @@ class Controller:
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
         self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
+        self._stopping = False  # SIGTERM: finish the step, write a checkpoint, stop (RunStopped)
         self._loops: list[asyncio.Future] = []
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
@@ -80,7 +86,8 @@ class Controller:
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
-                                  pause_after=self._eval_due, drain_after=self._save_due)
+                                  pause_after=self._eval_due,
+                                  drain_after=lambda v: self._save_due(v) or self._stopping)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -92,6 +99,7 @@ class Controller:
         t_start = time.time()
         sinks: list[MetricSink] = []
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
+        remove_handler = self._on_sigterm()
         try:
             first_step = await self._restore() if self.resume else 0
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
@@ -114,8 +122,14 @@ class Controller:
                 t_prev = self._window_end
                 _log_row(sinks, row)
                 self.rows.append(row)
-                if self._save_due(step + 1):
-                    await self._save(step + 1)
+                if self._save_due(step + 1) or (self._stopping and self.steps.drained(step + 1)):
+                    path = await self._save(step + 1)
+                    if self._stopping:
+                        raise RunStopped(f"stopped by SIGTERM after step {step + 1} of "
+                                         f"{cfg.trainer.total_steps}; checkpoint {path}; resume with: "
+                                         f"asyncrl launch --resume {self.run_dir}")
+                    self.steps.ask_next(step + 1)
+                elif self._stopping:  # that step prefetched the next one's groups: train it too, then stop
                     self.steps.ask_next(step + 1)
                 if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
                     log.info(_progress_line(row, cfg.trainer.total_steps))
@@ -125,6 +139,7 @@ class Controller:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return self.rows
         finally:
+            remove_handler()
             self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
             close_sinks(sinks)
             if self._trace is not None:
@@ -148,7 +163,7 @@ class Controller:
         if eval_due:
             row.update(await self._guard(self.d.trainer.evaluate()))
         t_end = time.time()
-        if not self._save_due(version):  # (a checkpoint asks for the next step once it is written)
+        if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
@@ -170,7 +185,28 @@ class Controller:
         every = self.cfg.run.save_every
         return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
 
-    async def _save(self, version: int) -> None:
+    def _on_sigterm(self) -> Callable[[], None]:
+        """SIGTERM (preemption): the first finishes the step in progress, writes a checkpoint and stops the
+        run with RunStopped; a second cancels the run at once. Returns the function that uninstalls it (a
+        no-op where the loop cannot take signal handlers: not the main thread)."""
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def handle() -> None:
+            if self._stopping and task is not None:
+                log.warning("second SIGTERM: stopping now, without a checkpoint")
+                task.cancel()
+                return
+            self._stopping = True
+            log.warning("SIGTERM: finishing the step in progress, then a checkpoint and stop "
+                        "(send SIGTERM again to stop at once)")
+
+        try:
+            loop.add_signal_handler(signal.SIGTERM, handle)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return lambda: None
+        return lambda: loop.remove_signal_handler(signal.SIGTERM)
+
+    async def _save(self, version: int) -> str:
         """A durable checkpoint of version `version` (asyncrl/checkpoint.py), written by the trainer: its
         weights, optimizer and RNG, the buffer's state (groups accepted and not trained, the gate) and the
         Controller's totals. The pipeline drained first: nothing is half-trained or prefetched."""
@@ -182,6 +218,7 @@ class Controller:
             str(self.run_dir / CHECKPOINTS), step=version, config_text=self._config_text(), extra=extra,
             keep_last=self.cfg.run.keep_last))
         log.info("checkpoint of version %d: %s (%.1fs)", version, path, time.time() - t0)
+        return path
 
     async def _restore(self) -> int:
         """Load the newest valid checkpoint of RUN_DIR into the trainer and the buffer (before the

@@ -302,6 +302,7 @@ class StepPipeline:
         self.drain_after = drain_after
         self._arm = False  # every generator's receive may wait for the send (set by start())
         self._next: tuple[int, asyncio.Future] | None = None  # a train step asked for ahead of time
+        self._prefetching: dict[int, bool] = {}  # step -> whether it was asked to prefetch the next one
         self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
 
     async def start(self) -> None:
@@ -314,7 +315,14 @@ class StepPipeline:
         asked for already or the run ends before it."""
         if step < self.total_steps and self._next is None:
             prefetch = step + 1 < self.total_steps and not self.drain_after(step + 1)
+            self._prefetching = {step: prefetch}
             self._next = (step, asyncio.ensure_future(self.trainer.train_step(step, prefetch=prefetch)))
+
+    def drained(self, version: int) -> bool:
+        """Whether, with version `version` published, nothing of step `version` left the buffer and no step
+        is asked for: the trainer and the buffer then hold all that is not trained (a checkpoint may be
+        written). False when step `version - 1` prefetched (`drain_after` was off when it was asked)."""
+        return self._next is None and not self._prefetching.get(version - 1, False)
 
     async def step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
         """Run train step `step` through publish(step + 1); returns (train metrics, send statistics). Step

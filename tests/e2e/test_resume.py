@@ -105,3 +105,29 @@ def test_b_k1_two_generators_killed_and_resumed_train_every_group_once(tiny_conf
     trained = [tuple(g) for step in sorted(resumed) for g in resumed[step]]
     assert len(trained) == len(set(trained)) == 20 * 4  # every group once (prompts_per_step = 4)
     assert {g for gs in clean_ledger.values() for g in map(tuple, gs)} == set(trained)
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_from_it(tiny_config_file, tmp_path):
+    run_dir, args = _config(tiny_config_file, tmp_path, "preempted", "trainer.total_steps=400",
+                            "staleness.max_staleness=1")
+    proc = _launch(tiny_config_file, "--local", *args)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-2000:]
+    assert f"resume with: asyncrl launch --resume {run_dir}" in out
+    (ckpt,) = (run_dir / "checkpoints").glob("step_*")  # run.save_every is off: the one SIGTERM wrote
+    stopped_at = int(ckpt.name.removeprefix("step_"))
+    assert stopped_at < 400
+
+    _finish(_launch("--local", "--resume", str(run_dir), "--set", "trainer.total_steps=" + str(stopped_at + 3),
+                    "--set", "logging.live=false"))
+    ledger = _ledger(run_dir)
+    assert sorted(ledger) == list(range(1, stopped_at + 4))
+    trained = [tuple(g) for step in sorted(ledger) for g in ledger[step]]
+    assert len(trained) == len(set(trained)) == (stopped_at + 3) * 4
+    assert sorted(g[0] for g in trained) == list(range(len(trained)))  # no group skipped (none failed here)
