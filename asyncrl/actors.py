@@ -135,7 +135,7 @@ class RoleActor:
     def save_checkpoint(self, path: str) -> str:
         from engines.hf import load_tokenizer
 
-        return self.role.save_checkpoint(path, load_tokenizer(self.cfg.model.path))
+        return self.role.save_checkpoint(path, load_tokenizer(self.cfg.model.path), self.cfg.run.export_dtype)
 
 
 RemoteRoleActor = ray.remote(RoleActor)

@@ -272,6 +272,11 @@ class TrainerConfig(Section):
         _d("AdamW betas [b1, b2], each in [0, 1)", min_length=2, max_length=2),
     ] = msgspec.field(default_factory=lambda: [0.9, 0.999])
     grad_clip: Annotated[float, _d("max gradient norm; 0 disables clipping", ge=0)] = 1.0
+    max_skipped_steps: Annotated[
+        int,
+        _d("consecutive train steps whose every optimizer step was skipped for a non-finite gradient norm "
+           "before the run stops with an error; 0 = never stop", ge=0),
+    ] = 3
     eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 disables", ge=0)] = 10
     eval_prompts: Annotated[int, _d("number of held-out prompts per evaluation", ge=1)] = 64
 
@@ -340,6 +345,10 @@ class RunConfig(Section):
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
     save_checkpoint: Annotated[bool, _d("write the final weights as an HF folder into RUN_DIR/checkpoint")] = True
+    export_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _d("dtype of the final HF folder's weights; auto = the trainer's (the training weights are not changed)"),
+    ] = "auto"
     save_every: Annotated[
         int,
         _d("write a durable checkpoint (weights, optimizer, RNG, the buffer's accepted groups, the gate) into "

@@ -58,7 +58,7 @@ class LocalDeployment:
     async def save_checkpoint(self, path: str) -> None:
         from engines.hf import load_tokenizer
 
-        self.trainer_obj.save_checkpoint(path, load_tokenizer(self.cfg.model.path))
+        self.trainer_obj.save_checkpoint(path, load_tokenizer(self.cfg.model.path), self.cfg.run.export_dtype)
 
     async def shutdown(self) -> None:
         if self.channel is not None:

@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from asyncrl import checkpoint
@@ -116,13 +115,11 @@ class Trainer:
         checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
         return self.learner.version
 
-    def save_checkpoint(self, path: str, tokenizer: Any = None) -> str:
-        """Write an HF-loadable folder (config + safetensors [+ tokenizer])."""
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        self.learner.model.save_pretrained(out, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+    def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str = "auto") -> str:
+        """Write an HF-loadable folder (config + safetensors [+ tokenizer]) of the current weights, cast to
+        `dtype` (run.export_dtype; "auto" = as trained), with the critic and the Safe-RLHF multiplier."""
+        out = checkpoint.export_hf(self.learner.model, path, tokenizer=tokenizer,
+                                   dtype=None if dtype == "auto" else dtype)
         if self.learner.critic is not None:  # PPO's value model, beside the policy
             self.learner.critic.save(out / "critic")
         if self.learner.lagrange is not None:  # Safe-RLHF multiplier, to resume with

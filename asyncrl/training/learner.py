@@ -150,6 +150,7 @@ class Learner:
         self.reference = reference
         self.lagrange = lagrange
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.skipped_in_a_row = 0  # train steps whose every optimizer step was skipped (non-finite norms)
         self.optimizer = torch.optim.AdamW(
             self._params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]), weight_decay=trainer.weight_decay
         )
@@ -420,8 +421,30 @@ class Learner:
             data.metrics["safety/lambda_next"] = self.lagrange.update(float(data.costs.mean()))
         logger.debug("update: version %d -> %d, %d samples, %d optimizer steps",
                      self.version, self.version + 1, n, steps)
+        skipped = sum(not math.isfinite(x) for x in norms)
+        self._check_skips(skipped == steps)
+        self._check_finite()
         self.version += 1
-        return self._metrics(trajs, data, stats, cstats, norms, time.perf_counter() - t0)
+        metrics = self._metrics(trajs, data, stats, cstats, norms, time.perf_counter() - t0)
+        metrics["trainer/skipped_steps"] = float(skipped)
+        return metrics
+
+    def _check_skips(self, all_skipped: bool) -> None:
+        """Count train steps whose every optimizer step was skipped (non-finite gradients); stop the run
+        after `trainer.max_skipped_steps` of them in a row, rather than train nothing forever."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if all_skipped else 0
+        limit = self.trainer.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            raise RuntimeError(f"{self.skipped_in_a_row} train steps in a row had only non-finite gradient "
+                               f"norms (last at version {self.version}); lower trainer.lr, check the rewards, "
+                               "or raise trainer.max_skipped_steps")
+
+    def _check_finite(self) -> None:
+        """The weights about to be broadcast are finite (a NaN never reaches the generators)."""
+        for name, p in self.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise RuntimeError(f"parameter {name} is not finite after the update of version {self.version}; "
+                                   "the weights are not broadcast (lower trainer.lr or set trainer.grad_clip)")
 
     def _metrics(self, trajs: list[Trajectory], data: StepData, stats: GradientStats, cstats: CriticStats,
                  norms: list[float], step_s: float) -> dict[str, float]:

@@ -98,7 +98,9 @@ def test_b_k1_two_generators_killed_and_resumed_train_every_group_once(tiny_conf
     run_dir, args = _config(tiny_config_file, tmp_path, "killed", *sets, "run.save_every=3")
     proc = _launch(tiny_config_file, "--local", *args)
     _kill_after_checkpoint(proc, run_dir, 9)
-    _finish(_launch("--local", "--resume", str(run_dir), "--set", "logging.live=false"))
+    _finish(_launch("--local", "--resume", str(run_dir), "--set", "logging.live=false",
+                    "--set", 'run.export_dtype="bfloat16"'))
+    assert {t.dtype for t in _weights(run_dir).values()} == {torch.bfloat16}  # the final export's dtype
 
     clean_ledger, resumed = _ledger(clean_dir), _ledger(run_dir)
     assert sorted(resumed) == list(range(1, 21))

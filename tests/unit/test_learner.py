@@ -20,7 +20,8 @@ METRIC_KEYS = {
     "trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/entropy", "trainer/approx_kl",
     "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/ratio_mean", "trainer/ratio_max",
     "trainer/response_len", "trainer/truncation_rate", "trainer/reward_mean", "trainer/reward_std",
-    "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/optimizer_steps", "trainer/step_s",
+    "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/optimizer_steps", "trainer/skipped_steps",
+    "trainer/step_s",
     # the off-policy ratio distribution is logged every step, whatever the algorithm
     "offpolicy/is_ratio_mean", "offpolicy/is_ratio_max", "offpolicy/is_ratio_min", "offpolicy/share_clipped",
     "offpolicy/share_masked",
@@ -162,7 +163,7 @@ def test_update_reports_every_metric_finite_and_counts_optimizer_steps() -> None
     metrics = learner.update([Group(group_id=0, min_version=0, trajectories=trajs)])
     assert set(metrics) == METRIC_KEYS
     assert all(math.isfinite(v) for v in metrics.values())
-    assert metrics["trainer/optimizer_steps"] == 6
+    assert metrics["trainer/optimizer_steps"] == 6 and metrics["trainer/skipped_steps"] == 0
     assert metrics["trainer/samples"] == 8
     assert metrics["trainer/tokens"] == sum(sum(t.loss_mask) for t in trajs)
     assert metrics["trainer/truncation_rate"] == pytest.approx(2 / 8)
@@ -216,3 +217,36 @@ def test_state_dict_for_sync_holds_parameters_and_persistent_buffers_detached() 
     assert all(not t.requires_grad for t in sd.values())
     param = dict(learner.model.named_parameters())[names[0]]
     assert sd[names[0]].data_ptr() == param.data_ptr()  # a view, not a copy
+
+
+def test_steps_with_only_non_finite_gradients_are_counted_and_stop_the_run_after_max_skipped_steps() -> None:
+    learner = _learner(max_skipped_steps=2)
+    trajs, _ = _ragged_samples(learner)
+    group = Group(group_id=0, min_version=0, trajectories=trajs)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    real = learner.compute_gradients
+
+    def nan_gradients(*args, **kwargs):
+        real(*args, **kwargs)
+        for p in learner.model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+
+    learner.compute_gradients = nan_gradients
+    assert learner.update([group])["trainer/skipped_steps"] == 1  # counted, the weights untouched
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+    with pytest.raises(RuntimeError, match="2 train steps in a row had only non-finite gradient norms"):
+        learner.update([group])
+    learner.compute_gradients = real
+    learner.skipped_in_a_row = 0
+    assert learner.update([group])["trainer/skipped_steps"] == 0
+
+
+def test_weights_that_are_not_finite_are_never_broadcast() -> None:
+    learner = _learner()
+    trajs, _ = _ragged_samples(learner)
+    with torch.no_grad():
+        next(learner.model.parameters()).fill_(float("inf"))
+    with pytest.raises(RuntimeError, match="is not finite after the update"):
+        learner.update([Group(group_id=0, min_version=0, trajectories=trajs)])
+    assert learner.version == 0  # no new version to send
