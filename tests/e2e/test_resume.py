@@ -133,3 +133,19 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_from_
     trained = [tuple(g) for step in sorted(ledger) for g in ledger[step]]
     assert len(trained) == len(set(trained)) == (stopped_at + 3) * 4
     assert sorted(g[0] for g in trained) == list(range(len(trained)))  # no group skipped (none failed here)
+
+
+def test_a_run_on_ray_resumes_from_its_checkpoint_with_the_version_numbering_it_had(ray_cluster, make_config,
+                                                                                  tmp_path):
+    from asyncrl.launch import run_with_ray
+
+    run_dir = tmp_path / "ray"
+    sets = [f'run.output_dir="{run_dir}"', "trainer.eval_every=0", "run.save_every=2", "rollout.num_generators=2"]
+    run_with_ray(make_config(*sets, "trainer.total_steps=4"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    rows = run_with_ray(make_config(*sets, "trainer.total_steps=6"), resume=True)
+    assert [r["step"] for r in rows if "trainer/samples" in r] == [1, 2, 3, 4, 5, 6]  # earlier rows kept
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    trained = [tuple(g) for step, gs in sorted(_ledger(run_dir).items()) for g in gs]
+    assert len(trained) == len(set(trained)) == 6 * 4
