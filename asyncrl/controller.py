@@ -28,6 +28,7 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -39,7 +40,7 @@ from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
-from asyncrl.telemetry.metrics import RoleStats, WindowReducer
+from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
@@ -59,6 +60,9 @@ class Deployment(Protocol):
     async def setup_weight_sync(self) -> None: ...
     async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
+
+
+ROWS_KEPT = 1000  # metrics rows the Controller keeps in memory (Runtime.metrics); all are in metrics.jsonl
 
 
 class RoleFailed(RuntimeError):
@@ -88,7 +92,9 @@ class Controller:
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
                                   drain_after=lambda v: self._save_due(v) or self._stopping)
-        self.rows: list[dict[str, Any]] = []
+        # the newest rows only: every row is in metrics.jsonl, which the summary reads at the end (a run of
+        # hours must not grow the driver)
+        self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
 
     async def run(self) -> list[dict[str, Any]]:
         cfg, d = self.cfg, self.d
@@ -101,7 +107,7 @@ class Controller:
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         remove_handler = self._on_sigterm()
         try:
-            first_step = await self._restore() if self.resume else 0
+            first_step = await self._restore() if self.resume else self._fresh_run_dir()
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
@@ -133,11 +139,14 @@ class Controller:
                     self.steps.ask_next(step + 1)
                 if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
                     log.info(_progress_line(row, cfg.trainer.total_steps))
-            summary = self._summary(t_start)
+            close_sinks(sinks)  # flushed: the whole run is read back from metrics.jsonl
+            sinks = []
+            rows = _read_rows(self.run_dir / "metrics.jsonl")
+            summary = self._summary(t_start, rows)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.run.save_checkpoint:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
-            return self.rows
+            return rows
         finally:
             remove_handler()
             self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
@@ -220,6 +229,16 @@ class Controller:
         log.info("checkpoint of version %d: %s (%.1fs)", version, path, time.time() - t0)
         return path
 
+    def _fresh_run_dir(self) -> int:
+        """A new run (no --resume) in RUN_DIR: its rows replace an earlier run's; an earlier run's
+        checkpoints are refused, not mixed with this run's (a later --resume would load the wrong one)."""
+        if latest_valid(self.run_dir / CHECKPOINTS) is not None:
+            raise RuntimeError(f"{self.run_dir / CHECKPOINTS} holds an earlier run's checkpoints: continue it with "
+                               f"asyncrl launch --resume {self.run_dir}, or choose another run.output_dir")
+        for name in ("metrics.jsonl", "ledger.jsonl"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        return 0
+
     async def _restore(self) -> int:
         """Load the newest valid checkpoint of RUN_DIR into the trainer and the buffer (before the
         generators start); truncate metrics.jsonl to its step. Returns the step to continue from."""
@@ -235,7 +254,7 @@ class Controller:
         await self._guard(self.d.trainer.load_state(str(found)))
         await self._guard(self.d.buffer.restore(msgspec.convert(extra["buffer"], BufferState)))
         self._reducer = WindowReducer(extra["controller"]["totals"])
-        self.rows = _truncate_rows(self.run_dir / "metrics.jsonl", step)
+        self.rows.extend(_truncate_rows(self.run_dir / "metrics.jsonl", step))
         _truncate_rows(self.run_dir / "ledger.jsonl", step)
         log.info("resuming from %s: version %d", found, step)
         return step
@@ -259,6 +278,7 @@ class Controller:
         self._spans = [s for s in [*self._spans, *new_spans] if s.end >= t0 - 60.0]
         out.update(busy_shares(self._spans, (t0, t1)))
         out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
+        out["controller/rss_mb"] = rss_mb()  # the driver's own: a long run must not grow here either
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
@@ -300,9 +320,9 @@ class Controller:
                 if not f.cancelled() and f.exception() is not None:
                     log.debug("role loop ended with %r", f.exception())
 
-    def _summary(self, t_start: float) -> dict[str, Any]:
+    def _summary(self, t_start: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"wall_s": time.time() - t_start}
-        out.update(summarize_rows(self.rows))
+        out.update(summarize_rows(rows))
         out["setting"] = {"num_generators": self.cfg.rollout.num_generators,
                           "max_staleness": self.cfg.staleness.max_staleness,
                           "prompts_per_step": self.cfg.trainer.prompts_per_step,
@@ -310,6 +330,13 @@ class Controller:
                           "concurrency": self.cfg.rollout.concurrency,
                           "torch_threads": self.cfg.cluster.torch_threads}
         return out
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of metrics.jsonl (NaN and inf were written as null)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _truncate_rows(path: Path, step: int) -> list[dict[str, Any]]:

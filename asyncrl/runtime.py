@@ -225,8 +225,8 @@ class Runtime:
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The metrics rows written so far (one per train step, as in metrics.jsonl)."""
-        return self.controller.rows
+        """The newest metrics rows (one per train step, up to the last 1000; all are in metrics.jsonl)."""
+        return list(self.controller.rows)
 
     def _published(self, version: int) -> None:
         self._version = max(self._version, version)

@@ -34,7 +34,7 @@ import logging
 import msgspec
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.telemetry.metrics import Last, Mean, RoleStats, Sum, Total, Window
+from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.gate import AdmissionGate, GateState
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 
@@ -249,6 +249,7 @@ class ReplayBuffer:
         metrics["buffer/running"] = Last(gate["running"])
         metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
         metrics["buffer/train_depth"] = Last(float(len(self._train)))
+        metrics["buffer/rss_mb"] = Max(rss_mb())
         if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
             metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)
             metrics["dapo/groups_filtered_total"] = Total(metrics["buffer/filtered"].value)

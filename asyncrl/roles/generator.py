@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
-from asyncrl.telemetry.metrics import Rate, RoleStats, Share, Sum, Total, Window
+from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.weights.base import STAT_SECONDS, WeightReceiver
 from engines.base import CollectiveWeightEngine, RolloutEngine
@@ -312,4 +312,5 @@ class Generator:
             "generation/stall_s": Sum(stall),
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window
+            "generator/rss_mb": Max(rss_mb()),
         }, spans=self.recorder.drain())

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.loader import call_reward_async, call_rewards_async
-from asyncrl.telemetry.metrics import Rate, RoleStats, Total, Window
+from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
@@ -199,4 +199,5 @@ class Scorer:
         return RoleStats(metrics={
             "scorer/samples_per_s": Rate(take("scored", self.counts["scored"])),
             "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
+            "scorer/rss_mb": Max(rss_mb()),
         }, spans=self.recorder.drain())

@@ -21,7 +21,7 @@ from typing import Any
 from asyncrl import checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.roles.evaluator import Evaluator
-from asyncrl.telemetry.metrics import RoleStats, staleness_stats, token_staleness_stats
+from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.learner import Learner
 from asyncrl.weights.base import WeightSender
@@ -129,5 +129,5 @@ class Trainer:
     def stats(self) -> RoleStats:
         """The trainer's spans since its previous `stats()` call (its per-step metrics come with each
         `train_step`)."""
-        return RoleStats(spans=self.recorder.drain())
+        return RoleStats(metrics={"trainer/rss_mb": Max(rss_mb())}, spans=self.recorder.drain())
 

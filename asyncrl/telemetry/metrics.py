@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -150,6 +151,17 @@ class RoleStats(msgspec.Struct, kw_only=True):
         """Each metric's value as this one report carries it (unreduced: a `Total` is the window's
         increment, a `Rate` the window's amount)."""
         return {key: metric.value for key, metric in self.metrics.items()}
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB (/proc/self/statm; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class Window:

@@ -179,19 +179,25 @@ def test_scorer_assembles_a_group_whose_members_arrive_in_separate_batches():
     assert scorer.assembler.pending() == 0
 
 
+def _counts(stats: Any) -> dict[str, float]:
+    """A report's values without the memory gauge."""
+    return {k: v for k, v in stats.values().items() if not k.endswith("/rss_mb")}
+
+
 def test_scorer_stats_report_the_window_since_the_previous_read():
     buffer = FakeBuffer()
     scorer = make_scorer(buffer, by_text)
     run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "boom")]))
     first = scorer.stats()
-    assert first.values() == {"scorer/samples_per_s": 2, "scorer/reward_errors": 1}
+    assert first.values().pop("scorer/rss_mb") > 0  # the process's resident memory, a gauge
+    assert _counts(first) == {"scorer/samples_per_s": 2, "scorer/reward_errors": 1}
     assert isinstance(first.metrics["scorer/samples_per_s"], Rate)  # the Controller divides by the window
     assert isinstance(first.metrics["scorer/reward_errors"], Total)  # ... and adds the windows up
     assert "score" in {sp.kind for sp in first.spans}
     again = scorer.stats()  # read resets: nothing scored since
-    assert again.values() == {"scorer/samples_per_s": 0, "scorer/reward_errors": 0} and again.spans == []
+    assert _counts(again) == {"scorer/samples_per_s": 0, "scorer/reward_errors": 0} and again.spans == []
     run(scorer.score_batch([traj(1, 0, "a"), traj(1, 1, "b")]))
-    assert scorer.stats().values() == {"scorer/samples_per_s": 2, "scorer/reward_errors": 0}
+    assert _counts(scorer.stats()) == {"scorer/samples_per_s": 2, "scorer/reward_errors": 0}
     scorer.stop()
 
 

@@ -1,0 +1,124 @@
+"""Soak benchmark: a long run of the tiny learning example must not grow.
+
+    python benchmarks/soak.py                   # Ray, 2000 train steps of a tiny model: a few minutes
+    python benchmarks/soak.py --steps 300       # shorter
+    python benchmarks/soak.py --local           # every role in this process
+
+Generation is much faster than training here (a 2-layer model, 2 new tokens, staleness 4), so queues stay
+full and every per-step leftover (rows, spans, store keys, reward threads) would show. Each role reports
+its resident memory every step (`<role>/rss_mb`, `buffer/rss_mb`, and the driver's `controller/rss_mb`).
+After the first `--warmup` share of the steps, the slope of a least-squares line through
+each series is printed in MiB per 1000 steps. The JSON line's value is the largest slope over the roles
+and the driver; the target is below 1 MiB per 1000 steps (the baseline is a flat series, 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = """
+[model]
+path = "{model_dir}"
+[model.build_tiny]
+hidden_size = 32
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+intermediate_size = 64
+vocab = "0123456789+="
+
+[data]
+source = "asyncrl.tasks.digits:first_digit"
+max_prompt_len = 16
+
+[rollout]
+num_generators = 1
+concurrency = 8
+group_size = 4
+max_new_tokens = 2
+
+[reward]
+fn = "prefix_match"
+
+[trainer]
+total_steps = {steps}
+prompts_per_step = 4
+micro_batch_size = 16
+lr = 1e-2
+eval_every = 0
+
+[staleness]
+max_staleness = 4
+
+[logging]
+live = false
+trace = false
+
+[cluster]
+num_cpus = 2
+torch_threads = 1
+
+[run]
+output_dir = "{run_dir}"
+log_every = {log_every}
+save_checkpoint = false
+"""
+
+KEYS = ("generator/rss_mb", "scorer/rss_mb", "trainer/rss_mb", "buffer/rss_mb", "controller/rss_mb")
+
+
+def slope_per_1000(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs, times 1000."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--warmup", type=float, default=0.25, help="share of the steps left out of the slopes")
+    ap.add_argument("--local", action="store_true", help="in-process deployment instead of Ray")
+    ap.add_argument("--target", type=float, default=1.0, help="MiB per 1000 steps")
+    args = ap.parse_args(argv)
+
+    from asyncrl.config import load_config
+    from asyncrl.launch import run_local, run_with_ray
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = Path(tmp) / "soak.toml"
+        cfg_path.write_text(CONFIG.format(model_dir=Path(tmp) / "model", run_dir=Path(tmp) / "run",
+                                          steps=args.steps, log_every=max(1, args.steps // 10)))
+        cfg = load_config(cfg_path)
+        t0 = time.time()
+        rows = (run_local if args.local else run_with_ray)(cfg)
+        wall = time.time() - t0
+
+    rows = [r for r in rows if "trainer/samples" in r]
+    start = int(len(rows) * args.warmup)
+    steady = rows[start:]
+    slopes: dict[str, float] = {}
+    print(f"{len(rows)} steps in {wall:.0f} s; slopes after the first {start} steps, MiB per 1000 steps:")
+    for key in KEYS:
+        pts = [(r["step"], r[key]) for r in steady if r.get(key) is not None]
+        if len(pts) > 2:
+            slopes[key] = slope_per_1000([p[0] for p in pts], [p[1] for p in pts])
+            print(f"  {key:18s} {pts[0][1]:8.1f} -> {pts[-1][1]:8.1f} MiB   slope {slopes[key]:+.3f}")
+    worst = max(slopes.values(), default=float("nan"))
+    result = {"benchmark": "soak", "value": round(worst, 4), "unit": "MiB per 1000 steps (largest slope)",
+              "baseline": 0.0, "ratio": round(worst / args.target, 4), "target": args.target}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
