@@ -107,9 +107,10 @@ class RoleActor:
 
     def open_weight_store(self, world_size: int) -> tuple[str, int]:
         """Trainer only: start the TCPStore master; return (host, port) for the other members."""
-        self._store, port = create_store(world_size, self.cfg.weight_sync.timeout_s)
-        # A local cluster keeps everything on loopback; on a multi-node cluster peers need our node IP.
+        # A local cluster keeps everything on loopback; on a multi-node cluster peers need our node IP. The
+        # store listens on that address only.
         host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
+        self._store, port = create_store(world_size, self.cfg.weight_sync.timeout_s, host)
         return host, port
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,

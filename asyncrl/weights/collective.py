@@ -36,6 +36,7 @@ it and form a new one (with a fresh `group_name`).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import zlib
@@ -79,21 +80,32 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def create_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Start the rendezvous store (master side) on 127.0.0.1, port chosen by the OS.
+def create_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> tuple[dist.TCPStore, int]:
+    """Start the rendezvous store (master side) listening on `host` only, port chosen by the OS.
 
-    Returns (store, port). Keep the store object alive as long as the group lives: the store dies with
-    it. `wait_for_workers=False` so creating the store never blocks.
+    torch's TCPStore master listens on every interface whatever host it is given, so the listening socket is
+    made here, bound to `host` (loopback for a local run; the node's address when peers are on other
+    nodes), and handed to the store. Returns (store, port). Keep the store object alive as long as the
+    group lives: the store dies with it. `wait_for_workers=False` so creating the store never blocks.
     """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
     store = dist.TCPStore(
-        "127.0.0.1",
-        0,
+        host,
+        port,
         world_size,
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),  # the store owns the socket from here on
     )
-    return store, store.port
+    return store, port
 
 
 def join_group(

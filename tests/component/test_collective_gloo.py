@@ -257,3 +257,22 @@ def test_nccl_two_ranks_receive_bit_identical_weights():
     finally:
         for g in groups:
             g.close()
+
+
+def test_the_weight_store_listens_on_the_given_address_only():
+    import socket
+
+    from asyncrl.weights.collective import create_store
+
+    store, port = create_store(2, timeout_s=5.0)  # loopback by default
+    try:
+        with open("/proc/net/tcp") as f:  # local address column: hex IP:port, state 0A = LISTEN
+            listening = [line.split()[1] for line in f.read().splitlines()[1:] if line.split()[3] == "0A"]
+        assert f"0100007F:{port:04X}" in listening  # 127.0.0.1
+        assert f"00000000:{port:04X}" not in listening  # not every interface
+        other = socket.gethostbyname(socket.gethostname())
+        if not other.startswith("127."):
+            with pytest.raises(OSError):
+                socket.create_connection((other, port), timeout=1).close()
+    finally:
+        del store
