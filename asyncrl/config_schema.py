@@ -271,7 +271,11 @@ class TrainerConfig(Section):
 
 
 class BufferConfig(Section):
-    rollout_capacity: Annotated[int, _d("trajectories the rollout queue holds; >= one step's samples", ge=1)] = 1024
+    rollout_capacity: Annotated[
+        int,
+        _d("trajectories the rollout queue holds (it queues and hands out whole groups); >= one step's samples",
+           ge=1),
+    ] = 1024
     train_capacity: Annotated[int, _d("groups the train store holds; >= prompts_per_step", ge=1)] = 256
 
 

@@ -8,6 +8,13 @@ Place in the dataflow (the runtime hosts one buffer inside one async actor; ever
 | Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
 | Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
 
+Whole groups. The rollout queue's unit is a group: `put_rollouts` takes whole groups only (a generator puts
+a group's trajectories together) and queues each at once, when all of it fits; `get_rollouts` hands out
+whole groups only. Each scorer assembles the groups it scores on its own, so a group split between two
+scorers would complete in neither, and the trainer would wait for it forever. The queue's capacity is
+still counted in trajectories (`buffer.rollout_capacity`); a group larger than all of it goes into an
+empty queue alone.
+
 The train store is keyed by group id because the gate, not arrival order, decides training order
 (admission order): groups scored out of order wait here until the groups before them are in.
 
@@ -72,7 +79,8 @@ class ReplayBuffer:
             )
             train_capacity = needed
         self.gate = AdmissionGate(prompts_per_step=prompts_per_step, max_staleness=max_staleness)
-        self.rollouts: BoundedQueue[Trajectory] = BoundedQueue(rollout_capacity, name="rollout queue")
+        # one item per group, sized by its trajectories: buffer.rollout_capacity counts trajectories
+        self.rollouts: BoundedQueue[list[Trajectory]] = BoundedQueue(rollout_capacity, name="rollout queue", size=len)
         self.train_capacity = train_capacity
         self._train: dict[int, Group] = {}
         self._train_room = Signal()
@@ -88,8 +96,14 @@ class ReplayBuffer:
         return await self.gate.admit(max_groups, version, timeout)
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        """Queue whole groups for scoring: `trajs` is one group's trajectories after another's (each group's
+        `group_size` of them, one group_id). Each group goes in at once, when all of it fits. ValueError
+        (nothing queued) when a group is not whole; QueueClosed once the buffer is closed."""
+        if self._closed:
+            raise QueueClosed("replay buffer is closed")
+        groups = whole_groups(trajs)
         self._count_env(trajs)
-        await self.rollouts.put_many(trajs)
+        await self.rollouts.put_many(groups)
 
     def _count_env(self, trajs: list[Trajectory]) -> None:
         """Env episodes pass here on their way to scoring: count them (and their env faults) for metrics."""
@@ -139,7 +153,9 @@ class ReplayBuffer:
 
     # -- scorers ------------------------------------------------------------------------------
     async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
-        return await self.rollouts.get_many(max_items, timeout)
+        """Whole groups, oldest first, at most `max_items` trajectories (but always the oldest group, however
+        large); [] on timeout, or once the buffer is closed and the queue drained."""
+        return [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
 
     async def accept_groups(self, groups: list[Group]) -> None:
         """Store scored groups for training and accept them at the gate, in the given order.
@@ -235,3 +251,20 @@ class ReplayBuffer:
                 "env/turns_mean": Mean(window["turns"] / episodes if episodes else 0.0, weight=episodes),
                 "env/episodes_total": Total(episodes), "env/errors_total": Total(window["errors"]),
                 "env/truncated_total": Total(window["truncated"])}
+
+
+def whole_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+    """Split a batch into its groups: `group_size` consecutive trajectories of one group_id each. Raises
+    ValueError (one line) for a batch that does not consist of whole groups."""
+    groups: list[list[Trajectory]] = []
+    i = 0
+    while i < len(trajs):
+        first = trajs[i]
+        members = trajs[i : i + max(first.group_size, 1)]
+        if first.group_size < 1 or len(members) < first.group_size or any(
+                t.group_id != first.group_id or t.group_size != first.group_size for t in members):
+            raise ValueError(f"put_rollouts: group {first.group_id} (group_size {first.group_size}) does not come "
+                             f"whole; put whole groups only, one group's trajectories after another's")
+        groups.append(members)
+        i += len(members)
+    return groups

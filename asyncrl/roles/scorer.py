@@ -1,5 +1,5 @@
-"""Scorer role: takes trajectories off the rollout queue, computes rewards, assembles complete groups and
-hands them to training — or returns their admission slots when they are filtered or failed.
+"""Scorer role: takes whole groups off the rollout queue, computes rewards, assembles the groups and hands
+them to training — or returns their admission slots when they are filtered or failed.
 
 Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train store ──► Trainer.
 A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 class ScoreSink(Protocol):
     """The part of the ReplayBuffer a scorer talks to."""
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]: ...
+    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+        """Whole groups only, up to `max_items` trajectories (always at least the oldest group)."""
+        ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
 
@@ -66,7 +68,7 @@ class Scorer:
         self.decode = decode
         self.timeout_s = timeout_s
         self.filter_zero_variance = filter_zero_variance
-        self.batch = batch
+        self.batch = batch  # trajectories per get_rollouts: whole groups, at least one
         self.cost_fn = cost_fn
         self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")

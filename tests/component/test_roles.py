@@ -195,6 +195,31 @@ def test_scorer_stats_report_the_window_since_the_previous_read():
     scorer.stop()
 
 
+def test_two_scorers_complete_every_group_of_a_backed_up_queue_when_group_size_does_not_divide_their_batch():
+    # 60 groups of 6 wait in the rollout queue; each scorer takes up to 256 trajectories (not a multiple of 6).
+    # A group split between the two would complete in neither, and the trainer would wait for it forever.
+    from buffers.replay import ReplayBuffer
+
+    p, size = 30, 6
+
+    async def main() -> list[int]:
+        buffer = ReplayBuffer(prompts_per_step=p, group_size=size, max_staleness=1, rollout_capacity=2 * p * size,
+                              train_capacity=2 * p)
+        ids = await buffer.admit(2 * p, 0)
+        await buffer.put_rollouts([traj(g, j, "ab"[j % 2], group_size=size) for g in ids for j in range(size)])
+        scorers = [Scorer(scorer_id=i, buffer=buffer, reward_fn=by_text, decode=decode) for i in range(2)]
+        loops = [asyncio.create_task(s.run()) for s in scorers]
+        try:
+            taken = [g.group_id for step in range(2) for g in await buffer.take_step(step, timeout=5.0)]
+        finally:
+            for s in scorers:
+                s.stop()
+            await asyncio.gather(*loops)
+        return taken
+
+    assert run(main(), timeout=15.0) == list(range(2 * p))
+
+
 # -- Generator -------------------------------------------------------------------------------------
 class FakeEngine:
     """A RolloutEngine that answers each prompt with n one-token completions stamped with its version."""
