@@ -338,6 +338,17 @@ class RunConfig(Section):
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
     save_checkpoint: Annotated[bool, _d("write a checkpoint into the run directory")] = True
+    max_failed_groups_in_a_row: Annotated[
+        int,
+        _d("end the run with one error quoting the last reasons once this many groups in a row failed or were "
+           "filtered and none was trained on (a reward that always raises, rows without reward.answer_key, ...); "
+           "0 = never", ge=0),
+    ] = 200
+    no_progress_timeout_s: Annotated[
+        float,
+        _d("end the run with one error once no group was accepted for training and no step taken for this many "
+           "seconds; 0 = never", ge=0),
+    ] = 0.0
 
 
 class LoggingConfig(Section):

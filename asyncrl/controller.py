@@ -39,6 +39,7 @@ from asyncrl.telemetry.metrics import RoleStats, WindowReducer
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
+from asyncrl.watchdog import RunStalled, RunWatch
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class Controller:
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
         self._loops: list[asyncio.Future] = []
+        # ends a run that cannot progress (every group failing) with one error (asyncrl/watchdog.py)
+        self.watch = RunWatch(buffer=deployment.buffer, max_failed_in_a_row=cfg.run.max_failed_groups_in_a_row,
+                              no_progress_timeout_s=cfg.run.no_progress_timeout_s)
+        self._watching: asyncio.Future | None = None
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
@@ -92,6 +97,7 @@ class Controller:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            self._watching = asyncio.ensure_future(self.watch.run())
             if cfg.trainer.eval_every > 0:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
@@ -112,6 +118,8 @@ class Controller:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return self.rows
         finally:
+            if self._watching is not None:
+                discard(self._watching)
             self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
             close_sinks(sinks)
             if self._trace is not None:
@@ -161,10 +169,12 @@ class Controller:
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile, or the
+        watch found that the run cannot progress (RunStalled)."""
         fut = asyncio.ensure_future(aw)
+        watching = [self._watching] if self._watching is not None else []
         try:
-            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([fut, *self._loops, *watching], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
             discard(fut)
             raise
@@ -172,6 +182,8 @@ class Controller:
             fut.cancel()
             dead = next(iter(done))
             exc = dead.exception() if not dead.cancelled() else None
+            if isinstance(exc, RunStalled):  # the watch's verdict, already one line
+                raise RunStalled(str(exc)) from None
             raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
         try:
             return fut.result()

@@ -41,6 +41,7 @@ import logging
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, Mean, RoleStats, Sum, Total, Window
 from buffers.gate import AdmissionGate
+from buffers.progress import Progress, ProgressTracker
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class ReplayBuffer:
         self.report_filtered = report_filtered  # DAPO dynamic sampling: filtered groups are refilled, report them
         self._window = Window()  # what stats() reported so far: its next report is the increment
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
+        self.tracker = ProgressTracker()  # released groups in a row and why (the Controller's watch reads it)
 
     # -- generators ----------------------------------------------------------------------------
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
@@ -176,6 +178,7 @@ class ReplayBuffer:
             # No await between these two lines: take_step sees a group accepted iff it is stored.
             self.gate.accept(group.group_id)
             self._train[group.group_id] = group
+            self.tracker.accepted(1)
 
     def _check_acceptable(self, group: Group) -> None:
         gid = group.group_id
@@ -188,13 +191,21 @@ class ReplayBuffer:
                 f"version {admitted_at}; a generator must admit with its engine's own version"
             )
 
-    async def release_groups(self, group_ids: list[int], reason: str) -> None:
-        """Give back the slots of running groups that will not be trained ("filtered" / "failed")."""
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """Give back the slots of running groups that will not be trained ("filtered" / "failed"); `detail`
+        says why in a few words (the reward's error, "rewards all 0"), for the error of a run in which every
+        group fails (`progress`)."""
         for gid in group_ids:  # validate all first, so a bad id releases nothing
             if not self.gate.is_running(gid):
                 raise ValueError(f"release_groups: group {gid} is not running (unknown, accepted or released)")
         for gid in group_ids:
             self.gate.release(gid, reason)
+        self.tracker.released(len(group_ids), reason, detail)
+
+    async def progress(self) -> Progress:
+        """Groups released in a row since the last accepted one, their last distinct reasons, and the
+        seconds since a group was accepted or a step taken (buffers/progress.py)."""
+        return self.tracker.report()
 
     # -- trainer ------------------------------------------------------------------------------
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
@@ -203,6 +214,7 @@ class ReplayBuffer:
         groups = [self._train.pop(gid) for gid in ids]
         if groups:
             self._train_room.notify_all()
+            self.tracker.stepped()
         return groups
 
     async def note_held(self, version: int) -> None:

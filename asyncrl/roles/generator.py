@@ -37,7 +37,9 @@ class GroupSource(Protocol):
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         """Whole groups only: each group's trajectories together, one group after another."""
         ...
-    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
+        ...
     async def note_held(self, version: int) -> None:
         """This generator holds `version` now: its admit waiting at an older version returns early."""
         ...
@@ -203,7 +205,7 @@ class Generator:
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: episodes of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            await self._release_failed(group_ids)
+            await self._release_failed(group_ids, f"env episodes: {type(exc).__name__}: {exc}")
             return
         trajs = [t for group in groups for t in group]
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
@@ -222,7 +224,7 @@ class Generator:
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            await self._release_failed(group_ids)
+            await self._release_failed(group_ids, f"generation: {type(exc).__name__}: {exc}")
             return
         trajs: list[Trajectory] = []
         for gid, row, row_json, group, base in zip(group_ids, rows, row_jsons, completions, baselines):
@@ -246,11 +248,11 @@ class Generator:
             return
         self.recorder.record("wait_queue", t0, time.time(), version)
 
-    async def _release_failed(self, group_ids: list[int]) -> None:
-        """Return the slots of failed groups (the buffer counts them: `buffer/failed`); after stop() a closing buffer
-        may refuse, which no longer matters."""
+    async def _release_failed(self, group_ids: list[int], why: str) -> None:
+        """Return the slots of failed groups (the buffer counts them: `buffer/failed`, and keeps `why`); after stop()
+        a closing buffer may refuse, which no longer matters."""
         try:
-            await self.buffer.release_groups(group_ids, "failed")
+            await self.buffer.release_groups(group_ids, "failed", why)
         except Exception:
             if not self._stopped.is_set():
                 raise

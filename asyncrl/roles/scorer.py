@@ -44,7 +44,9 @@ class ScoreSink(Protocol):
         """Whole groups only, up to `max_items` trajectories (always at least the oldest group)."""
         ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
-    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
+        ...
 
 
 class Scorer:
@@ -102,19 +104,21 @@ class Scorer:
             if g.trajectories[0].baseline_response_ids and all(t.finish_reason != "error" for t in g.trajectories):
                 await self._score_baseline(g)
         self.recorder.record("score", t0, time.time())
-        accepted, filtered, failed = [], [], []
+        accepted: list[Group] = []
+        released: dict[tuple[str, str], list[int]] = {}  # (kind, why) -> group ids
         for g in done:
-            if any(t.finish_reason == "error" for t in g.trajectories):
-                failed.append(g.group_id)
+            errors = [t.error or "a sample ended with finish_reason 'error'" for t in g.trajectories
+                      if t.finish_reason == "error"]
+            if errors:
+                released.setdefault(("failed", errors[0]), []).append(g.group_id)
             elif self.filter_zero_variance and len({t.reward for t in g.trajectories}) == 1:
-                filtered.append(g.group_id)
+                why = f"zero reward variance: every reward of the group is {g.trajectories[0].reward:g}"
+                released.setdefault(("filtered", why), []).append(g.group_id)
             else:
                 accepted.append(g)
         t0 = time.time()
-        if failed:
-            await self.buffer.release_groups(failed, "failed")
-        if filtered:
-            await self.buffer.release_groups(filtered, "filtered")
+        for (kind, why), ids in sorted(released.items()):  # failed before filtered
+            await self.buffer.release_groups(ids, kind, why)
         if accepted:
             await self.buffer.accept_groups(accepted)
         self.recorder.record("wait_queue", t0, time.time())

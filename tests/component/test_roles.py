@@ -33,6 +33,7 @@ class FakeBuffer:
         self.batches = list(batches or [])
         self.accepted: list[Group] = []
         self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
+        self.details: list[str] = []  # why, per release_groups call
         self.admits: list[tuple[int, int]] = []  # (max_groups, version) per call
         self.rollouts: list[Trajectory] = []
         self._next_id = 0
@@ -60,8 +61,9 @@ class FakeBuffer:
     async def accept_groups(self, groups: list[Group]) -> None:
         self.accepted.extend(groups)
 
-    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         self.released[reason].extend(group_ids)
+        self.details.append(detail)
 
     async def note_held(self, version: int) -> None:
         self.held = version
@@ -109,6 +111,16 @@ def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others(
     assert scorer.counts["reward_errors"] == 1 and scorer.counts["scored"] == 6
     failed = batch[3]
     assert failed.finish_reason == "error" and "RuntimeError: user reward bug" in failed.error
+    scorer.stop()
+
+
+def test_scorer_says_why_it_released_each_group():
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text, filter_zero_variance=True)
+    run(scorer.score_batch([traj(0, 0, "boom"), traj(0, 1, "a"), traj(1, 0, "b"), traj(1, 1, "b")]))
+    assert buffer.released == {"failed": [0], "filtered": [1]}
+    assert buffer.details == ["reward: RuntimeError: user reward bug",
+                              "zero reward variance: every reward of the group is 0"]
     scorer.stop()
 
 

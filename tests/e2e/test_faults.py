@@ -65,6 +65,47 @@ def test_raising_reward_is_contained_and_every_admitted_group_is_accounted_for(m
                                           + row["buffer/running"] + stored), row
 
 
+# -- every group fails: the run ends with one error naming the reasons, instead of refilling forever --------
+NO_PROGRESS_MOD = '''
+from asyncrl.tasks.digits import first_digit
+
+
+def raising_reward(prompt, completion, **row):
+    raise RuntimeError("reward service is down")
+
+
+def rows_with_a_set(split="train", seed=0):
+    """first_digit rows, each with a field JSON cannot encode (a set)."""
+    return [{**row, "tags": {"digits"}} for row in first_digit(split, seed)]
+'''
+
+
+@pytest.mark.timeout(120)  # before the watch: a livelock, and the test hangs until here
+@pytest.mark.parametrize("cause, overrides, reason", [
+    ("raising_reward", ['reward.fn="no_progress_mod:raising_reward"'], "RuntimeError: reward service is down"),
+    ("rows_without_answer_key", ['reward.answer_key="solution"'], "the row has no field 'solution'"),
+    ("row_not_json", ['data.source="no_progress_mod:rows_with_a_set"'], "not JSON serializable"),
+])
+def test_a_run_whose_every_group_fails_ends_with_one_error_naming_the_reason(make_config, tmp_path, monkeypatch,
+                                                                             cause, overrides, reason):
+    from asyncrl.launch import run_local
+    from asyncrl.watchdog import RunStalled
+
+    (tmp_path / "no_progress_mod.py").write_text(NO_PROGRESS_MOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = tmp_path / cause
+    cfg = make_config(*overrides, "run.max_failed_groups_in_a_row=12", "trainer.eval_every=0",
+                      "run.save_checkpoint=false", f'run.output_dir="{run_dir}"')
+    with pytest.raises(RunStalled) as info:
+        run_local(cfg)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "groups all failed or were filtered" in message and "run.max_failed_groups_in_a_row = 12" in message
+    assert reason in message, message
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or read_metrics(metrics) == []  # no step was ever trained
+
+
 # -- Ray ----------------------------------------------------------------------------------------------
 def _alive_role_actors() -> set[str]:
     """Ids of ALIVE RoleActor actors in the cluster (GCS table; the dashboard's state API is off here)."""

@@ -81,7 +81,7 @@ class _Buffer:
     async def accept_groups(self, groups):
         self.accepted = groups
 
-    async def release_groups(self, group_ids, reason):
+    async def release_groups(self, group_ids, reason, detail=""):
         pass
 
 
