@@ -349,6 +349,12 @@ class RunConfig(Section):
         _d("end the run with one error once no group was accepted for training and no step taken for this many "
            "seconds; 0 = never", ge=0),
     ] = 0.0
+    role_timeout_s: Annotated[
+        float,
+        _d("a role whose event loop does not run for this long (a synchronous call in an env step, a reward "
+           "function holding the interpreter lock), or whose process does not answer, ends the run with one error "
+           "naming it, where it is blocked and what it began last", gt=0),
+    ] = 60.0
 
 
 class LoggingConfig(Section):

@@ -17,6 +17,9 @@ statistics of step s's window are gathered and one metrics row is written. Gener
 their own loops the whole time, so generation of later versions overlaps training up to the staleness
 bound.
 
+A watch (asyncrl/watchdog.py) runs beside the loops: a run whose every group fails, or a role whose event
+loop is blocked, ends with one `RunStalled` line instead of a livelock or a hang.
+
 The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
 or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
 """
@@ -39,7 +42,7 @@ from asyncrl.telemetry.metrics import RoleStats, WindowReducer
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
-from asyncrl.watchdog import RunStalled, RunWatch
+from asyncrl.watchdog import Probe, RunStalled, RunWatch
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ class Deployment(Protocol):
     async def setup_weight_sync(self) -> None: ...
     async def save_checkpoint(self, path: str) -> None: ...
     async def shutdown(self) -> None: ...
+    def probes(self) -> dict[str, Probe]:
+        """One heartbeat probe per process hosting roles, by a name for it (asyncrl/watchdog.py); called once
+        the event loop runs."""
+        ...
 
 
 class RoleFailed(RuntimeError):
@@ -69,9 +76,10 @@ class Controller:
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
         self._loops: list[asyncio.Future] = []
-        # ends a run that cannot progress (every group failing) with one error (asyncrl/watchdog.py)
+        # ends a run that cannot progress (every group failing, a role's loop blocked) with one error
         self.watch = RunWatch(buffer=deployment.buffer, max_failed_in_a_row=cfg.run.max_failed_groups_in_a_row,
-                              no_progress_timeout_s=cfg.run.no_progress_timeout_s)
+                              no_progress_timeout_s=cfg.run.no_progress_timeout_s,
+                              role_timeout_s=cfg.run.role_timeout_s)
         self._watching: asyncio.Future | None = None
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
@@ -97,6 +105,7 @@ class Controller:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            self.watch.probes = d.probes()
             self._watching = asyncio.ensure_future(self.watch.run())
             if cfg.trainer.eval_every > 0:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
@@ -194,11 +203,14 @@ class Controller:
 
     async def _stop_loops(self) -> None:
         d = self.d
-        for r in [*d.generators, *d.scorers]:
-            try:
-                await asyncio.wait_for(r.stop(), 10)
-            except Exception as exc:  # a dead actor must not block shutdown
-                log.debug("stop failed: %s", exc)
+        # together, each bounded: a dead actor raises at once, a stalled one never answers
+        stops = [asyncio.ensure_future(r.stop()) for r in [*d.generators, *d.scorers]]
+        if stops:
+            _, pending = await asyncio.wait(stops, timeout=10)
+            for f in stops:
+                discard(f)  # cancels a stop still pending; retrieves a failed one's error
+            if pending:
+                log.debug("%d role loops did not answer stop()", len(pending))
         try:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:

@@ -93,7 +93,7 @@ class Generator:
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
         it takes, without the group's timeout."""
         if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
-            t0 = time.time()  # the engine's own workers receive and swap (vLLM / SGLang)
+            t0 = self.recorder.begin("weights_recv")  # the engine's own workers receive and swap (vLLM / SGLang)
             version, stats = await self.engine.receive_weights()
             self.recorder.record("weights_recv", t0, time.time(), version)
             self._note_held(version)
@@ -102,6 +102,7 @@ class Generator:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
         if armed and not self.can_arm_receive():
             raise RuntimeError("receive_weights(armed=True): this generator's receiver cannot wait for the send")
+        self.recorder.begin("weights_recv", "armed" if armed else "")
         tensors, version, stats = await asyncio.to_thread(functools.partial(self.receiver.receive, armed=armed))
         t1 = time.time()
         # the transfer only: an armed receive (can_arm_receive) waited for the send before it
@@ -134,7 +135,7 @@ class Generator:
             return
         tensors, version = self._pending
         self._pending = None
-        t0 = time.time()
+        t0 = self.recorder.begin("weights_swap")
         # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
         await asyncio.to_thread(self.engine.load_weights, tensors, version)
         t1 = time.time()
@@ -170,7 +171,7 @@ class Generator:
                     await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 version = self.engine.version
-                t0 = time.time()
+                t0 = self.recorder.begin("wait_gate")
                 group_ids = await self.buffer.admit(free, version, timeout=0.5)
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
@@ -199,7 +200,7 @@ class Generator:
         """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
         try:
             rows = [self.next_row() for _ in group_ids]
-            t0 = time.time()
+            t0 = self.recorder.begin("generate", "env episodes")
             groups = await asyncio.gather(*[self.episodes.run_group(gid, row, self.sampling.n, self.generator_id)
                                             for gid, row in zip(group_ids, rows)])
             self.recorder.record("generate", t0, time.time(), version)
@@ -219,7 +220,7 @@ class Generator:
             rows = [self.next_row() for _ in group_ids]
             row_jsons = [json.dumps(row).encode() for row in rows]
             prompts = [self.encode(row[self.prompt_key]) for row in rows]
-            t0 = time.time()
+            t0 = self.recorder.begin("generate")
             completions, baselines = await self._sample(prompts)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
@@ -237,7 +238,7 @@ class Generator:
     async def _put_rollouts(self, trajs: list[Trajectory], version: int) -> None:
         """Queue finished rollouts (waits for room). After stop() the buffer is closing and refuses puts
         (QueueClosed, or its Ray-wrapped form): the run is over, so the rollouts are dropped quietly."""
-        t0 = time.time()
+        t0 = self.recorder.begin("wait_queue", "rollout queue full")
         try:
             await self.buffer.put_rollouts(trajs)
         except Exception as exc:

@@ -84,14 +84,14 @@ class Scorer:
 
     async def run(self) -> None:
         while not self._stopped.is_set():
-            t0 = time.time()
+            t0 = self.recorder.begin("wait_queue", "rollout queue")
             trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5)
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)
 
     async def score_batch(self, trajs: list[Trajectory]) -> None:
-        t0 = time.time()
+        t0 = self.recorder.begin("score", "reward fn")
         done: list[Group] = []
         await self._score_all(trajs)
         if self.reference is not None:
@@ -116,7 +116,7 @@ class Scorer:
                 released.setdefault(("filtered", why), []).append(g.group_id)
             else:
                 accepted.append(g)
-        t0 = time.time()
+        t0 = self.recorder.begin("wait_queue", "train store")
         for (kind, why), ids in sorted(released.items()):  # failed before filtered
             await self.buffer.release_groups(ids, kind, why)
         if accepted:
@@ -189,7 +189,7 @@ class Scorer:
         if not ok:
             return
         assert self.reference is not None
-        t0 = time.time()
+        t0 = self.recorder.begin("reference")
         rows = await asyncio.to_thread(self.reference.response_logprobs, ok)
         for t, logprobs in zip(ok, rows):
             t.ref_logprobs = logprobs

@@ -1,14 +1,17 @@
-"""The run's watch: the buffer's progress record (groups released in a row and why) and the bounds that end a
-run which cannot progress with one error line. Fakes only: no Ray, no model."""
+"""The run's watch: the buffer's progress record (groups released in a row and why), a process's loop monitor
+(a blocked event loop: where, and what its roles began last), and the bounds that end a run which cannot
+progress with one error line. Fakes only: no Ray, no model."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.watchdog import RunStalled, RunWatch
+from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.watchdog import Heartbeat, LoopMonitor, RunStalled, RunWatch
 from buffers.progress import Progress, ProgressTracker
 from buffers.replay import ReplayBuffer
 
@@ -105,6 +108,64 @@ def test_the_watch_loop_raises_when_the_buffer_reports_a_stalled_run_and_when_it
     with pytest.raises(RunStalled, match="groups all failed"):
         asyncio.run(asyncio.wait_for(watch(buffer=buffer, period_s=0.001).run(), 5))
     assert buffer.reads == 3
-    with pytest.raises(RunStalled, match="replay buffer has not answered for 0.05 s"):
+    with pytest.raises(RunStalled, match=r"replay buffer has not answered for 0.05 s \(run.role_timeout_s\)"):
         asyncio.run(asyncio.wait_for(watch(buffer=FakeBuffer([ok], hang=True), period_s=0.001,
-                                           call_timeout_s=0.05).run(), 5))
+                                           role_timeout_s=0.05).run(), 5))
+
+
+# -- a role whose event loop is blocked ------------------------------------------------------------------------
+def blocking_env_step(seconds: float) -> None:
+    """Stands for a synchronous call inside an env's `async def step` (a blocking HTTP request, a subprocess)."""
+    time.sleep(seconds)
+
+
+def test_a_loop_monitor_sees_a_blocked_loop_and_says_where_it_is_blocked_and_what_the_role_began():
+    recorder = SpanRecorder("generator/0")
+
+    async def main() -> tuple[Heartbeat, Heartbeat]:
+        monitor = LoopMonitor(asyncio.get_running_loop(), {"generator 0": recorder}, timeout_s=0.2,
+                              tick_s=0.02).start()
+        try:
+            await asyncio.sleep(0.05)
+            quiet = monitor.heartbeat()
+            recorder.begin("generate", "env episodes")
+            blocking_env_step(0.4)  # on the loop: nothing else runs meanwhile, the monitor's thread does
+            await asyncio.sleep(0)
+            return quiet, monitor.heartbeat()
+        finally:
+            monitor.stop()
+
+    quiet, stalled = asyncio.run(main())
+    assert quiet.stalled_s == 0.0 and quiet.where == "" and quiet.activities == []
+    assert stalled.stalled_s >= 0.25
+    assert stalled.where.startswith("test_watchdog.py:") and " in blocking_env_step <- " in stalled.where
+    (line,) = stalled.activities
+    assert line.startswith("generator 0: generate (env episodes), begun ")
+
+
+def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_not_answer():
+    beat = Heartbeat(stalled_s=31.0, where="my_env.py:9 in step <- asyncrl/envs/runner.py:128 in _play",
+                     activities=["generator 0: generate (env episodes), begun 31.0 s before"])
+    with pytest.raises(RunStalled) as info:
+        watch(role_timeout_s=30.0).check_heartbeat("generator 0", beat)
+    assert str(info.value) == ("the event loop of generator 0 did not run for 31.0 s (run.role_timeout_s = 30): "
+                               "blocked in my_env.py:9 in step <- asyncrl/envs/runner.py:128 in _play; last "
+                               "activity: generator 0: generate (env episodes), begun 31.0 s before")
+    watch(role_timeout_s=30.0).check_heartbeat("generator 0", Heartbeat(stalled_s=29.0))
+
+    answers = [Heartbeat(stalled_s=0.0, activities=["scorer 0: score (reward fn), begun 0.1 s before"])]
+
+    async def probe() -> Heartbeat:  # answers once, then never again: its whole process is stuck
+        if answers:
+            return answers.pop()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    w = watch(role_timeout_s=0.05, period_s=0.001, probes={"scorer 0": probe},
+              buffer=FakeBuffer([Progress(released_in_a_row=0, idle_s=0.0, reasons=[])]))
+    with pytest.raises(RunStalled) as info:
+        asyncio.run(asyncio.wait_for(w.run(), 5))
+    message = str(info.value)
+    assert message.startswith("scorer 0 has not answered for 0.05 s (run.role_timeout_s): nothing in its process "
+                              "runs, so something there holds the interpreter lock")
+    assert message.endswith("ago: scorer 0: score (reward fn), begun 0.1 s before")
