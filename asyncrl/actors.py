@@ -3,6 +3,10 @@
 
 Roles never import Ray: they receive collaborators as objects with async methods. `RayProxy` turns an
 actor handle into such an object, so `await buffer.admit(...)` in a role becomes an actor call.
+
+Each actor also answers the Controller's watch (`heartbeat`, asyncrl/watchdog.py) from its "watch"
+concurrency group, a thread with an event loop of its own: the answer comes while the role's own loop is
+blocked, and says where it is blocked.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import ray
 from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
+from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.watchdog import Heartbeat, LoopMonitor
 from asyncrl.weights.base import SENDERS
 from asyncrl.weights.bucketing import plan_buckets
 from asyncrl.weights.collective import CollectiveReceiver, create_store, join_group
@@ -89,16 +95,39 @@ class RoleActor:
             # in-process: the scorers await the buffer's methods directly (same event loop, no actor calls)
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
+        self.name = kind if kind in ("buffer", "trainer") else f"{kind} {index}"
+        self._monitor: LoopMonitor | None = None  # watches this process's event loop, from the first call
 
     def ready(self) -> str:
         return self.kind
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._watch_loop()
         return await _invoke(self.role, method, args, kwargs)
 
     async def call_hosted(self, role: str, index: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """A method of a role hosted in this process (see `hosted`)."""
+        self._watch_loop()
         return await _invoke(self.hosted[role][index], method, args, kwargs)
+
+    def _recorders(self) -> dict[str, SpanRecorder]:
+        """The span recorders of the roles in this process, by role name (the buffer keeps none)."""
+        out = {} if self.kind == "buffer" else {self.name: self.role.recorder}
+        out.update({f"scorer {s.scorer_id}": s.recorder for s in self.hosted.get("scorer", [])})
+        return out
+
+    def _watch_loop(self) -> None:
+        if self._monitor is None:  # on the actor's own event loop: the one the roles run on
+            self._monitor = LoopMonitor(asyncio.get_running_loop(), self._recorders(),
+                                        timeout_s=self.cfg.run.role_timeout_s, dump_stacks=True).start()
+
+    @ray.method(concurrency_group="watch")
+    async def heartbeat(self) -> Heartbeat:
+        """The watch's probe: runs on the "watch" group's own thread, so it answers while the roles' loop is
+        blocked (not while something holds the interpreter lock: then the probe's timeout speaks)."""
+        if self._monitor is None:
+            return Heartbeat(stalled_s=0.0)
+        return self._monitor.heartbeat()
 
     # -- weight-sync lifecycle (trainer is rank 0, generators 1..N) -------------------------------
     def weights_meta(self) -> WeightsMeta:
@@ -133,10 +162,13 @@ class RoleActor:
                                         backend=backend, timeout_s=timeout_s)
         self.role.receiver = CollectiveReceiver(group, meta)
 
-    def save_checkpoint(self, path: str) -> str:
+    async def save_checkpoint(self, path: str) -> str:
+        """On a worker thread: writing a large model must not block the actor's event loop (the watch would
+        take it for a stalled role)."""
         from engines.hf import load_tokenizer
 
-        return self.role.save_checkpoint(path, load_tokenizer(self.cfg.model.path), self.cfg.run.export_dtype)
+        return await asyncio.to_thread(self.role.save_checkpoint, path, load_tokenizer(self.cfg.model.path),
+                                       self.cfg.run.export_dtype)
 
 
-RemoteRoleActor = ray.remote(RoleActor)
+RemoteRoleActor = ray.remote(concurrency_groups={"watch": 1})(RoleActor)

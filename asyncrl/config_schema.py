@@ -282,7 +282,11 @@ class TrainerConfig(Section):
 
 
 class BufferConfig(Section):
-    rollout_capacity: Annotated[int, _d("trajectories the rollout queue holds; >= one step's samples", ge=1)] = 1024
+    rollout_capacity: Annotated[
+        int,
+        _d("trajectories the rollout queue holds (it queues and hands out whole groups); >= one step's samples",
+           ge=1),
+    ] = 1024
     train_capacity: Annotated[int, _d("groups the train store holds; >= prompts_per_step", ge=1)] = 256
 
 
@@ -358,6 +362,23 @@ class RunConfig(Section):
     keep_last: Annotated[
         int, _d("durable checkpoints to keep (the newest valid ones); 0 = keep all", ge=0),
     ] = 2
+    max_failed_groups_in_a_row: Annotated[
+        int,
+        _d("end the run with one error quoting the last reasons once this many groups in a row failed or were "
+           "filtered and none was trained on (a reward that always raises, rows without reward.answer_key, ...); "
+           "0 = never", ge=0),
+    ] = 200
+    no_progress_timeout_s: Annotated[
+        float,
+        _d("end the run with one error once no group was accepted for training and no step taken for this many "
+           "seconds; 0 = never", ge=0),
+    ] = 0.0
+    role_timeout_s: Annotated[
+        float,
+        _d("a role whose event loop does not run for this long (a synchronous call in an env step, a reward "
+           "function holding the interpreter lock), or whose process does not answer, ends the run with one error "
+           "naming it, where it is blocked and what it began last", gt=0),
+    ] = 60.0
 
 
 class LoggingConfig(Section):

@@ -17,6 +17,9 @@ statistics of step s's window are gathered and one metrics row is written. Gener
 their own loops the whole time, so generation of later versions overlaps training up to the staleness
 bound.
 
+A watch (asyncrl/watchdog.py) runs beside the loops: a run whose every group fails, or a role whose event
+loop is blocked, ends with one `RunStalled` line instead of a livelock or a hang.
+
 The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
 or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
 """
@@ -44,6 +47,7 @@ from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
+from asyncrl.watchdog import Probe, RunStalled, RunWatch
 from buffers.replay import BufferState
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,10 @@ class Deployment(Protocol):
     async def setup_weight_sync(self) -> None: ...
     async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
+    def probes(self) -> dict[str, Probe]:
+        """One heartbeat probe per process hosting roles, by a name for it (asyncrl/watchdog.py); called once
+        the event loop runs."""
+        ...
 
 
 ROWS_KEPT = 1000  # metrics rows the Controller keeps in memory (Runtime.metrics); all are in metrics.jsonl
@@ -83,6 +91,11 @@ class Controller:
         self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
         self._stopping = False  # SIGTERM: finish the step, write a checkpoint, stop (RunStopped)
         self._loops: list[asyncio.Future] = []
+        # ends a run that cannot progress (every group failing, a role's loop blocked) with one error
+        self.watch = RunWatch(buffer=deployment.buffer, max_failed_in_a_row=cfg.run.max_failed_groups_in_a_row,
+                              no_progress_timeout_s=cfg.run.no_progress_timeout_s,
+                              role_timeout_s=cfg.run.role_timeout_s)
+        self._watching: asyncio.Future | None = None
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
@@ -116,6 +129,8 @@ class Controller:
                 await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                  *[g.receive_weights() for g in d.generators]))
             self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            self.watch.probes = d.probes()
+            self._watching = asyncio.ensure_future(self.watch.run())
             if cfg.trainer.eval_every > 0 and not first_step:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
@@ -149,6 +164,8 @@ class Controller:
             return rows
         finally:
             remove_handler()
+            if self._watching is not None:
+                discard(self._watching)
             self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
             close_sinks(sinks)
             if self._trace is not None:
@@ -282,10 +299,12 @@ class Controller:
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile, or the
+        watch found that the run cannot progress (RunStalled)."""
         fut = asyncio.ensure_future(aw)
+        watching = [self._watching] if self._watching is not None else []
         try:
-            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([fut, *self._loops, *watching], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
             discard(fut)
             raise
@@ -293,6 +312,8 @@ class Controller:
             fut.cancel()
             dead = next(iter(done))
             exc = dead.exception() if not dead.cancelled() else None
+            if isinstance(exc, RunStalled):  # the watch's verdict, already one line
+                raise RunStalled(str(exc)) from None
             raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
         try:
             return fut.result()
@@ -303,11 +324,14 @@ class Controller:
 
     async def _stop_loops(self) -> None:
         d = self.d
-        for r in [*d.generators, *d.scorers]:
-            try:
-                await asyncio.wait_for(r.stop(), 10)
-            except Exception as exc:  # a dead actor must not block shutdown
-                log.debug("stop failed: %s", exc)
+        # together, each bounded: a dead actor raises at once, a stalled one never answers
+        stops = [asyncio.ensure_future(r.stop()) for r in [*d.generators, *d.scorers]]
+        if stops:
+            _, pending = await asyncio.wait(stops, timeout=10)
+            for f in stops:
+                discard(f)  # cancels a stop still pending; retrieves a failed one's error
+            if pending:
+                log.debug("%d role loops did not answer stop()", len(pending))
         try:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:

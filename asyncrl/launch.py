@@ -20,6 +20,7 @@ from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.watchdog import Heartbeat, Probe
 from asyncrl.weights.collective import resolve_backend
 from engines.hf import ensure_model
 
@@ -97,6 +98,21 @@ class RayDeployment:
         # Every member joins at once: the group's rendezvous blocks until all ranks arrive.
         await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta)
                                for rank, a in enumerate(members)])
+
+    def probes(self) -> dict[str, Probe]:
+        """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop."""
+        hosted = " (and the scorers it hosts)" if self.cfg.cluster.scorer_placement == "buffer" else ""
+        named = {f"buffer{hosted}": self.buffer_actor, "trainer": self.trainer_actor,
+                 **{f"generator {i}": a for i, a in enumerate(self.generator_actors)},
+                 **{f"scorer {i}": a for i, a in enumerate(self.scorer_actors)}}
+
+        def probe(actor: Any) -> Probe:
+            async def heartbeat() -> Heartbeat:
+                return await actor.heartbeat.remote()
+
+            return heartbeat
+
+        return {name: probe(actor) for name, actor in named.items()}
 
     async def save_checkpoint(self, path: str) -> None:
         await self.trainer_actor.save_checkpoint.remote(path)

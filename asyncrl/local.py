@@ -7,11 +7,13 @@ a collective group. Used by tests and for debugging a config without a cluster
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any
 
 from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads
 from asyncrl.config_schema import Config
+from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
 from asyncrl.weights.local import LocalWeightChannel
 
 
@@ -48,6 +50,7 @@ class LocalDeployment:
         self.generators = [AsyncFacade(g) for g in self.generator_objs]
         self.scorers = [AsyncFacade(s) for s in self.scorer_objs]
         self.channel: LocalWeightChannel | None = None
+        self.monitor: LoopMonitor | None = None
 
     async def setup_weight_sync(self) -> None:
         self.channel = LocalWeightChannel()
@@ -55,12 +58,31 @@ class LocalDeployment:
         for g in self.generator_objs:
             g.receiver = self.channel.receiver()
 
+    def probes(self) -> dict[str, Probe]:
+        """Every role shares this process's event loop: one monitor watches it (asyncrl/watchdog.py)."""
+        if self.monitor is None:
+            recorders = {"trainer": self.trainer_obj.recorder,
+                         **{f"generator {g.generator_id}": g.recorder for g in self.generator_objs},
+                         **{f"scorer {s.scorer_id}": s.recorder for s in self.scorer_objs}}
+            self.monitor = LoopMonitor(asyncio.get_running_loop(), recorders,
+                                       timeout_s=self.cfg.run.role_timeout_s).start()
+        monitor = self.monitor
+
+        async def heartbeat() -> Heartbeat:
+            return monitor.heartbeat()
+
+        return {"the in-process roles": heartbeat}
+
     async def save_checkpoint(self, path: str) -> None:
         from engines.hf import load_tokenizer
 
-        self.trainer_obj.save_checkpoint(path, load_tokenizer(self.cfg.model.path), self.cfg.run.export_dtype)
+        # on a worker thread: writing a large model must not block the event loop every role shares
+        await asyncio.to_thread(self.trainer_obj.save_checkpoint, path, load_tokenizer(self.cfg.model.path),
+                                self.cfg.run.export_dtype)
 
     async def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.channel is not None:
             self.channel.close()  # a receive still waiting ends with an error
         for g in self.generator_objs:

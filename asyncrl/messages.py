@@ -61,7 +61,7 @@ class Completion(Message):
 
 
 class Trajectory(Message):
-    """One finished sample, the unit of the rollout queue. The trainer trains on exactly these tokens."""
+    """One finished sample; the rollout queue holds them as whole groups. The trainer trains on exactly these tokens."""
 
     seq_id: int                      # unique per run: every trajectory is trained once or accounted for
     group_id: int                    # samples of one prompt share it (group advantages, admission)

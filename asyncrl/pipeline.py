@@ -175,7 +175,7 @@ class UpdatePipeline:
             raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
         if self.sender is None:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
-        t0, c0 = time.time(), time.process_time()
+        t0, c0 = self.recorder.begin("wait_gate"), time.process_time()
         groups = await self._take(step)
         t1, c1 = time.time(), time.process_time()
         # process CPU time beside the wall time: in process it is every role's, so the planner can tell
@@ -185,6 +185,7 @@ class UpdatePipeline:
             task = asyncio.ensure_future(self.source.take_step(step + 1))
             task.add_done_callback(retrieve)  # a take never claimed (a failure elsewhere) warns nobody
             self._prefetch = (step + 1, task)
+        self.recorder.begin("train")
         metrics = await asyncio.to_thread(self.learner.update, groups)
         t2, c2 = time.time(), time.process_time()
         self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
@@ -218,7 +219,7 @@ class UpdatePipeline:
             loop.call_soon_threadsafe(released.set)
 
         async def send() -> dict[str, float]:
-            t0 = time.time()
+            t0 = self.recorder.begin("weights_send")
             try:
                 stats = await asyncio.to_thread(sender.send, tensors, version, released=on_released)
             finally:

@@ -82,6 +82,9 @@ class _Embedded:
     async def save_checkpoint(self, path: str) -> None:
         await self.inner.save_checkpoint(path)
 
+    def probes(self) -> dict[str, Any]:
+        return self.inner.probes()
+
     async def shutdown(self) -> None:
         """Deliberately nothing: the Controller calls this when training ends, but the user's loop may still
         generate; `Runtime.__aexit__` shuts `inner` down."""

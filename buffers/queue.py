@@ -1,8 +1,10 @@
 """Bounded async FIFO with backpressure: the rollout queue between generators and scorers.
 
-Place in the dataflow: Generators `put_many` finished trajectories → scorers `get_many` them. A full
-queue blocks the producer (memory never grows past `capacity`); an empty one blocks the consumer.
-Both waits are accumulated (`put_wait_s`, `get_wait_s`) so the runtime can report idle time.
+Place in the dataflow: Generators `put_many` finished groups → scorers `get_many` them. Each item has a
+size (a group: its trajectories) and the capacity bounds the summed size: a full queue blocks the producer
+(memory never grows past `capacity`); an empty one blocks the consumer. Items are never split, so a group
+goes in and comes out whole. Both waits are accumulated (`put_wait_s`, `get_wait_s`) so the runtime can
+report idle time.
 
 Concurrency model: every method runs on ONE event loop (the hosting async actor's). There is no lock:
 between two `await`s nothing else runs, so "check the state, then wait for a change" cannot race.
@@ -73,23 +75,27 @@ async def timed_wait(signal: Signal, predicate: Callable[[], bool], timeout: flo
 
 
 class BoundedQueue(Generic[T]):
-    """Async bounded FIFO. `put_many` blocks while full, `get_many` while empty; `close` wakes all.
+    """Async bounded FIFO of sized items. `put_many` blocks while an item does not fit, `get_many` while
+    empty; `close` wakes all.
 
-    A batch larger than the free room is put in chunks as room frees, so the queue never holds more
-    than `capacity` items and a batch larger than `capacity` cannot deadlock. Items of one batch keep
-    their order; batches of concurrent producers may interleave chunk by chunk.
+    `size(item)` (1 by default) counts against `capacity`. An item goes in whole once it fits, so the
+    queue never holds more than `capacity` — except that an item larger than the capacity goes into an
+    empty queue alone, so it cannot deadlock. Items of one batch keep their order; batches of concurrent
+    producers may interleave item by item.
     """
 
-    def __init__(self, capacity: int, *, name: str = "queue") -> None:
+    def __init__(self, capacity: int, *, name: str = "queue", size: Callable[[T], int] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"{name}: capacity must be >= 1, got {capacity}")
         self.name = name
         self._capacity = capacity
-        self._items: deque[T] = deque()
+        self._size = size or (lambda _: 1)
+        self._items: deque[tuple[T, int]] = deque()  # (item, its size)
+        self._fill = 0  # summed size of the items held
         self._closed = False
         self._not_full = Signal()
         self._not_empty = Signal()
-        self.total_put = 0
+        self.total_put = 0  # in size units, like capacity
         self.total_got = 0
         self.put_wait_s = 0.0  # producers blocked on a full queue (summed over producers)
         self.get_wait_s = 0.0  # consumers blocked on an empty queue (summed over consumers)
@@ -103,48 +109,51 @@ class BoundedQueue(Generic[T]):
         return self._closed
 
     def qsize(self) -> int:
-        return len(self._items)
+        """The summed size of the items held (their number when every item has size 1)."""
+        return self._fill
 
     async def put_many(self, items: Iterable[T]) -> None:
-        """Append `items` in order, waiting for room; raises QueueClosed if the queue is (or gets) closed.
+        """Append `items` in order, each once it fits; raises QueueClosed if the queue is (or gets) closed.
 
-        If the queue is closed mid-batch, the chunks already put stay in the queue.
+        If the queue is closed mid-batch, the items already put stay in the queue.
         """
-        batch = list(items)
-        done = 0
-        while True:
-            if self._closed:
-                raise QueueClosed(f"{self.name} is closed")
-            if done == len(batch):
-                return
+        if self._closed:
+            raise QueueClosed(f"{self.name} is closed")
+        for item in items:
+            n = self._size(item)
             _, waited = await timed_wait(
-                self._not_full, lambda: self._closed or len(self._items) < self._capacity, None
+                self._not_full, lambda: self._closed or not self._items or self._fill + n <= self._capacity, None
             )
             self.put_wait_s += waited
             if self._closed:
-                continue  # raise above
-            n = min(self._capacity - len(self._items), len(batch) - done)
-            self._items.extend(batch[done : done + n])
-            done += n
+                raise QueueClosed(f"{self.name} is closed")
+            self._items.append((item, n))
+            self._fill += n
             self.total_put += n
             self._not_empty.notify_all()
 
     async def put(self, item: T) -> None:
         await self.put_many([item])
 
-    async def get_many(self, max_items: int, timeout: float | None = None) -> list[T]:
-        """Between 1 and `max_items` items in FIFO order, waiting for the first one.
+    async def get_many(self, max_size: int, timeout: float | None = None) -> list[T]:
+        """Items in FIFO order whose summed size is at most `max_size`, waiting for the first one; the
+        first item is returned even when it alone is larger (an item is never split).
 
         Returns [] on timeout, or when the queue is closed and drained.
         """
-        if max_items < 1:
-            raise ValueError(f"{self.name}: max_items must be >= 1, got {max_items}")
+        if max_size < 1:
+            raise ValueError(f"{self.name}: max_size must be >= 1, got {max_size}")
         _, waited = await timed_wait(self._not_empty, lambda: self._closed or bool(self._items), timeout)
         self.get_wait_s += waited
-        n = min(max_items, len(self._items))
-        out = [self._items.popleft() for _ in range(n)]
+        out: list[T] = []
+        taken = 0
+        while self._items and (not out or taken + self._items[0][1] <= max_size):
+            item, n = self._items.popleft()
+            out.append(item)
+            taken += n
         if out:
-            self.total_got += n
+            self._fill -= taken
+            self.total_got += taken
             self._not_full.notify_all()
         return out
 

@@ -8,6 +8,13 @@ Place in the dataflow (the runtime hosts one buffer inside one async actor; ever
 | Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
 | Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
 
+Whole groups. The rollout queue's unit is a group: `put_rollouts` takes whole groups only (a generator puts
+a group's trajectories together) and queues each at once, when all of it fits; `get_rollouts` hands out
+whole groups only. Each scorer assembles the groups it scores on its own, so a group split between two
+scorers would complete in neither, and the trainer would wait for it forever. The queue's capacity is
+still counted in trajectories (`buffer.rollout_capacity`); a group larger than all of it goes into an
+empty queue alone.
+
 The train store is keyed by group id because the gate, not arrival order, decides training order
 (admission order): groups scored out of order wait here until the groups before them are in.
 
@@ -36,6 +43,7 @@ import msgspec
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.gate import AdmissionGate, GateState
+from buffers.progress import Progress, ProgressTracker
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
 
 log = logging.getLogger(__name__)
@@ -86,7 +94,8 @@ class ReplayBuffer:
             )
             train_capacity = needed
         self.gate = AdmissionGate(prompts_per_step=prompts_per_step, max_staleness=max_staleness)
-        self.rollouts: BoundedQueue[Trajectory] = BoundedQueue(rollout_capacity, name="rollout queue")
+        # one item per group, sized by its trajectories: buffer.rollout_capacity counts trajectories
+        self.rollouts: BoundedQueue[list[Trajectory]] = BoundedQueue(rollout_capacity, name="rollout queue", size=len)
         self.train_capacity = train_capacity
         self._train: dict[int, Group] = {}
         self._train_room = Signal()
@@ -96,14 +105,21 @@ class ReplayBuffer:
         self.report_filtered = report_filtered  # DAPO dynamic sampling: filtered groups are refilled, report them
         self._window = Window()  # what stats() reported so far: its next report is the increment
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
+        self.tracker = ProgressTracker()  # released groups in a row and why (the Controller's watch reads it)
 
     # -- generators ----------------------------------------------------------------------------
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
         return await self.gate.admit(max_groups, version, timeout)
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        """Queue whole groups for scoring: `trajs` is one group's trajectories after another's (each group's
+        `group_size` of them, one group_id). Each group goes in at once, when all of it fits. ValueError
+        (nothing queued) when a group is not whole; QueueClosed once the buffer is closed."""
+        if self._closed:
+            raise QueueClosed("replay buffer is closed")
+        groups = whole_groups(trajs)
         self._count_env(trajs)
-        await self.rollouts.put_many(trajs)
+        await self.rollouts.put_many(groups)
 
     def _count_env(self, trajs: list[Trajectory]) -> None:
         """Env episodes pass here on their way to scoring: count them (and their env faults) for metrics."""
@@ -153,7 +169,9 @@ class ReplayBuffer:
 
     # -- scorers ------------------------------------------------------------------------------
     async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
-        return await self.rollouts.get_many(max_items, timeout)
+        """Whole groups, oldest first, at most `max_items` trajectories (but always the oldest group, however
+        large); [] on timeout, or once the buffer is closed and the queue drained."""
+        return [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
 
     async def accept_groups(self, groups: list[Group]) -> None:
         """Store scored groups for training and accept them at the gate, in the given order.
@@ -174,6 +192,7 @@ class ReplayBuffer:
             # No await between these two lines: take_step sees a group accepted iff it is stored.
             self.gate.accept(group.group_id)
             self._train[group.group_id] = group
+            self.tracker.accepted(1)
 
     def _check_acceptable(self, group: Group) -> None:
         gid = group.group_id
@@ -186,13 +205,21 @@ class ReplayBuffer:
                 f"version {admitted_at}; a generator must admit with its engine's own version"
             )
 
-    async def release_groups(self, group_ids: list[int], reason: str) -> None:
-        """Give back the slots of running groups that will not be trained ("filtered" / "failed")."""
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """Give back the slots of running groups that will not be trained ("filtered" / "failed"); `detail`
+        says why in a few words (the reward's error, "rewards all 0"), for the error of a run in which every
+        group fails (`progress`)."""
         for gid in group_ids:  # validate all first, so a bad id releases nothing
             if not self.gate.is_running(gid):
                 raise ValueError(f"release_groups: group {gid} is not running (unknown, accepted or released)")
         for gid in group_ids:
             self.gate.release(gid, reason)
+        self.tracker.released(len(group_ids), reason, detail)
+
+    async def progress(self) -> Progress:
+        """Groups released in a row since the last accepted one, their last distinct reasons, and the
+        seconds since a group was accepted or a step taken (buffers/progress.py)."""
+        return self.tracker.report()
 
     # -- trainer ------------------------------------------------------------------------------
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
@@ -201,6 +228,7 @@ class ReplayBuffer:
         groups = [self._train.pop(gid) for gid in ids]
         if groups:
             self._train_room.notify_all()
+            self.tracker.stepped()
         return groups
 
     async def note_held(self, version: int) -> None:
@@ -267,3 +295,20 @@ class ReplayBuffer:
                 "env/turns_mean": Mean(window["turns"] / episodes if episodes else 0.0, weight=episodes),
                 "env/episodes_total": Total(episodes), "env/errors_total": Total(window["errors"]),
                 "env/truncated_total": Total(window["truncated"])}
+
+
+def whole_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+    """Split a batch into its groups: `group_size` consecutive trajectories of one group_id each. Raises
+    ValueError (one line) for a batch that does not consist of whole groups."""
+    groups: list[list[Trajectory]] = []
+    i = 0
+    while i < len(trajs):
+        first = trajs[i]
+        members = trajs[i : i + max(first.group_size, 1)]
+        if first.group_size < 1 or len(members) < first.group_size or any(
+                t.group_id != first.group_id or t.group_size != first.group_size for t in members):
+            raise ValueError(f"put_rollouts: group {first.group_id} (group_size {first.group_size}) does not come "
+                             f"whole; put whole groups only, one group's trajectories after another's")
+        groups.append(members)
+        i += len(members)
+    return groups

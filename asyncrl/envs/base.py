@@ -9,20 +9,26 @@ per episode with `resolve_env(cfg.env.env)(**cfg.env.kwargs)`, then alternates m
 
 An environment is any class with `async def reset(self, row)` and `async def step(self, action)`;
 `asyncrl validate` checks that through `check_env` (module, class, coroutine methods, signatures,
-constructor keywords), one line per problem. Optional class attribute `stop: list[str]`: strings that end
-a model turn (added to `rollout.stop` for its episodes), e.g. ["="] for a calculator call.
+constructor keywords, one instance built with `env.kwargs`), one line per problem. Optional class
+attribute `stop: list[str]`: strings that end a model turn (added to `rollout.stop` for its episodes),
+e.g. ["="] for a calculator call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import importlib
 import inspect
+import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.registry import Registry, import_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -103,8 +109,9 @@ def resolve_env(spec: str) -> type:
 
 
 def check_env(spec: str, kwargs: dict[str, Any]) -> list[str]:
-    """Error lines for `asyncrl validate`: the class resolves, has async reset(row)/step(action), and its
-    constructor accepts `env.kwargs`."""
+    """Error lines for `asyncrl validate`: the class resolves, has async reset(row)/step(action), its
+    constructor accepts `env.kwargs`, and one instance builds with them (then it is closed again), so a
+    wrong value is a config error here instead of every episode failing at run time."""
     try:
         cls = resolve_env(spec)
     except ValueError as exc:
@@ -125,7 +132,42 @@ def check_env(spec: str, kwargs: dict[str, Any]) -> list[str]:
         errors.append(f"env.kwargs: {spec!r} cannot be built with {sorted(kwargs)} ({exc}) — match its __init__")
     except ValueError:
         pass  # uninspectable constructor: trust it
+    if not errors:
+        errors += _check_builds(spec, cls, kwargs)
     return errors
+
+
+def _check_builds(spec: str, cls: type, kwargs: dict[str, Any]) -> list[str]:
+    """Build one env with `kwargs` (as each episode does) and close it; an error line if that raises."""
+    try:
+        env = cls(**kwargs)
+    except Exception as exc:  # noqa: BLE001 — user code: its error is the config's
+        text = str(exc).strip().splitlines()
+        return [f"env.kwargs: {spec!r} cannot be built with {kwargs!r} — {type(exc).__name__}: "
+                f"{text[0][:200] if text else ''} — fix the value"]
+    close = getattr(env, "close", None)
+    try:
+        result = close() if callable(close) else None
+        if inspect.isawaitable(result):
+            _run_to_end(result)
+    except Exception as exc:  # noqa: BLE001 — a failing close is the episode runner's to contain, not a config error
+        log.debug("env.env: closing the env built for validation failed: %r", exc)
+    return []
+
+
+def _run_to_end(awaitable: Any) -> None:
+    """Await `awaitable` to its end from sync code, also when this thread already runs an event loop."""
+    async def wait() -> None:
+        await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(wait())
+        return
+    worker = threading.Thread(target=asyncio.run, args=(wait(),), name="env-close", daemon=True)
+    worker.start()
+    worker.join(10)
 
 
 def _takes_one_argument(fn: Any) -> bool:

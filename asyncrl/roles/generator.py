@@ -34,8 +34,12 @@ class GroupSource(Protocol):
     """The part of the ReplayBuffer a generator talks to."""
 
     async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
-    async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
-    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        """Whole groups only: each group's trajectories together, one group after another."""
+        ...
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
+        ...
     async def note_held(self, version: int) -> None:
         """This generator holds `version` now: its admit waiting at an older version returns early."""
         ...
@@ -92,7 +96,7 @@ class Generator:
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
         it takes, without the group's timeout."""
         if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
-            t0 = time.time()  # the engine's own workers receive and swap (vLLM / SGLang)
+            t0 = self.recorder.begin("weights_recv")  # the engine's own workers receive and swap (vLLM / SGLang)
             version, stats = await self.engine.receive_weights()
             self.recorder.record("weights_recv", t0, time.time(), version)
             self._note_held(version)
@@ -101,6 +105,7 @@ class Generator:
             raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
         if armed and not self.can_arm_receive():
             raise RuntimeError("receive_weights(armed=True): this generator's receiver cannot wait for the send")
+        self.recorder.begin("weights_recv", "armed" if armed else "")
         tensors, version, stats = await asyncio.to_thread(functools.partial(self.receiver.receive, armed=armed))
         t1 = time.time()
         # the transfer only: an armed receive (can_arm_receive) waited for the send before it
@@ -133,7 +138,7 @@ class Generator:
             return
         tensors, version = self._pending
         self._pending = None
-        t0 = time.time()
+        t0 = self.recorder.begin("weights_swap")
         # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
         await asyncio.to_thread(self.engine.load_weights, tensors, version)
         t1 = time.time()
@@ -169,7 +174,7 @@ class Generator:
                     await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 version = self.engine.version
-                t0 = time.time()
+                t0 = self.recorder.begin("wait_gate")
                 group_ids = await self.buffer.admit(free, version, timeout=0.5)
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
@@ -198,13 +203,13 @@ class Generator:
         """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
         try:
             rows = [self.prompt_row(gid) for gid in group_ids]
-            t0 = time.time()
+            t0 = self.recorder.begin("generate", "env episodes")
             groups = await asyncio.gather(*[self.episodes.run_group(gid, row, self.sampling.n, self.generator_id)
                                             for gid, row in zip(group_ids, rows)])
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: episodes of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            await self._release_failed(group_ids)
+            await self._release_failed(group_ids, f"env episodes: {type(exc).__name__}: {exc}")
             return
         trajs = [t for group in groups for t in group]
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
@@ -218,12 +223,12 @@ class Generator:
             rows = [self.prompt_row(gid) for gid in group_ids]
             row_jsons = [json.dumps(row).encode() for row in rows]
             prompts = [self.encode(row[self.prompt_key]) for row in rows]
-            t0 = time.time()
+            t0 = self.recorder.begin("generate")
             completions, baselines = await self._sample(prompts, group_ids)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
-            await self._release_failed(group_ids)
+            await self._release_failed(group_ids, f"generation: {type(exc).__name__}: {exc}")
             return
         trajs: list[Trajectory] = []
         for gid, row, row_json, group, base in zip(group_ids, rows, row_jsons, completions, baselines):
@@ -236,7 +241,7 @@ class Generator:
     async def _put_rollouts(self, trajs: list[Trajectory], version: int) -> None:
         """Queue finished rollouts (waits for room). After stop() the buffer is closing and refuses puts
         (QueueClosed, or its Ray-wrapped form): the run is over, so the rollouts are dropped quietly."""
-        t0 = time.time()
+        t0 = self.recorder.begin("wait_queue", "rollout queue full")
         try:
             await self.buffer.put_rollouts(trajs)
         except Exception as exc:
@@ -247,11 +252,11 @@ class Generator:
             return
         self.recorder.record("wait_queue", t0, time.time(), version)
 
-    async def _release_failed(self, group_ids: list[int]) -> None:
-        """Return the slots of failed groups (the buffer counts them: `buffer/failed`); after stop() a closing buffer
-        may refuse, which no longer matters."""
+    async def _release_failed(self, group_ids: list[int], why: str) -> None:
+        """Return the slots of failed groups (the buffer counts them: `buffer/failed`, and keeps `why`); after stop()
+        a closing buffer may refuse, which no longer matters."""
         try:
-            await self.buffer.release_groups(group_ids, "failed")
+            await self.buffer.release_groups(group_ids, "failed", why)
         except Exception:
             if not self._stopped.is_set():
                 raise

@@ -1,5 +1,5 @@
-"""Scorer role: takes trajectories off the rollout queue, computes rewards, assembles complete groups and
-hands them to training — or returns their admission slots when they are filtered or failed.
+"""Scorer role: takes whole groups off the rollout queue, computes rewards, assembles the groups and hands
+them to training — or returns their admission slots when they are filtered or failed.
 
 Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train store ──► Trainer.
 A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
@@ -40,9 +40,13 @@ log = logging.getLogger(__name__)
 class ScoreSink(Protocol):
     """The part of the ReplayBuffer a scorer talks to."""
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]: ...
+    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+        """Whole groups only, up to `max_items` trajectories (always at least the oldest group)."""
+        ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
-    async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
+        """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
+        ...
 
 
 class Scorer:
@@ -66,7 +70,7 @@ class Scorer:
         self.decode = decode
         self.timeout_s = timeout_s
         self.filter_zero_variance = filter_zero_variance
-        self.batch = batch
+        self.batch = batch  # trajectories per get_rollouts: whole groups, at least one
         self.cost_fn = cost_fn
         self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
@@ -80,14 +84,14 @@ class Scorer:
 
     async def run(self) -> None:
         while not self._stopped.is_set():
-            t0 = time.time()
+            t0 = self.recorder.begin("wait_queue", "rollout queue")
             trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5)
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)
 
     async def score_batch(self, trajs: list[Trajectory]) -> None:
-        t0 = time.time()
+        t0 = self.recorder.begin("score", "reward fn")
         done: list[Group] = []
         await self._score_all(trajs)
         if self.reference is not None:
@@ -100,19 +104,21 @@ class Scorer:
             if g.trajectories[0].baseline_response_ids and all(t.finish_reason != "error" for t in g.trajectories):
                 await self._score_baseline(g)
         self.recorder.record("score", t0, time.time())
-        accepted, filtered, failed = [], [], []
+        accepted: list[Group] = []
+        released: dict[tuple[str, str], list[int]] = {}  # (kind, why) -> group ids
         for g in done:
-            if any(t.finish_reason == "error" for t in g.trajectories):
-                failed.append(g.group_id)
+            errors = [t.error or "a sample ended with finish_reason 'error'" for t in g.trajectories
+                      if t.finish_reason == "error"]
+            if errors:
+                released.setdefault(("failed", errors[0]), []).append(g.group_id)
             elif self.filter_zero_variance and len({t.reward for t in g.trajectories}) == 1:
-                filtered.append(g.group_id)
+                why = f"zero reward variance: every reward of the group is {g.trajectories[0].reward:g}"
+                released.setdefault(("filtered", why), []).append(g.group_id)
             else:
                 accepted.append(g)
-        t0 = time.time()
-        if failed:
-            await self.buffer.release_groups(failed, "failed")
-        if filtered:
-            await self.buffer.release_groups(filtered, "filtered")
+        t0 = self.recorder.begin("wait_queue", "train store")
+        for (kind, why), ids in sorted(released.items()):  # failed before filtered
+            await self.buffer.release_groups(ids, kind, why)
         if accepted:
             await self.buffer.accept_groups(accepted)
         self.recorder.record("wait_queue", t0, time.time())
@@ -183,7 +189,7 @@ class Scorer:
         if not ok:
             return
         assert self.reference is not None
-        t0 = time.time()
+        t0 = self.recorder.begin("reference")
         rows = await asyncio.to_thread(self.reference.response_logprobs, ok)
         for t, logprobs in zip(ok, rows):
             t.ref_logprobs = logprobs

@@ -86,7 +86,7 @@ class Trainer:
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
             return {}
-        t0 = time.time()
+        t0 = self.recorder.begin("eval")
         out = await self.evaluator.evaluate()
         self.recorder.record("eval", t0, time.time(), self.learner.version)
         return out

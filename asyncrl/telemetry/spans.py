@@ -5,6 +5,8 @@ work and its waits in `rec.span(kind)`. Each role's `stats()` `drain()`s its rec
 its window (`telemetry.metrics.RoleStats`; Spans are msgspec Structs, so they cross the actor boundary),
 and the controller computes from them the metrics defined in docs/metrics.md: `<role>/busy_share`,
 `<role>/idle_share` and `overlap_ratio`. Spans can also be exported as Chrome/Perfetto trace events.
+A role marks the start of each span with `rec.begin(kind)`: the activity it began last, which the run's
+watch (asyncrl/watchdog.py) quotes when the role's event loop stalls.
 
 Roles run in different processes on the same machine, so times are `time.time()` wall-clock seconds:
 the only clock that is comparable across processes. Everything below the recorder is pure interval
@@ -50,19 +52,41 @@ class Span(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.end - self.start
 
 
+class Activity(msgspec.Struct, kw_only=True, frozen=True):
+    """What a role began last: the watch (asyncrl/watchdog.py) quotes it when the role's loop stalls."""
+
+    kind: str           # a span kind ("score", "generate", "wait_queue", ...)
+    detail: str = ""    # a few words more, e.g. "reward fn"
+    since: float        # time.time() when it began
+
+
 class SpanRecorder:
-    """Collects the spans of one role. Thread-safe: engine compute runs on worker threads."""
+    """Collects the spans of one role and the activity it began last. Thread-safe: engine compute runs on
+    worker threads, and the watch reads the activity from another thread."""
 
     def __init__(self, role: str, *, clock: Callable[[], float] = time.time) -> None:
         self.role = role
         self._clock = clock
         self._lock = threading.Lock()
         self._spans: list[Span] = []
+        self._activity: Activity | None = None
+
+    def begin(self, kind: str, detail: str = "") -> float:
+        """Note that the role begins `kind` now (its last activity, until the next `begin`); returns the time,
+        the start of the span the caller records when it ends."""
+        now = self._clock()
+        self._activity = Activity(kind=kind, detail=detail, since=now)  # one reference store: atomic
+        return now
+
+    @property
+    def activity(self) -> Activity | None:
+        """The activity begun last (None before the first)."""
+        return self._activity
 
     @contextlib.contextmanager
     def span(self, kind: str, version: int = -1) -> Iterator[None]:
         """Record the wall time spent inside the block (also across awaits; also if it raises)."""
-        start = self._clock()
+        start = self.begin(kind)
         try:
             yield
         finally:

@@ -33,6 +33,7 @@ class FakeBuffer:
         self.batches = list(batches or [])
         self.accepted: list[Group] = []
         self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
+        self.details: list[str] = []  # why, per release_groups call
         self.admits: list[tuple[int, int]] = []  # (max_groups, version) per call
         self.rollouts: list[Trajectory] = []
         self._next_id = 0
@@ -60,8 +61,9 @@ class FakeBuffer:
     async def accept_groups(self, groups: list[Group]) -> None:
         self.accepted.extend(groups)
 
-    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         self.released[reason].extend(group_ids)
+        self.details.append(detail)
 
     async def note_held(self, version: int) -> None:
         self.held = version
@@ -109,6 +111,16 @@ def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others(
     assert scorer.counts["reward_errors"] == 1 and scorer.counts["scored"] == 6
     failed = batch[3]
     assert failed.finish_reason == "error" and "RuntimeError: user reward bug" in failed.error
+    scorer.stop()
+
+
+def test_scorer_says_why_it_released_each_group():
+    buffer = FakeBuffer()
+    scorer = make_scorer(buffer, by_text, filter_zero_variance=True)
+    run(scorer.score_batch([traj(0, 0, "boom"), traj(0, 1, "a"), traj(1, 0, "b"), traj(1, 1, "b")]))
+    assert buffer.released == {"failed": [0], "filtered": [1]}
+    assert buffer.details == ["reward: RuntimeError: user reward bug",
+                              "zero reward variance: every reward of the group is 0"]
     scorer.stop()
 
 
@@ -199,6 +211,31 @@ def test_scorer_stats_report_the_window_since_the_previous_read():
     run(scorer.score_batch([traj(1, 0, "a"), traj(1, 1, "b")]))
     assert _counts(scorer.stats()) == {"scorer/samples_per_s": 2, "scorer/reward_errors": 0}
     scorer.stop()
+
+
+def test_two_scorers_complete_every_group_of_a_backed_up_queue_when_group_size_does_not_divide_their_batch():
+    # 60 groups of 6 wait in the rollout queue; each scorer takes up to 256 trajectories (not a multiple of 6).
+    # A group split between the two would complete in neither, and the trainer would wait for it forever.
+    from buffers.replay import ReplayBuffer
+
+    p, size = 30, 6
+
+    async def main() -> list[int]:
+        buffer = ReplayBuffer(prompts_per_step=p, group_size=size, max_staleness=1, rollout_capacity=2 * p * size,
+                              train_capacity=2 * p)
+        ids = await buffer.admit(2 * p, 0)
+        await buffer.put_rollouts([traj(g, j, "ab"[j % 2], group_size=size) for g in ids for j in range(size)])
+        scorers = [Scorer(scorer_id=i, buffer=buffer, reward_fn=by_text, decode=decode) for i in range(2)]
+        loops = [asyncio.create_task(s.run()) for s in scorers]
+        try:
+            taken = [g.group_id for step in range(2) for g in await buffer.take_step(step, timeout=5.0)]
+        finally:
+            for s in scorers:
+                s.stop()
+            await asyncio.gather(*loops)
+        return taken
+
+    assert run(main(), timeout=15.0) == list(range(2 * p))
 
 
 # -- Generator -------------------------------------------------------------------------------------

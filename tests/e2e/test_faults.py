@@ -1,6 +1,7 @@
 """Faults end to end on a tiny model: a reward function that raises is contained and every admitted group
-is accounted for; a dead actor ends the run with an error instead of a hang; Ctrl-C on `asyncrl launch`
-stops the run with exit code 130 and leaves no actor of it behind."""
+is accounted for; a run whose every group fails, and a role whose event loop is blocked, end with one error
+naming the cause instead of a livelock or a hang; a dead actor ends the run with an error instead of a hang;
+Ctrl-C on `asyncrl launch` stops the run with exit code 130 and leaves no actor of it behind."""
 
 from __future__ import annotations
 
@@ -63,6 +64,71 @@ def test_raising_reward_is_contained_and_every_admitted_group_is_accounted_for(m
         assert stored == row["buffer/train_depth"], row
         assert row["buffer/admitted"] == (row["buffer/consumed"] + row["buffer/failed"] + row["buffer/filtered"]
                                           + row["buffer/running"] + stored), row
+
+
+# -- every group fails: the run ends with one error naming the reasons, instead of refilling forever --------
+NO_PROGRESS_MOD = '''
+from asyncrl.tasks.digits import first_digit
+
+
+def raising_reward(prompt, completion, **row):
+    raise RuntimeError("reward service is down")
+
+
+def rows_with_a_set(split="train", seed=0):
+    """first_digit rows, each with a field JSON cannot encode (a set)."""
+    return [{**row, "tags": {"digits"}} for row in first_digit(split, seed)]
+'''
+
+
+@pytest.mark.timeout(120)  # before the watch: a livelock, and the test hangs until here
+@pytest.mark.parametrize("cause, overrides, reason", [
+    ("raising_reward", ['reward.fn="no_progress_mod:raising_reward"'], "RuntimeError: reward service is down"),
+    ("rows_without_answer_key", ['reward.answer_key="solution"'], "the row has no field 'solution'"),
+    ("row_not_json", ['data.source="no_progress_mod:rows_with_a_set"'], "not JSON serializable"),
+])
+def test_a_run_whose_every_group_fails_ends_with_one_error_naming_the_reason(make_config, tmp_path, monkeypatch,
+                                                                             cause, overrides, reason):
+    from asyncrl.launch import run_local
+    from asyncrl.watchdog import RunStalled
+
+    (tmp_path / "no_progress_mod.py").write_text(NO_PROGRESS_MOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = tmp_path / cause
+    cfg = make_config(*overrides, "run.max_failed_groups_in_a_row=12", "trainer.eval_every=0",
+                      "run.save_checkpoint=false", f'run.output_dir="{run_dir}"')
+    with pytest.raises(RunStalled) as info:
+        run_local(cfg)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "groups all failed or were filtered" in message and "run.max_failed_groups_in_a_row = 12" in message
+    assert reason in message, message
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or read_metrics(metrics) == []  # no step was ever trained
+
+
+# -- a role's event loop blocked: the run ends with one error naming where, instead of hanging ----------------
+# by import path from the repository root: Ray adds the driver's working directory to its workers' sys.path
+BLOCKING_ENV = ['env.env="tests.e2e.stall_fixtures:BlockingEnv"', "env.max_episode_tokens=8",
+                "rollout.max_new_tokens=2", "trainer.eval_every=0", "run.save_checkpoint=false"]
+
+
+@pytest.mark.timeout(180)
+def test_an_env_step_that_blocks_the_event_loop_ends_the_in_process_run_with_where_it_blocked(make_config,
+                                                                                              tmp_path):
+    # In process every role shares one event loop: the block (3 s, once) stops them all. The watch reads the
+    # stall once the loop runs again; without it, the run would just go on after the block.
+    from asyncrl.launch import run_local
+    from asyncrl.watchdog import RunStalled
+
+    cfg = make_config(*BLOCKING_ENV, "env.kwargs.seconds=3.0", "run.role_timeout_s=1.0", "trainer.total_steps=50",
+                      f'run.output_dir="{tmp_path / "blocked"}"')
+    with pytest.raises(RunStalled) as info:
+        run_local(cfg)
+    message = str(info.value)
+    assert message.startswith("the event loop of the in-process roles did not run for "), message
+    assert "(run.role_timeout_s = 1): blocked in stall_fixtures.py:" in message and " in step" in message
+    assert "generator 0: generate (env episodes), begun " in message
 
 
 # -- Ray ----------------------------------------------------------------------------------------------
@@ -173,3 +239,35 @@ def _signal_masks(pid: int) -> str:
     except OSError as exc:
         return f"unreadable: {exc}"
     return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["env_step_blocks_the_generator_loop", "reward_holds_the_interpreter_lock"])
+def test_a_stalled_role_actor_ends_the_run_with_one_error_naming_it(ray_cluster, make_config, tmp_path, case):
+    # Under Ray each role has its own process: the Controller's watch asks each actor for a heartbeat, answered
+    # from the actor's "watch" thread while the role's loop is blocked; a process in which nothing runs (the
+    # interpreter lock held) does not answer at all. Both blocks last for good: only the watch ends the run.
+    from asyncrl.controller import Controller
+    from asyncrl.launch import RayDeployment, run_loop
+    from asyncrl.watchdog import RunStalled
+
+    if case == "env_step_blocks_the_generator_loop":
+        overrides = [*BLOCKING_ENV, "env.kwargs.seconds=600.0"]
+        expected = ["the event loop of generator 0 did not run for ", "blocked in stall_fixtures.py:",
+                    "last activity: generator 0: generate (env episodes), begun "]
+    else:
+        overrides = ['reward.fn="tests.e2e.stall_fixtures:gil_holding_reward"', "trainer.eval_every=0",
+                     "run.save_checkpoint=false"]
+        expected = ["scorer 0 has not answered for 3 s (run.role_timeout_s): nothing in its process runs, so "
+                    "something there holds the interpreter lock"]
+    cfg = make_config(*overrides, "run.role_timeout_s=3.0", "trainer.total_steps=50",
+                      f'run.output_dir="{tmp_path / case}"', f'cluster.address="{ray_cluster}"')
+    deployment = RayDeployment(cfg)
+    deployment.wait_ready()
+    t0 = time.monotonic()
+    with pytest.raises(RunStalled) as info:
+        run_loop(Controller(cfg, deployment).run())
+    message = str(info.value)
+    assert all(text in message for text in expected), message
+    assert time.monotonic() - t0 < 150  # the watch's bound, with room for actor startup on a loaded machine

@@ -43,6 +43,46 @@ def test_env_section_validates_builtin_and_reports_bad_paths_in_one_line(make_co
     assert line.startswith("env.env: missing required key")
 
 
+CHECKED_ENV = '''
+built = []
+
+
+class CountdownEnv:
+    """Validates its keywords when built, as a user env may; records every instance built and closed."""
+
+    def __init__(self, *, start: int = 3):
+        if not isinstance(start, int) or start < 1:
+            raise ValueError(f"start must be an int >= 1, got {start!r}")
+        self.start, self.closed = start, False
+        built.append(self)
+
+    async def reset(self, row):
+        return str(row["prompt"])
+
+    async def step(self, action):
+        return ("", 0.0, True)
+
+    async def close(self):
+        self.closed = True
+'''
+
+
+def test_validate_builds_the_env_once_with_its_kwargs_so_a_wrong_value_is_one_config_line(make_config, tmp_path,
+                                                                                           monkeypatch):
+    import importlib
+
+    (tmp_path / "checked_env_mod.py").write_text(CHECKED_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = ['env.env="checked_env_mod:CountdownEnv"', "data.max_prompt_len=128"]
+    (line,) = errors_of(make_config, *env, "env.kwargs.start=0")  # binds to __init__, fails when built
+    assert line.startswith("env.kwargs: 'checked_env_mod:CountdownEnv' cannot be built with {'start': 0}")
+    assert "ValueError: start must be an int >= 1, got 0" in line
+    mod = importlib.import_module("checked_env_mod")
+    mod.built.clear()
+    make_config(*env, "env.kwargs.start=2")
+    assert [(e.start, e.closed) for e in mod.built] == [(2, True)]  # built once, and closed again
+
+
 def traj(min_version: int, env_reward: float | None = 1.0) -> Trajectory:
     return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2], loss_mask=[True],
                       behavior_logprobs=[-0.1], versions=[min_version], min_version=min_version,
@@ -81,7 +121,7 @@ class _Buffer:
     async def accept_groups(self, groups):
         self.accepted = groups
 
-    async def release_groups(self, group_ids, reason):
+    async def release_groups(self, group_ids, reason, detail=""):
         pass
 
 

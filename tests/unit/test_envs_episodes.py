@@ -346,7 +346,7 @@ class _ClosingBuffer:
         self.before_refusing()
         raise QueueClosed("rollout queue is closed")
 
-    async def release_groups(self, group_ids: list[int], reason: str) -> None:
+    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         raise AssertionError("nothing fails here")
 
 

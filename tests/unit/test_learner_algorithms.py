@@ -244,7 +244,7 @@ class _Buffer:
     async def accept_groups(self, groups):
         self.accepted += groups
 
-    async def release_groups(self, ids, reason):
+    async def release_groups(self, ids, reason, detail=""):
         self.released[reason] += ids
 
 

@@ -128,12 +128,40 @@ def test_closed_queue_refuses_puts_but_drains_to_getters():
     assert run(main()) == ([7, 8], [])
 
 
-def test_invalid_capacity_and_max_items_are_rejected():
+def test_invalid_capacity_and_max_size_are_rejected():
     with pytest.raises(ValueError, match="capacity"):
         BoundedQueue(0)
 
     async def main():
-        with pytest.raises(ValueError, match="max_items"):
+        with pytest.raises(ValueError, match="max_size"):
             await BoundedQueue(1).get_many(0)
 
     run(main())
+
+
+def test_a_sized_item_waits_until_it_fits_whole_and_comes_out_whole():
+    async def main():
+        q: BoundedQueue[str] = BoundedQueue(5, size=len)
+        await q.put("aaa")
+        put = asyncio.create_task(q.put("bbb"))  # 3 + 3 > 5: it waits, no part of it goes in
+        await asyncio.sleep(SHORT)
+        blocked, depth = not put.done(), q.qsize()
+        first = await q.get_many(2)  # the oldest item is handed out whole even though it is larger than 2
+        await asyncio.wait_for(put, SHORT * 5)
+        return blocked, depth, first, await q.get_many(5)
+
+    assert run(main()) == (True, 3, ["aaa"], ["bbb"])
+
+
+def test_an_item_larger_than_the_capacity_goes_into_an_empty_queue_alone():
+    async def main():
+        q: BoundedQueue[str] = BoundedQueue(2, size=len)
+        await q.put("x")
+        put = asyncio.create_task(q.put("yyy"))
+        await asyncio.sleep(SHORT)
+        waited_for_empty = not put.done()
+        got = await q.get_many(2)
+        await asyncio.wait_for(put, SHORT * 5)
+        return waited_for_empty, got, q.qsize(), await q.get_many(2)
+
+    assert run(main()) == (True, ["x"], 3, ["yyy"])

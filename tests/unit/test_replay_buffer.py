@@ -250,3 +250,62 @@ def test_a_restored_buffer_trains_its_accepted_groups_whole_and_its_totals_go_on
     assert window["buffer/accepted"] == 1 and window["buffer/admitted"] == 0  # not counted twice
     assert window["buffer/rollout_depth"] == 0  # its queued trajectories were not kept
     assert trained == [0, 1, 2, 3]
+
+
+# -- groups stay whole between generators and scorers ----------------------------------------------------------
+def test_get_rollouts_hands_out_whole_groups_also_after_a_put_into_a_full_queue():
+    # group_size 5 does not divide the getters' 3 or 8: every batch must still hold whole groups only
+    async def main():
+        buffer = make_buffer(group_size=5, rollout_capacity=10, train_capacity=8)
+        a, b, c = await buffer.admit(3, 0)
+        await buffer.put_rollouts(group(a, 0, 5).trajectories + group(b, 0, 5).trajectories)
+        blocked = asyncio.create_task(buffer.put_rollouts(group(c, 0, 5).trajectories))  # the queue is full
+        await asyncio.sleep(SHORT)
+        assert not blocked.done()
+        batches = [await buffer.get_rollouts(3)]  # frees room for part of c: it must not go in in chunks
+        await asyncio.sleep(SHORT)
+        batches += [await buffer.get_rollouts(8), await buffer.get_rollouts(8, timeout=SHORT)]
+        await asyncio.wait_for(blocked, SHORT * 5)
+        return batches, buffer.rollouts.qsize()
+
+    batches, left = run(main())
+    assert [[t.group_id for t in batch] for batch in batches] == [[0] * 5, [1] * 5, [2] * 5]
+    assert left == 0
+
+
+def test_two_consumers_of_a_backed_up_queue_complete_every_group_when_group_size_does_not_divide_their_batch():
+    # Each consumer assembles groups on its own, as scorers do: a group split between them would never
+    # complete, and take_step would wait for it forever.
+    p, size = 4, 5
+
+    async def main():
+        buffer = make_buffer(prompts_per_step=p, group_size=size, max_staleness=0, rollout_capacity=p * size,
+                             train_capacity=p)
+        ids = await buffer.admit(p, 0)
+        await buffer.put_rollouts([t for gid in ids for t in group(gid, 0, size).trajectories])  # backed up
+
+        async def consumer() -> None:
+            assembler = GroupAssembler()
+            while batch := await buffer.get_rollouts(8, timeout=SHORT):
+                await asyncio.sleep(0)  # "score": the other consumer gets its turn
+                done = [g for g in map(assembler.add, batch) if g is not None]
+                await buffer.accept_groups(done)
+
+        await asyncio.gather(consumer(), consumer())
+        return await buffer.take_step(0, timeout=1.0)
+
+    assert [g.group_id for g in run(main())] == [0, 1, 2, 3]
+
+
+def test_put_rollouts_refuses_a_group_that_is_not_whole():
+    async def main():
+        buffer = make_buffer(group_size=3)
+        [gid] = await buffer.admit(1, 0)
+        members = group(gid, 0, 3).trajectories
+        with pytest.raises(ValueError, match="whole groups"):
+            await buffer.put_rollouts(members[:2])
+        with pytest.raises(ValueError, match="whole groups"):
+            await buffer.put_rollouts([members[0], traj(99, 7, 3, 0), *members[1:]])
+        return buffer.rollouts.qsize()
+
+    assert run(main()) == 0  # nothing of a refused batch was queued

@@ -147,6 +147,19 @@ def test_recorder_span_measures_wall_time_across_awaits_and_exceptions():
     assert [(s.kind, s.start, s.end) for s in rec.drain()] == [("train", 10.0, 12.5), ("wait_queue", 20.0, 21.0)]
 
 
+def test_recorder_keeps_the_activity_begun_last_and_begin_returns_the_spans_start():
+    ticks = iter([5.0, 7.0, 9.0, 9.5])
+    rec = SpanRecorder("scorer/0", clock=lambda: next(ticks))
+    assert rec.activity is None
+    assert rec.begin("wait_queue", "rollout queue") == 5.0
+    assert rec.begin("score", "reward fn") == 7.0
+    assert (rec.activity.kind, rec.activity.detail, rec.activity.since) == ("score", "reward fn", 7.0)
+    with rec.span("reference"):  # a span begins an activity too
+        pass
+    assert (rec.activity.kind, rec.activity.since) == ("reference", 9.0)
+    assert rec.drain() == [Span(role="scorer/0", kind="reference", start=9.0, end=9.5)]  # begin records no span
+
+
 def test_record_rejects_span_that_ends_before_it_starts():
     with pytest.raises(ValueError, match="ends before it starts"):
         SpanRecorder("trainer").record("train", 5.0, 4.0)
