@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 class GroupSource(Protocol):
     """The part of the ReplayBuffer a generator talks to."""
 
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None,
+                    holder: str | None = None) -> list[int]:
+        """`holder` names this generator: if it dies, the groups it still holds are released (supervision)."""
+        ...
     async def put_rollouts(self, trajs: list[Trajectory]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
     async def note_held(self, version: int) -> None:
@@ -170,7 +173,7 @@ class Generator:
                     continue
                 version = self.engine.version
                 t0 = time.time()
-                group_ids = await self.buffer.admit(free, version, timeout=0.5)
+                group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=f"generator/{self.generator_id}")
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))

@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 class ScoreSink(Protocol):
     """The part of the ReplayBuffer a scorer talks to."""
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]: ...
+    async def get_rollouts(self, max_items: int, timeout: float | None = None,
+                           holder: str | None = None) -> list[Trajectory]:
+        """`holder` names this scorer: if it dies, the groups it took a part of are released (supervision)."""
+        ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str) -> None: ...
 
@@ -81,7 +84,7 @@ class Scorer:
     async def run(self) -> None:
         while not self._stopped.is_set():
             t0 = time.time()
-            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5)
+            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=f"scorer/{self.scorer_id}")
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)

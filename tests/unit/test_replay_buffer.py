@@ -250,3 +250,52 @@ def test_a_restored_buffer_trains_its_accepted_groups_whole_and_its_totals_go_on
     assert window["buffer/accepted"] == 1 and window["buffer/admitted"] == 0  # not counted twice
     assert window["buffer/rollout_depth"] == 0  # its queued trajectories were not kept
     assert trained == [0, 1, 2, 3]
+
+
+def test_a_dead_generators_unqueued_groups_are_released_and_its_queued_ones_are_not():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(3, 0, holder="generator/0")
+        other = await buf.admit(1, 0, holder="generator/1")
+        await buf.put_rollouts([traj(ids[0] * 2 + j, ids[0], 2, 0) for j in range(2)])  # queued: the queue holds it
+        released = await buf.release_holder("generator/0")
+        assert released == ids[1:]
+        assert buf.gate.is_running(ids[0]) and buf.gate.is_running(other[0])
+        assert buf.gate.stats()["failed"] == 2
+        return buf, ids
+
+    buf, ids = run(main())
+    assert run(buf.stats()).metrics["buffer/abandoned"] == Total(2.0)
+
+
+def test_a_dead_scorers_taken_groups_are_released_and_a_late_accept_of_them_is_dropped():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(2, 0, holder="generator/0")
+        await buf.put_rollouts([traj(g * 2 + j, g, 2, 0) for g in ids for j in range(2)])
+        taken = await buf.get_rollouts(3, holder="scorer/0")  # all of group 0, half of group 1
+        assert {t.group_id for t in taken} == set(ids)
+        assert await buf.release_holder("scorer/0") == ids
+        rest = await buf.get_rollouts(8, holder="scorer/1")
+        assert len(rest) == 1
+        await buf.accept_groups([group(ids[0], 0)])  # a late accept (a put that was in flight): dropped
+        await buf.release_groups([ids[1]], "failed")  # a late release: dropped too
+        st = buf.gate.stats()
+        assert (st["accepted"], st["failed"], st["running"]) == (0, 2, 0)
+        assert buf.abandoned == {"groups": 2, "late": 2}
+
+    run(main())
+
+
+def test_release_holder_never_releases_an_accepted_group():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(1, 0, holder="generator/0")
+        await buf.put_rollouts([traj(ids[0] * 2 + j, ids[0], 2, 0) for j in range(2)])
+        await buf.get_rollouts(2, holder="scorer/0")
+        await buf.accept_groups([group(ids[0], 0)])
+        assert await buf.release_holder("scorer/0") == []
+        assert await buf.release_holder("generator/0") == []
+        assert buf.gate.stats()["accepted"] == 1
+
+    run(main())
