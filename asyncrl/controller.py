@@ -18,7 +18,9 @@ their own loops the whole time, so generation of later versions overlaps trainin
 bound.
 
 The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
-or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray. On Ray a dead
+generator or scorer is restarted (asyncrl/supervisor.py); a dead trainer or buffer ends the run with one line
+naming it and the resume command.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from asyncrl.checkpoint import CHECKPOINTS, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
+from asyncrl.supervisor import RoleFailed, Supervisor, first_line, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
@@ -55,14 +58,19 @@ class Deployment(Protocol):
     trainer: Any
     generators: list[Any]
     scorers: list[Any]
+    restartable: tuple[str, ...]  # the role kinds supervision restarts ("generator", "scorer"); () in process
 
-    async def setup_weight_sync(self) -> None: ...
+    async def setup_weight_sync(self, group_name: str = "weights") -> None: ...
     async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
+    def dead_role(self, exc: BaseException) -> str | None:
+        """The role ("trainer", "generator/0", ...) whose actor's death `exc` reports; None if unknown."""
+        ...
+    async def leave_weight_groups(self) -> None: ...  # supervision: every live member ends its group
+    async def restart(self, kind: str, index: int) -> None: ...  # supervision: a fresh actor for a dead one
 
 
-class RoleFailed(RuntimeError):
-    pass
+__all__ = ["Controller", "Deployment", "RoleFailed", "RunStopped"]
 
 
 class RunStopped(RuntimeError):
@@ -78,7 +86,8 @@ class Controller:
         self.config_text = config_text
         self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
         self._stopping = False  # SIGTERM: finish the step, write a checkpoint, stop (RunStopped)
-        self._loops: list[asyncio.Future] = []
+        self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
+                                     save_every=cfg.run.save_every)
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
@@ -87,7 +96,8 @@ class Controller:
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
-                                  drain_after=lambda v: self._save_due(v) or self._stopping)
+                                  drain_after=lambda v: self._save_due(v) or self._stopping,
+                                  recover=self.supervisor.recover if deployment.restartable else None)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
@@ -109,7 +119,7 @@ class Controller:
             if first_step:  # the generators start from the model folder: give them the checkpoint's weights
                 await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                  *[g.receive_weights() for g in d.generators]))
-            self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            self.supervisor.start_loops()
             if cfg.trainer.eval_every > 0 and not first_step:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
@@ -247,9 +257,10 @@ class Controller:
         """Every role's report of its window (what happened since its previous `stats()`), reduced by each
         metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
         d = self.d
-        reports: list[RoleStats] = await self._guard(asyncio.gather(
-            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()))
+        reports: list[RoleStats] = await self._guard(gather_alive(self.supervisor, [  # a dead one: no report
+            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()]))
         out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
+        out["supervisor/restarts"] = float(self.supervisor.restarts)
         new_spans = [sp for r in reports for sp in r.spans]
         if self._trace is not None:
             self._trace.add_spans(new_spans)
@@ -262,23 +273,32 @@ class Controller:
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile."""
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile and
+        supervision does not restart it (asyncrl/supervisor.py); a dead trainer or buffer: one line naming
+        it and the resume command."""
         fut = asyncio.ensure_future(aw)
-        try:
-            done, _ = await asyncio.wait([fut, *self._loops], return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
-            discard(fut)
-            raise
-        if fut not in done:
-            fut.cancel()
-            dead = next(iter(done))
-            exc = dead.exception() if not dead.cancelled() else None
-            raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
+        while True:
+            try:
+                done, _ = await asyncio.wait([fut, *self.supervisor.watched], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
+                discard(fut)
+                raise
+            if fut in done:
+                break
+            try:
+                for ended in done:
+                    self.supervisor.ended(ended)  # restarts the role, or raises RoleFailed
+            except BaseException:
+                discard(fut)
+                raise
         try:
             return fut.result()
         except Exception as exc:  # e.g. an actor died mid-call: one line, the cause stays chained
-            if _is_actor_death(exc):
-                raise RoleFailed(f"an actor died: {_first_line(exc)}") from exc
+            if is_actor_death(exc):
+                self.supervisor.fatal(exc)  # the trainer or the buffer: RoleFailed with the resume line
+                if self.supervisor.tolerated(exc):
+                    raise  # a generator's: the step pipeline's `recover` takes it
+                raise RoleFailed(f"an actor died: {first_line(exc)}") from exc
             raise
 
     async def _stop_loops(self) -> None:
@@ -292,13 +312,7 @@ class Controller:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:
             log.debug("buffer close failed: %s", exc)
-        if self._loops:
-            done, pending = await asyncio.wait(self._loops, timeout=15)
-            for f in pending:
-                f.cancel()
-            for f in done:  # retrieve: a loop that died has already been reported by _guard
-                if not f.cancelled() and f.exception() is not None:
-                    log.debug("role loop ended with %r", f.exception())
+        await self.supervisor.stop()
 
     def _summary(self, t_start: float) -> dict[str, Any]:
         out: dict[str, Any] = {"wall_s": time.time() - t_start}
@@ -326,19 +340,6 @@ def _truncate_rows(path: Path, step: int) -> list[dict[str, Any]]:
 def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
     for sink in sinks:
         sink.log(row)
-
-
-def _first_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return "cancelled"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
-
-
-def _is_actor_death(exc: BaseException) -> bool:
-    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
-    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-               for c in type(exc).__mro__)
 
 
 def _progress_line(row: dict[str, Any], total: int) -> str:

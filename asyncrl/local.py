@@ -36,6 +36,8 @@ class AsyncFacade:
 
 
 class LocalDeployment:
+    restartable: tuple[str, ...] = ()  # in process, a role cannot die without the run: nothing to supervise
+
     def __init__(self, cfg: Config) -> None:
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
@@ -49,7 +51,16 @@ class LocalDeployment:
         self.scorers = [AsyncFacade(s) for s in self.scorer_objs]
         self.channel: LocalWeightChannel | None = None
 
-    async def setup_weight_sync(self) -> None:
+    def dead_role(self, exc: BaseException) -> str | None:
+        return None
+
+    async def leave_weight_groups(self) -> None:
+        raise NotImplementedError("in-process runs are not supervised")
+
+    async def restart(self, kind: str, index: int) -> None:
+        raise NotImplementedError("in-process runs are not supervised")
+
+    async def setup_weight_sync(self, group_name: str = "weights") -> None:
         self.channel = LocalWeightChannel()
         self.trainer_obj.sender = self.channel
         for g in self.generator_objs:
