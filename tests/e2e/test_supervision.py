@@ -106,3 +106,21 @@ def test_a_trainer_killed_with_sigkill_ends_the_run_naming_it_and_the_resume_com
     assert "\n" not in message
     assert message.startswith("the trainer actor died"), message
     assert f"asyncrl launch --resume {run_dir}" in message, message
+
+
+@pytest.mark.timeout(400)
+def test_the_faults_benchmark_loses_no_accepted_group_and_ends_with_its_json_line(ray_cluster, capsys,
+                                                                                  monkeypatch):
+    import importlib.util
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "faults.py"
+    spec = importlib.util.spec_from_file_location("faults_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    returned = module.main(["--quick"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == returned
+    assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
+    assert last["benchmark"] == "faults" and last["value"] == 0 and last["target"] == 0 and last["ratio"] > 0
