@@ -114,6 +114,8 @@ class Supervisor:
             return
         role = self._loops.pop(fut)
         exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:  # a loop whose buffer died reports the buffer's death (Ray wraps it in its error)
+            self.fatal(exc)
         kind, index = role.split("/")
         own_death = exc is not None and is_actor_death(exc) and self.d.dead_role(exc) == role
         if not own_death or kind not in self.d.restartable:

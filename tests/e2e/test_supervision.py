@@ -124,3 +124,18 @@ def test_the_faults_benchmark_loses_no_accepted_group_and_ends_with_its_json_lin
     assert last == returned
     assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
     assert last["benchmark"] == "faults" and last["value"] == 0 and last["target"] == 0 and last["ratio"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_buffer_killed_without_checkpoints_ends_the_run_saying_no_checkpoint_exists(ray_cluster, make_config,
+                                                                                     tmp_path):
+    from asyncrl.controller import RoleFailed
+
+    run_dir = tmp_path / "buffer"
+    cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
+                      "logging.live=false", f'run.output_dir="{run_dir}"')
+    _, outcome = _run_and_kill(cfg, lambda d: d.buffer_actor)
+    assert isinstance(outcome, RoleFailed), repr(outcome)
+    message = str(outcome)
+    assert message.startswith("the buffer actor died"), message
+    assert "no checkpoint exists" in message and "run.save_every = 0" in message, message
