@@ -142,6 +142,7 @@ class RoleActor:
         group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
                                         backend=backend, timeout_s=timeout_s, group_name=group_name)
         self.role.receiver = CollectiveReceiver(group, meta)
+        self.role.weight_group = group_name
 
     def leave_weight_group(self) -> None:
         """A generator died: end this member's group (a send or an armed receive in flight on it raises), so

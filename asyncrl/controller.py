@@ -98,6 +98,7 @@ class Controller:
                                   pause_after=self._eval_due,
                                   drain_after=lambda v: self._save_due(v) or self._stopping,
                                   recover=self.supervisor.recover if deployment.restartable else None)
+        self.supervisor.attach(self.steps)
         self.rows: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:

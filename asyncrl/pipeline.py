@@ -321,7 +321,7 @@ class GeneratorEndpoint(Protocol):
     """A Generator role as the Controller calls it."""
 
     async def can_arm_receive(self) -> bool: ...
-    async def receive_weights(self, *, armed: bool = False) -> dict[str, float]: ...
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]: ...
 
 
 class Publisher(Protocol):
@@ -342,16 +342,21 @@ class StepPipeline:
     """The Controller's half: asks for each train step ahead of time, arms the generators' receives while
     it trains, collects the send, waits until every generator holds the new version, then publishes it.
 
-    `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile). `recover`
-    (supervision): when a step's weight sync fails, it is called with the error instead of raising it; it
-    re-forms the group with every generator (a dead one restarted), sends the current weights to all of them
-    and returns the send's statistics, or raises. The step then goes on to publish as if the sync had passed.
+    `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile).
+
+    Supervision (`recover`, asyncrl/supervisor.py): a weight sync (one claimed send, one receive per
+    generator) runs under `sync_lock`, and the supervisor re-forms the group under the same lock, so the two
+    never interleave on a group. Receives carry the name of the group they were made for (`group`); the
+    generator refuses a receive made for another group, so no receive ever counts a broadcast of a group it
+    was not made for. When a step's sync fails, `recover(error)` is awaited (outside the lock): it returns once
+    the group is re-formed (a dead generator restarted, every generator holding the current weights) or
+    raises; the step then syncs again on the new group, and publishes as usual.
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
                  total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain,
                  pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never,
-                 recover: Callable[[BaseException], Awaitable[dict[str, float]]] | None = None) -> None:
+                 recover: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
         self.trainer = trainer
         self.generators = list(generators)
         self.buffer = buffer
@@ -363,10 +368,12 @@ class StepPipeline:
         self.pause_after = pause_after
         self.drain_after = drain_after
         self.recover = recover
+        self.sync_lock = asyncio.Lock()  # a step's weight sync, or the supervisor re-forming the group
+        self.group = "weights"  # the weight-sync group's name now (the supervisor renames it when it re-forms)
         self._arm = False  # every generator's receive may wait for the send (set by start())
         self._next: tuple[int, asyncio.Future] | None = None  # a train step asked for ahead of time
         self._prefetching: dict[int, bool] = {}  # step -> whether it was asked to prefetch the next one
-        self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
+        self._armed: tuple[str, list[asyncio.Future]] | None = None  # receives of the next version (group, futures)
 
     async def start(self) -> None:
         """Ask the generators once whether their receives can wait for a send (arm early)."""
@@ -401,27 +408,52 @@ class StepPipeline:
             self.ask_next(step + 1)
         try:
             metrics = await self.watch(train)
-            if receives is None:  # receivers that cannot wait for a send: called now that it has begun
-                receives = self._receive(armed=False)
-            try:
-                sent = await self.watch(self.trainer.send_weights())
-                await self.watch(asyncio.gather(*receives))
-            except Exception as exc:
-                if self.recover is None:
-                    raise
-                for f in receives:  # receives of the old group: they end with it
-                    discard(f)
-                sent = await self.recover(exc)
+            sent, receives = await self._sync(receives)
         finally:
-            for f in receives or []:  # a failure above: no stray receive left running
+            for f in receives[1] if receives else []:  # a failure above: no stray receive left running
                 discard(f)
         if step + 1 < self.total_steps and self._arm:  # the next version's receives wait while it trains
             self._armed = self._receive(armed=True)
         await self.watch(self.buffer.publish(step + 1))
         return metrics, sent
 
-    def _receive(self, *, armed: bool) -> list[asyncio.Future]:
-        return [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+    async def _sync(self, receives: tuple[str, list[asyncio.Future]] | None,
+                    ) -> tuple[dict[str, float], tuple[str, list[asyncio.Future]] | None]:
+        """Claim the trainer's send and wait for every generator's receive; supervised, after a failure wait
+        for the re-formed group (`recover`) and sync again there. Returns (send statistics, the receives)."""
+        for attempt in range(8):
+            async with self.sync_lock:
+                if receives is not None and receives[0] != self.group:  # made for a group that is gone
+                    for f in receives[1]:
+                        discard(f)
+                    receives = None
+                if receives is None:  # receivers that cannot wait for a send: called now that it has begun
+                    receives = self._receive(armed=False)
+                assert receives is not None
+                group = self.group
+                try:
+                    sent = await self.watch(self.trainer.send_weights())
+                    await self.watch(asyncio.gather(*receives[1]))
+                    return sent, receives
+                except Exception as exc:
+                    if self.recover is None or attempt == 7:
+                        raise
+                    error = exc
+                    for f in receives[1]:
+                        discard(f)
+                    receives = None
+            if self.group == group:  # not re-formed yet: wait for it (or raise)
+                await self.recover(error)
+        raise AssertionError("unreachable")
+
+    def _receive(self, *, armed: bool) -> tuple[str, list[asyncio.Future]] | None:
+        """Every generator's receive, for the group as it is now; None while it is being re-formed."""
+        if self.recover is None:
+            return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+        if self.sync_lock.locked() and armed:
+            return None  # the sync makes them, under the lock, once the group is re-formed
+        return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed, group=self.group))
+                            for g in self.generators]
 
     def close(self) -> None:
         """Drop what was asked for ahead of a failure (or of the end): their outcomes warn nobody. An armed
@@ -429,6 +461,6 @@ class StepPipeline:
         if self._next is not None:
             discard(self._next[1])
             self._next = None
-        for f in self._armed or []:
+        for f in self._armed[1] if self._armed else []:
             discard(f)
         self._armed = None

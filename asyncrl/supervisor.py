@@ -14,10 +14,13 @@ Place in the dataflow: inside the Controller's process, beside the step pipeline
  anything else, or no restarts left   —                                RoleFailed (the run stops)
 ```
 
-`recover` (the step pipeline's hook when a step's weight sync fails): wait for the generator restarts,
-re-form the group under a fresh name (`weights-<n>`: its own announce keys, its broadcast count from 0),
-send the current weights to every generator (the restarted one receives before it admits anything), then
-start the restarted generators' loops. The step then publishes as usual.
+Re-forming (at the end of a generator's restart, under the step pipeline's `sync_lock`, so never in the
+middle of a step's weight sync): every member joins a group with a fresh name (`weights-<n>`: its own
+announce keys, its broadcast count from 0), the trainer sends its current weights to every generator (the
+restarted one receives before it admits anything: its loop starts only then). It does not wait for a sync
+to fail: with max_staleness = 0 and one generator, the train step waits for groups that only the restarted
+generator can make. `recover` is the step pipeline's hook when a step's sync fails: it waits for the
+re-forming (or raises when no generator died), and the step syncs again on the new group.
 
 Groups: the buffer knows which role holds each running group (`ReplayBuffer.release_holder`); a dead role's
 groups are released as failed, so the gate admits fresh prompts in their place and `take_step` never waits
@@ -80,8 +83,13 @@ class Supervisor:
         self.restarts = 0
         self._loops: dict[asyncio.Future, str] = {}  # a role's run() -> its name ("generator/0")
         self._restarting: dict[asyncio.Future, str] = {}  # a restart in progress -> the role it restarts
-        self._generators_back: list[int] = []  # restarted generators waiting for `recover`
+        self._generators_back: list[int] = []  # restarted generators waiting for the re-formed group
+        self._generators_down = 0  # generators dead and not restarted yet: the last restart re-forms the group
         self._groups = 0  # weight groups re-formed so far
+        self.steps: Any = None  # the StepPipeline (its sync_lock and group name), set by `attach`
+
+    def attach(self, steps: Any) -> None:
+        self.steps = steps
 
     # -- loops ---------------------------------------------------------------------------------------
     def start_loops(self) -> None:
@@ -124,6 +132,7 @@ class Supervisor:
             raise RoleFailed(f"{role} died and cluster.max_restarts = {self.max_restarts} restarts were used: "
                              f"{first_line(exc)}") from exc
         self.restarts += 1
+        self._generators_down += kind == "generator"
         log.warning("%s died (%s): restarting it (restart %d of at most %d)", role, first_line(exc),
                     self.restarts, self.max_restarts)
         self._restarting[asyncio.ensure_future(self._restart(kind, int(index)))] = role
@@ -134,37 +143,43 @@ class Supervisor:
             await self.d.leave_weight_groups()
         await self.d.buffer.release_holder(role)
         await self.d.restart(kind, index)
+        log.info("%s restarted", role)
         if kind == "scorer":
             self._start(role, self.d.scorers[index])
-        else:
-            self._generators_back.append(index)  # its loop starts once it holds the current weights
-        log.info("%s restarted", role)
+            return
+        self._generators_back.append(index)  # its loop starts once it holds the current weights
+        self._generators_down -= 1
+        if self._generators_down == 0:  # the last one back: every member can join
+            await self._regroup()
 
-    # -- the step pipeline's hook ----------------------------------------------------------------------
-    async def recover(self, exc: BaseException) -> dict[str, float]:
-        """A step's weight sync failed: if a generator died, re-form the group with its replacement and send
-        the current weights to every generator; else (or if the trainer died) raise."""
-        self.fatal(exc)
-        if not self._generator_restarts() and not self._generators_back:
-            await self._wait_for_a_death()
-        if not self._generator_restarts() and not self._generators_back:
-            raise exc
-        pending = self._generator_restarts()
-        if pending:
-            await asyncio.wait(pending)
-            for fut in pending:
-                self.ended(fut)  # raises if a restart failed
-        self._groups += 1
-        name = f"weights-{self._groups}"
-        log.info("re-forming the weight-sync group as %r", name)
-        await self.d.setup_weight_sync(group_name=name)
-        sent, *_ = await asyncio.gather(self.d.trainer.send_weights(),
-                                        *[g.receive_weights() for g in self.d.generators])
+    async def _regroup(self) -> None:
+        """Re-form the weight group under a fresh name, send the current weights to every generator, start
+        the restarted generators' loops. Under the step pipeline's sync lock: no step syncs meanwhile."""
+        async with self.steps.sync_lock:
+            self._groups += 1
+            name = f"weights-{self._groups}"
+            log.info("re-forming the weight-sync group as %r", name)
+            await self.d.setup_weight_sync(group_name=name)
+            self.steps.group = name
+            await asyncio.gather(self.d.trainer.send_weights(),
+                                 *[g.receive_weights(group=name) for g in self.d.generators])
         back, self._generators_back = self._generators_back, []
         for index in back:
             self._start(f"generator/{index}", self.d.generators[index])
-        return sent
 
+    # -- the step pipeline's hook ----------------------------------------------------------------------
+    async def recover(self, exc: BaseException) -> None:
+        """A step's weight sync failed: return once the group is re-formed around a restarted generator (the
+        step syncs again there); raise if the trainer died, or no generator did."""
+        self.fatal(exc)
+        if not self._generator_restarts():
+            await self._wait_for_a_death()
+        pending = self._generator_restarts()
+        if not pending:
+            raise exc
+        await asyncio.wait(pending)
+        for fut in pending:
+            self.ended(fut)  # raises if a restart failed
     def _generator_restarts(self) -> list[asyncio.Future]:
         return [f for f, role in self._restarting.items() if role.startswith("generator/")]
 
