@@ -180,12 +180,15 @@ class Supervisor:
         await asyncio.wait(pending)
         for fut in pending:
             self.ended(fut)  # raises if a restart failed
+
     def _generator_restarts(self) -> list[asyncio.Future]:
         return [f for f, role in self._restarting.items() if role.startswith("generator/")]
 
     async def _wait_for_a_death(self) -> None:
         """The sync may fail (a closed socket) before the dead generator's loop reports its death."""
         gens = [f for f, role in self._loops.items() if role.startswith("generator/")]
+        if not gens:
+            return
         done, _ = await asyncio.wait(gens, timeout=RECOVER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         for fut in done:
             self.ended(fut)
