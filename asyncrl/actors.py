@@ -81,13 +81,16 @@ class RoleActor:
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
     hosts the scorers with `cluster.scorer_placement = "buffer"`."""
 
-    def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None) -> None:
+    def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
+                 incarnation: int = 0) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
         set_torch_threads(cfg.cluster.torch_threads)
         self.kind = kind
         self.cfg = cfg
         self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
+        if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
+            self.role.holder = f"{kind}/{index}#{incarnation}"
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
         if kind == "buffer" and cfg.cluster.scorer_placement == "buffer":

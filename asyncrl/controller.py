@@ -66,6 +66,7 @@ class Deployment(Protocol):
     def dead_role(self, exc: BaseException) -> str | None:
         """The role ("trainer", "generator/0", ...) whose actor's death `exc` reports; None if unknown."""
         ...
+    def holder_of(self, role: str) -> str: ...  # the name the role's current actor holds groups under (buffer)
     async def leave_weight_groups(self) -> None: ...  # supervision: every live member ends its group
     async def restart(self, kind: str, index: int) -> None: ...  # supervision: a fresh actor for a dead one
 

@@ -71,6 +71,7 @@ class RayDeployment:
         in_buffer = cfg.cluster.scorer_placement == "buffer"
         self.scorer_actors = [] if in_buffer else [actor("scorer").remote("scorer", cfg, i, self.buffer_actor)
                                                 for i in range(cfg.reward.num_scorers)]
+        self._incarnations: dict[str, int] = {}  # role -> how often it was restarted (its holder name at the buffer)
         self._store_address: tuple[str, int] | None = None  # the trainer's rendezvous store, opened once
         self.buffer = RayProxy(self.buffer_actor)
         self.trainer = RayProxy(self.trainer_actor)
@@ -124,6 +125,10 @@ class RayDeployment:
                  **{f"scorer/{i}": a for i, a in enumerate(self.scorer_actors)}}
         return next((role for role, a in roles.items() if a._actor_id.hex() == actor_id), None)
 
+    def holder_of(self, role: str) -> str:
+        """The name under which the current actor of `role` ("generator/0") holds groups at the buffer."""
+        return f"{role}#{self._incarnations.get(role, 0)}"
+
     async def leave_weight_groups(self) -> None:
         """A generator died: every live member ends its group (sends and armed receives on it raise)."""
         members = [self.trainer_actor, *self.generator_actors]
@@ -140,7 +145,9 @@ class RayDeployment:
             ray.kill(actors[index], no_restart=True)
         except Exception as exc:  # already gone
             log.debug("kill failed: %s", exc)
-        new = self._actor(kind).remote(kind, self.cfg, index, self.buffer_actor)
+        role = f"{kind}/{index}"
+        self._incarnations[role] = self._incarnations.get(role, 0) + 1
+        new = self._actor(kind).remote(kind, self.cfg, index, self.buffer_actor, self._incarnations[role])
         await asyncio.wait_for(new.ready.remote(), READY_TIMEOUT_S)
         actors[index] = new
         (self.generators if kind == "generator" else self.scorers)[index].rebind(new)

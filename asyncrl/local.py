@@ -54,6 +54,9 @@ class LocalDeployment:
     def dead_role(self, exc: BaseException) -> str | None:
         return None
 
+    def holder_of(self, role: str) -> str:
+        return role
+
     async def leave_weight_groups(self) -> None:
         raise NotImplementedError("in-process runs are not supervised")
 

@@ -82,6 +82,9 @@ class _Embedded:
     def dead_role(self, exc: BaseException) -> str | None:
         return self.inner.dead_role(exc)
 
+    def holder_of(self, role: str) -> str:
+        return self.inner.holder_of(role)
+
     async def leave_weight_groups(self) -> None:
         raise NotImplementedError("asyncrl.Runtime does not restart roles")
 

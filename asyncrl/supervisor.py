@@ -141,7 +141,7 @@ class Supervisor:
         role = f"{kind}/{index}"
         if kind == "generator":  # every live member leaves the group: its sync in flight fails at once
             await self.d.leave_weight_groups()
-        await self.d.buffer.release_holder(role)
+        await self.d.buffer.release_holder(self.d.holder_of(role))  # before restart: the dead incarnation's name
         await self.d.restart(kind, index)
         log.info("%s restarted", role)
         if kind == "scorer":

@@ -28,10 +28,12 @@ groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) a
 Holders (supervision). Each running group is held by the roles that have a part of it: the generator that
 admitted it (`admit(..., holder=)`) until its rollouts are queued, then the queue, then every scorer that took
 one of its trajectories (`get_rollouts(..., holder=)`). When a generator or scorer actor dies, the Controller
-calls `release_holder` with its name: every running group it held is released as "failed" (its slot returns,
+calls `release_holder` with its name (one per actor incarnation: a restarted actor gets a fresh one): every
+running group it held is released as "failed" (its slot returns,
 the gate admits a fresh prompt in its place) and remembered as abandoned, so a late accept or release of one
 of them (a trajectory of it still queued, a put that was in flight) is dropped and counted
-(`buffer/abandoned`) instead of failing the scorer. Accepted groups are never held: they are never released.
+(`buffer/abandoned`) instead of failing the scorer. A call of the dead actor still waiting in the buffer (an
+admit, a get) that returns later releases what it got at once. Accepted groups are never released.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class ReplayBuffer:
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
         self._holders: dict[int, set[str]] = {}  # running group id -> the roles holding part of it
         self._abandoned: set[int] = set()  # released by release_holder: late accepts/releases are dropped
+        self._gone: set[str] = set()  # holders released: what a late call of theirs admits or takes is released
         self.abandoned = {"groups": 0, "late": 0}  # released by release_holder; late accepts/releases dropped
 
     # -- generators ----------------------------------------------------------------------------
@@ -117,6 +120,9 @@ class ReplayBuffer:
         if holder is not None:
             for gid in ids:
                 self._holders[gid] = {holder}
+            if holder in self._gone:  # a dead actor's admit that was waiting: nobody will generate these
+                await self.release_holder(holder)
+                return []
         return ids
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
@@ -181,11 +187,15 @@ class ReplayBuffer:
             for gid in {t.group_id for t in trajs}:
                 if gid in self._holders:
                     self._holders[gid].add(holder)
+            if holder in self._gone:  # a dead actor's get that was waiting: these trajectories are lost
+                await self.release_holder(holder)
+                return []
         return trajs
 
     async def release_holder(self, holder: str) -> list[int]:
         """`holder` died: release every running group it held as "failed" (a fresh prompt takes its slot);
         late accepts or releases of them are dropped. Returns their ids."""
+        self._gone.add(holder)
         ids = [gid for gid, held in self._holders.items() if holder in held and self.gate.is_running(gid)]
         for gid in ids:
             self.gate.release(gid, "failed")

@@ -74,6 +74,7 @@ class Generator:
         self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
         self.receiver: WeightReceiver | None = None
+        self.holder = f"generator/{generator_id}"  # its name at the buffer (a restarted actor gets a fresh one)
         self.weight_group = "weights"  # the name of the weight-sync group `receiver` belongs to (supervision)
         self.episodes: Any = None  # an asyncrl.envs.EpisodeRunner: play env episodes instead of completions
         # the estimator's AlgorithmNeeds.greedy_baseline (ReMax): also decode each prompt greedily into
@@ -177,7 +178,7 @@ class Generator:
                     continue
                 version = self.engine.version
                 t0 = time.time()
-                group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=f"generator/{self.generator_id}")
+                group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=self.holder)
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))

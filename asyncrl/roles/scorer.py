@@ -74,6 +74,7 @@ class Scorer:
         self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
+        self.holder = f"scorer/{scorer_id}"  # its name at the buffer (a restarted actor gets a fresh one)
         self._stopped = asyncio.Event()
         # since the start (stats() reports each window's increment); groups accepted, filtered or failed
         # are counted once, by the buffer
@@ -84,7 +85,7 @@ class Scorer:
     async def run(self) -> None:
         while not self._stopped.is_set():
             t0 = time.time()
-            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=f"scorer/{self.scorer_id}")
+            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)

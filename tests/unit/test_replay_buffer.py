@@ -299,3 +299,18 @@ def test_release_holder_never_releases_an_accepted_group():
         assert buf.gate.stats()["accepted"] == 1
 
     run(main())
+
+
+def test_an_admit_of_a_dead_holder_that_was_waiting_releases_what_it_got():
+    async def main():
+        buf = make_buffer()  # capacity at version 0: (0 + 1 + 1) * 2 = 4 groups
+        await buf.admit(4, 0, holder="generator/0#0")
+        late = asyncio.ensure_future(buf.admit(1, 0, timeout=1.0, holder="generator/0#0"))  # waits for room
+        await asyncio.sleep(0.01)
+        assert await buf.release_holder("generator/0#0") == [0, 1, 2, 3]  # room: the waiting admit gets an id
+        assert await late == []
+        st = buf.gate.stats()
+        assert (st["running"], st["failed"]) == (0, 5)
+        assert await buf.admit(1, 0, holder="generator/0#1") == [5]  # the restarted actor's own name works
+
+    run(main())
