@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 from typing import Any, Callable
 
 import ray
@@ -25,7 +26,7 @@ from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from asyncrl.weights.base import SENDERS
 from asyncrl.weights.bucketing import plan_buckets
-from asyncrl.weights.collective import CollectiveReceiver, create_store, join_group
+from asyncrl.weights.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
 from engines.base import CollectiveWeightEngine, weight_transport
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class RayProxy:
 
         return call
 
+    def rebind(self, handle: Any) -> None:
+        """Call `handle` from now on (a restarted actor replaces a dead one; every holder of this proxy follows)."""
+        self._handle = handle
+
     def __reduce__(self):  # travels to other actors as the handle it wraps
         return (RayProxy, (self._handle, self._role, self._index))
 
@@ -82,13 +87,16 @@ class RoleActor:
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
     hosts the scorers with `cluster.scorer_placement = "buffer"`."""
 
-    def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None) -> None:
+    def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
+                 incarnation: int = 0) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
         set_torch_threads(cfg.cluster.torch_threads)
         self.kind = kind
         self.cfg = cfg
         self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
+        if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
+            self.role.holder = f"{kind}/{index}#{incarnation}"
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
         if kind == "buffer" and cfg.cluster.scorer_placement == "buffer":
@@ -100,6 +108,10 @@ class RoleActor:
 
     def ready(self) -> str:
         return self.kind
+
+    def pid(self) -> int:
+        """This actor's process id (fault tests kill it with SIGKILL)."""
+        return os.getpid()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._watch_loop()
@@ -143,8 +155,9 @@ class RoleActor:
         return host, port
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                                backend: str, meta: WeightsMeta) -> None:
-        """Blocks until every member has joined: the controller calls all members together."""
+                                backend: str, meta: WeightsMeta, group_name: str = "weights") -> None:
+        """Blocks until every member has joined: the controller calls all members together. A group re-formed
+        after a generator died has a fresh `group_name` (its own announcements, its count from 0)."""
         engine = getattr(self.role, "engine", None)
         if rank > 0 and isinstance(engine, CollectiveWeightEngine):
             # vLLM / SGLang: the engine's worker processes are the group member, not this actor.
@@ -154,13 +167,25 @@ class RoleActor:
         timeout_s = self.cfg.weight_sync.timeout_s
         if rank == 0:  # the trainer sends in the format the generators' engine receives (weights/base.py)
             join_sender = SENDERS.get(weight_transport(self.cfg.rollout.engine))
+            self.role.pipeline.supervised = self.cfg.cluster.max_restarts > 0
             self.role.sender = await asyncio.to_thread(
                 join_sender, store=self._store, host=host, port=port, world_size=world_size, backend=backend,
-                timeout_s=timeout_s, meta=meta)
+                timeout_s=timeout_s, meta=meta, group_name=group_name)
             return
         group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
-                                        backend=backend, timeout_s=timeout_s)
+                                        backend=backend, timeout_s=timeout_s, group_name=group_name)
         self.role.receiver = CollectiveReceiver(group, meta)
+        self.role.weight_group = group_name
+
+    def leave_weight_group(self) -> None:
+        """A generator died: end this member's group (a send or an armed receive in flight on it raises), so
+        that every member can join the re-formed one. The trainer's next sends wait for the new group."""
+        if self.kind == "trainer":
+            old = self.role.pipeline.drop_sender()
+        else:
+            old, self.role.receiver = self.role.receiver, None
+        if isinstance(old, (CollectiveSender, CollectiveReceiver)):
+            old.close()
 
     async def save_checkpoint(self, path: str) -> str:
         """On a worker thread: writing a large model must not block the actor's event loop (the watch would

@@ -341,6 +341,12 @@ class ClusterConfig(Section):
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
+    max_restarts: Annotated[
+        int,
+        _d("Ray runs: a generator or scorer actor that dies is restarted, at most this many times in the run "
+           "(the run then stops with an error); 0 = off: a dead actor ends the run. A dead trainer or buffer always "
+           "ends the run (resume from its last checkpoint)", ge=0),
+    ] = 3
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
 
 

@@ -21,7 +21,9 @@ A watch (asyncrl/watchdog.py) runs beside the loops: a run whose every group fai
 loop is blocked, ends with one `RunStalled` line instead of a livelock or a hang.
 
 The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
-or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray.
+or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray. On Ray a dead
+generator or scorer is restarted (asyncrl/supervisor.py); a dead trainer or buffer ends the run with one line
+naming it and the resume command.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from asyncrl.checkpoint import CHECKPOINTS, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
+from asyncrl.supervisor import RoleFailed, Supervisor, first_line, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
@@ -60,21 +63,27 @@ class Deployment(Protocol):
     trainer: Any
     generators: list[Any]
     scorers: list[Any]
+    restartable: tuple[str, ...]  # the role kinds supervision restarts ("generator", "scorer"); () in process
 
-    async def setup_weight_sync(self) -> None: ...
+    async def setup_weight_sync(self, group_name: str = "weights") -> None: ...
     async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
     def probes(self) -> dict[str, Probe]:
         """One heartbeat probe per process hosting roles, by a name for it (asyncrl/watchdog.py); called once
         the event loop runs."""
         ...
+    def dead_role(self, exc: BaseException) -> str | None:
+        """The role ("trainer", "generator/0", ...) whose actor's death `exc` reports; None if unknown."""
+        ...
+    def holder_of(self, role: str) -> str: ...  # the name the role's current actor holds groups under (buffer)
+    async def leave_weight_groups(self) -> None: ...  # supervision: every live member ends its group
+    async def restart(self, kind: str, index: int) -> None: ...  # supervision: a fresh actor for a dead one
 
 
 ROWS_KEPT = 1000  # metrics rows the Controller keeps in memory (Runtime.metrics); all are in metrics.jsonl
 
 
-class RoleFailed(RuntimeError):
-    pass
+__all__ = ["Controller", "Deployment", "RoleFailed", "RunStopped"]
 
 
 class RunStopped(RuntimeError):
@@ -90,12 +99,13 @@ class Controller:
         self.config_text = config_text
         self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
         self._stopping = False  # SIGTERM: finish the step, write a checkpoint, stop (RunStopped)
-        self._loops: list[asyncio.Future] = []
         # ends a run that cannot progress (every group failing, a role's loop blocked) with one error
         self.watch = RunWatch(buffer=deployment.buffer, max_failed_in_a_row=cfg.run.max_failed_groups_in_a_row,
                               no_progress_timeout_s=cfg.run.no_progress_timeout_s,
                               role_timeout_s=cfg.run.role_timeout_s)
         self._watching: asyncio.Future | None = None
+        self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
+                                     save_every=cfg.run.save_every)
         self._spans: list[Span] = []
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
@@ -104,7 +114,9 @@ class Controller:
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
-                                  drain_after=lambda v: self._save_due(v) or self._stopping)
+                                  drain_after=lambda v: self._save_due(v) or self._stopping,
+                                  recover=self.supervisor.recover if deployment.restartable else None)
+        self.supervisor.attach(self.steps)
         # the newest rows only: every row is in metrics.jsonl, which the summary reads at the end (a run of
         # hours must not grow the driver)
         self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
@@ -128,7 +140,7 @@ class Controller:
             if first_step:  # the generators start from the model folder: give them the checkpoint's weights
                 await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                  *[g.receive_weights() for g in d.generators]))
-            self._loops = [asyncio.ensure_future(r.run()) for r in [*d.generators, *d.scorers]]
+            self.supervisor.start_loops()
             self.watch.probes = d.probes()
             self._watching = asyncio.ensure_future(self.watch.run())
             if cfg.trainer.eval_every > 0 and not first_step:
@@ -283,9 +295,10 @@ class Controller:
         """Every role's report of its window (what happened since its previous `stats()`), reduced by each
         metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
         d = self.d
-        reports: list[RoleStats] = await self._guard(asyncio.gather(
-            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()))
+        reports: list[RoleStats] = await self._guard(gather_alive(self.supervisor, [  # a dead one: no report
+            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()]))
         out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
+        out["supervisor/restarts"] = float(self.supervisor.restarts)
         new_spans = [sp for r in reports for sp in r.spans]
         if self._trace is not None:
             self._trace.add_spans(new_spans)
@@ -299,27 +312,38 @@ class Controller:
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile, or the
-        watch found that the run cannot progress (RunStalled)."""
+        """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile and
+        supervision does not restart it (asyncrl/supervisor.py), or the watch found that the run cannot
+        progress (RunStalled); a dead trainer or buffer: one line naming it and the resume command."""
         fut = asyncio.ensure_future(aw)
-        watching = [self._watching] if self._watching is not None else []
-        try:
-            done, _ = await asyncio.wait([fut, *self._loops, *watching], return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
-            discard(fut)
-            raise
-        if fut not in done:
-            fut.cancel()
-            dead = next(iter(done))
-            exc = dead.exception() if not dead.cancelled() else None
-            if isinstance(exc, RunStalled):  # the watch's verdict, already one line
+        while True:
+            try:
+                watching = [self._watching] if self._watching is not None else []
+                done, _ = await asyncio.wait([fut, *self.supervisor.watched, *watching],
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # Ctrl-C: stop the call too, and retrieve its outcome (no warning)
+                discard(fut)
+                raise
+            if fut in done:
+                break
+            if self._watching is not None and self._watching in done:  # the watch's verdict, already one line
+                discard(fut)
+                exc = self._watching.exception() if not self._watching.cancelled() else None
                 raise RunStalled(str(exc)) from None
-            raise RoleFailed(f"a generator or scorer stopped unexpectedly: {_first_line(exc)}") from exc
+            try:
+                for ended in done:
+                    self.supervisor.ended(ended)  # restarts the role, or raises RoleFailed
+            except BaseException:
+                discard(fut)
+                raise
         try:
             return fut.result()
         except Exception as exc:  # e.g. an actor died mid-call: one line, the cause stays chained
-            if _is_actor_death(exc):
-                raise RoleFailed(f"an actor died: {_first_line(exc)}") from exc
+            if is_actor_death(exc):
+                self.supervisor.fatal(exc)  # the trainer or the buffer: RoleFailed with the resume line
+                if self.supervisor.tolerated(exc):
+                    raise  # a generator's: the step pipeline's `recover` takes it
+                raise RoleFailed(f"an actor died: {first_line(exc)}") from exc
             raise
 
     async def _stop_loops(self) -> None:
@@ -336,13 +360,7 @@ class Controller:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:
             log.debug("buffer close failed: %s", exc)
-        if self._loops:
-            done, pending = await asyncio.wait(self._loops, timeout=15)
-            for f in pending:
-                f.cancel()
-            for f in done:  # retrieve: a loop that died has already been reported by _guard
-                if not f.cancelled() and f.exception() is not None:
-                    log.debug("role loop ended with %r", f.exception())
+        await self.supervisor.stop()
 
     def _summary(self, t_start: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"wall_s": time.time() - t_start}
@@ -377,19 +395,6 @@ def _truncate_rows(path: Path, step: int) -> list[dict[str, Any]]:
 def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
     for sink in sinks:
         sink.log(row)
-
-
-def _first_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return "cancelled"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
-
-
-def _is_actor_death(exc: BaseException) -> bool:
-    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
-    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-               for c in type(exc).__mro__)
 
 
 def _progress_line(row: dict[str, Any], total: int) -> str:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -62,7 +62,8 @@ class RayDeployment:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         cpus = {p.role: p.cpus for p in plan_resources(cfg)}
-        actor = lambda role: RemoteRoleActor.options(num_cpus=cpus[role], max_concurrency=1000)  # noqa: E731
+        self._actor = lambda role: RemoteRoleActor.options(num_cpus=cpus[role], max_concurrency=1000)  # noqa: E731
+        actor = self._actor
         self.buffer_actor = actor("buffer").remote("buffer", cfg)
         self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
         self.generator_actors = [actor("generator").remote("generator", cfg, i, self.buffer_actor)
@@ -71,6 +72,8 @@ class RayDeployment:
         in_buffer = cfg.cluster.scorer_placement == "buffer"
         self.scorer_actors = [] if in_buffer else [actor("scorer").remote("scorer", cfg, i, self.buffer_actor)
                                                 for i in range(cfg.reward.num_scorers)]
+        self._incarnations: dict[str, int] = {}  # role -> how often it was restarted (its holder name at the buffer)
+        self._store_address: tuple[str, int] | None = None  # the trainer's rendezvous store, opened once
         self.buffer = RayProxy(self.buffer_actor)
         self.trainer = RayProxy(self.trainer_actor)
         self.generators = [RayProxy(a) for a in self.generator_actors]
@@ -89,30 +92,83 @@ class RayDeployment:
                                f"{timeout_s:.0f}s; check cluster.*_cpus against the cluster's resources")
         ray.get(ready)  # surfaces a constructor error (e.g. a model folder that does not load)
 
-    async def setup_weight_sync(self) -> None:
+    async def setup_weight_sync(self, group_name: str = "weights") -> None:
+        """Form the weight-sync group (trainer rank 0, generators 1..N). Re-formed after a generator died
+        (`group_name` fresh, on the store the trainer opened first): every member leaves its old group first."""
         world = 1 + len(self.generator_actors)
         backend = resolve_backend(self.cfg.weight_sync.backend)
         meta = await self.trainer_actor.weights_meta.remote()
-        host, port = await self.trainer_actor.open_weight_store.remote(world)
+        if self._store_address is None:
+            self._store_address = await self.trainer_actor.open_weight_store.remote(world)
+        host, port = self._store_address
         members = [self.trainer_actor, *self.generator_actors]
         # Every member joins at once: the group's rendezvous blocks until all ranks arrive.
-        await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta)
+        await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta, group_name)
                                for rank, a in enumerate(members)])
 
     def probes(self) -> dict[str, Probe]:
-        """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop."""
+        """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop.
+        A probe asks the role's current actor, so it follows a restart (`restart`)."""
         hosted = " (and the scorers it hosts)" if self.cfg.cluster.scorer_placement == "buffer" else ""
-        named = {f"buffer{hosted}": self.buffer_actor, "trainer": self.trainer_actor,
-                 **{f"generator {i}": a for i, a in enumerate(self.generator_actors)},
-                 **{f"scorer {i}": a for i, a in enumerate(self.scorer_actors)}}
+        named: dict[str, Callable[[], Any]] = {
+            f"buffer{hosted}": lambda: self.buffer_actor, "trainer": lambda: self.trainer_actor,
+            **{f"generator {i}": (lambda i=i: self.generator_actors[i]) for i in range(len(self.generator_actors))},
+            **{f"scorer {i}": (lambda i=i: self.scorer_actors[i]) for i in range(len(self.scorer_actors))}}
 
-        def probe(actor: Any) -> Probe:
+        def probe(actor: Callable[[], Any]) -> Probe:
             async def heartbeat() -> Heartbeat:
-                return await actor.heartbeat.remote()
+                return await actor().heartbeat.remote()
 
             return heartbeat
 
         return {name: probe(actor) for name, actor in named.items()}
+
+    # -- supervision (docs/checkpoints.md, Supervision) --------------------------------------------
+    @property
+    def restartable(self) -> tuple[str, ...]:
+        """The roles `restart` can bring back: scorers in their own actors; generators where the weight
+        transport can re-form its group ("bucketed", received by the generator actor itself)."""
+        if self.cfg.cluster.max_restarts == 0:
+            return ()
+        kinds = ["scorer"] if self.scorer_actors else []  # scorers inside the buffer's actor die with it
+        if self.cfg.rollout.engine == "torch":  # vLLM / SGLang workers hold their own group membership
+            kinds.append("generator")
+        return tuple(kinds)
+
+    def dead_role(self, exc: BaseException) -> str | None:
+        """The role ("trainer", "buffer", "generator/0", ...) of the actor whose death `exc` reports."""
+        actor_id = getattr(exc, "actor_id", None)
+        roles = {"buffer": self.buffer_actor, "trainer": self.trainer_actor,
+                 **{f"generator/{i}": a for i, a in enumerate(self.generator_actors)},
+                 **{f"scorer/{i}": a for i, a in enumerate(self.scorer_actors)}}
+        return next((role for role, a in roles.items() if a._actor_id.hex() == actor_id), None)
+
+    def holder_of(self, role: str) -> str:
+        """The name under which the current actor of `role` ("generator/0") holds groups at the buffer."""
+        return f"{role}#{self._incarnations.get(role, 0)}"
+
+    async def leave_weight_groups(self) -> None:
+        """A generator died: every live member ends its group (sends and armed receives on it raise)."""
+        members = [self.trainer_actor, *self.generator_actors]
+        results = await asyncio.gather(*[a.leave_weight_group.remote() for a in members], return_exceptions=True)
+        for a, r in zip(members, results):  # the dead one cannot answer
+            if isinstance(r, BaseException):
+                log.debug("leave_weight_group on %s: %r", a, r)
+
+    async def restart(self, kind: str, index: int) -> None:
+        """Replace the dead actor of generator or scorer `index` with a fresh one; its proxy now calls the
+        new actor. A generator then needs the re-formed weight group (`setup_weight_sync`)."""
+        actors = self.generator_actors if kind == "generator" else self.scorer_actors
+        try:
+            ray.kill(actors[index], no_restart=True)
+        except Exception as exc:  # already gone
+            log.debug("kill failed: %s", exc)
+        role = f"{kind}/{index}"
+        self._incarnations[role] = self._incarnations.get(role, 0) + 1
+        new = self._actor(kind).remote(kind, self.cfg, index, self.buffer_actor, self._incarnations[role])
+        await asyncio.wait_for(new.ready.remote(), READY_TIMEOUT_S)
+        actors[index] = new
+        (self.generators if kind == "generator" else self.scorers)[index].rebind(new)
 
     async def save_checkpoint(self, path: str) -> None:
         await self.trainer_actor.save_checkpoint.remote(path)

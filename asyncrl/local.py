@@ -38,6 +38,8 @@ class AsyncFacade:
 
 
 class LocalDeployment:
+    restartable: tuple[str, ...] = ()  # in process, a role cannot die without the run: nothing to supervise
+
     def __init__(self, cfg: Config) -> None:
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
@@ -52,7 +54,19 @@ class LocalDeployment:
         self.channel: LocalWeightChannel | None = None
         self.monitor: LoopMonitor | None = None
 
-    async def setup_weight_sync(self) -> None:
+    def dead_role(self, exc: BaseException) -> str | None:
+        return None
+
+    def holder_of(self, role: str) -> str:
+        return role
+
+    async def leave_weight_groups(self) -> None:
+        raise NotImplementedError("in-process runs are not supervised")
+
+    async def restart(self, kind: str, index: int) -> None:
+        raise NotImplementedError("in-process runs are not supervised")
+
+    async def setup_weight_sync(self, group_name: str = "weights") -> None:
         self.channel = LocalWeightChannel()
         self.trainer_obj.sender = self.channel
         for g in self.generator_objs:

@@ -140,7 +140,13 @@ class UpdatePipeline:
         self.learner = learner
         self.source = source
         self.recorder = recorder or SpanRecorder("trainer")
-        self.sender: WeightSender | None = None  # set when the weight-sync group forms
+        self._sender: WeightSender | None = None  # set when the weight-sync group forms
+        self._has_sender = asyncio.Event()  # a send begun while the group is re-formed waits for the new one
+        # supervision (a generator died, the group is re-formed): a failed send does not stop the next update;
+        # the Controller sends the current weights again over the new group (StepPipeline's `recover`)
+        self.supervised = False
+        self._dropped = asyncio.Event()  # set (and replaced) by drop_sender: a claimed send of the old group ends
+        self._updating = False  # an update changes the weights now (a fresh send waits for its end)
         self._prefetch: tuple[int, asyncio.Future] | None = None  # (step, its take_step), started early
         self._sending: asyncio.Future | None = None  # the send of the current weights, while it reads them
         self._released = asyncio.Event()  # set once that send no longer reads the weights (or ended)
@@ -148,6 +154,30 @@ class UpdatePipeline:
         self._turn = asyncio.Condition()  # whose update is next
         self._busy = False
         self._failed: BaseException | None = None  # the last step that raised (wakes the ones after it)
+
+    @property
+    def sender(self) -> WeightSender | None:
+        return self._sender
+
+    @sender.setter
+    def sender(self, sender: WeightSender | None) -> None:
+        self._sender = sender
+        if sender is None:
+            self._has_sender.clear()
+        else:
+            self._has_sender.set()
+
+    def drop_sender(self) -> WeightSender | None:
+        """The group is being re-formed (a generator died): forget the old sender and its sends (their
+        receivers are gone; a send in flight on it fails when the caller closes it). Sends begun from now on
+        wait for the new sender. Returns the old sender for the caller to close."""
+        old, self.sender = self._sender, None
+        self._unclaimed.clear()  # each has `retrieve`: their failures warn nobody
+        self._sending = None
+        self._released.set()  # an update waiting for the old send's release goes on
+        self._dropped.set()  # a send_weights() claiming an old send raises
+        self._dropped = asyncio.Event()
+        return old
 
     async def train_step(self, step: int, *, prefetch: bool) -> StepOutcome:
         """Take step `step`'s groups, update (the learner holds version `step`, then `step + 1`) and start
@@ -173,7 +203,7 @@ class UpdatePipeline:
         await self._wait_released()
         if step != self.learner.version:
             raise RuntimeError(f"train_step({step}) but the trainer holds version {self.learner.version}")
-        if self.sender is None:
+        if self.sender is None and not self.supervised:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
         t0, c0 = self.recorder.begin("wait_gate"), time.process_time()
         groups = await self._take(step)
@@ -185,11 +215,17 @@ class UpdatePipeline:
             task = asyncio.ensure_future(self.source.take_step(step + 1))
             task.add_done_callback(retrieve)  # a take never claimed (a failure elsewhere) warns nobody
             self._prefetch = (step + 1, task)
-        self.recorder.begin("train")
-        metrics = await asyncio.to_thread(self.learner.update, groups)
-        t2, c2 = time.time(), time.process_time()
-        self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
-        self._unclaimed.append(self._begin_send())
+        self._updating = True
+        try:
+            self.recorder.begin("train")
+            metrics = await asyncio.to_thread(self.learner.update, groups)
+            t2, c2 = time.time(), time.process_time()
+            self.recorder.record("train", t1, t2, step, cpu_s=c2 - c1)
+            self._unclaimed.append(self._begin_send())
+        finally:
+            self._updating = False
+            async with self._turn:
+                self._turn.notify_all()
         return StepOutcome(groups, metrics, t1 - t0, t2 - t1)
 
     async def _take(self, step: int) -> list[Group]:
@@ -202,23 +238,42 @@ class UpdatePipeline:
         return await self.source.take_step(step)
 
     async def send_weights(self) -> dict[str, float]:
-        """The statistics of the oldest send no one claimed yet; with none, send the current weights now."""
+        """The statistics of the oldest send no one claimed yet; with none, send the current weights now (once
+        no update is running: it would change them under the send).
+
+        Supervised, while the group is re-formed (`drop_sender`) it raises at once, and a claimed send of the
+        old group raises when the group is dropped: one claim per broadcast of the new group, no stray one."""
+        if self.supervised and self._sender is None:
+            raise RuntimeError("weight send: the weight-sync group is being re-formed")
+        if not self._unclaimed:
+            async with self._turn:
+                await self._turn.wait_for(lambda: not self._updating or bool(self._unclaimed))
         task = self._unclaimed.popleft() if self._unclaimed else None
         if task is None:
             await self._wait_released()
             task = self._begin_send()
-        return await asyncio.shield(task)
+        dropped = asyncio.ensure_future(self._dropped.wait())
+        try:
+            await asyncio.wait({task, dropped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dropped.cancel()
+        if not task.done():
+            raise RuntimeError("weight send: the weight-sync group was re-formed during the send")
+        return task.result()
 
     def _begin_send(self) -> asyncio.Future:
-        if self.sender is None:
+        if self.sender is None and not self.supervised:
             raise RuntimeError("trainer has no weight sender; set up the weight-sync group first")
-        sender, version, tensors = self.sender, self.learner.version, self.learner.state_dict_for_sync()
+        version, tensors = self.learner.version, self.learner.state_dict_for_sync()
         loop, released = asyncio.get_running_loop(), asyncio.Event()
 
         def on_released() -> None:  # called on the sending thread
             loop.call_soon_threadsafe(released.set)
 
         async def send() -> dict[str, float]:
+            await self._has_sender.wait()  # set at once, except while the group is re-formed
+            sender = self.sender
+            assert sender is not None
             t0 = self.recorder.begin("weights_send")
             try:
                 stats = await asyncio.to_thread(sender.send, tensors, version, released=on_released)
@@ -249,6 +304,9 @@ class UpdatePipeline:
             self._sending = None
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
+            if self.supervised:  # its claimer (the Controller) re-forms the group and sends these weights again
+                log.warning("the weight send before this step failed (%s); the update goes on", exc)
+                return
             raise RuntimeError(f"the weight send before this step failed: {exc}") from exc
 
 
@@ -264,7 +322,7 @@ class GeneratorEndpoint(Protocol):
     """A Generator role as the Controller calls it."""
 
     async def can_arm_receive(self) -> bool: ...
-    async def receive_weights(self, *, armed: bool = False) -> dict[str, float]: ...
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]: ...
 
 
 class Publisher(Protocol):
@@ -286,11 +344,20 @@ class StepPipeline:
     it trains, collects the send, waits until every generator holds the new version, then publishes it.
 
     `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile).
+
+    Supervision (`recover`, asyncrl/supervisor.py): a weight sync (one claimed send, one receive per
+    generator) runs under `sync_lock`, and the supervisor re-forms the group under the same lock, so the two
+    never interleave on a group. Receives carry the name of the group they were made for (`group`); the
+    generator refuses a receive made for another group, so no receive ever counts a broadcast of a group it
+    was not made for. When a step's sync fails, `recover(error)` is awaited (outside the lock): it returns once
+    the group is re-formed (a dead generator restarted, every generator holding the current weights) or
+    raises; the step then syncs again on the new group, and publishes as usual.
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
                  total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain,
-                 pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never) -> None:
+                 pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never,
+                 recover: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
         self.trainer = trainer
         self.generators = list(generators)
         self.buffer = buffer
@@ -301,10 +368,13 @@ class StepPipeline:
         # the trainer and the buffer hold everything not yet trained (a checkpoint of both).
         self.pause_after = pause_after
         self.drain_after = drain_after
+        self.recover = recover
+        self.sync_lock = asyncio.Lock()  # a step's weight sync, or the supervisor re-forming the group
+        self.group = "weights"  # the weight-sync group's name now (the supervisor renames it when it re-forms)
         self._arm = False  # every generator's receive may wait for the send (set by start())
         self._next: tuple[int, asyncio.Future] | None = None  # a train step asked for ahead of time
         self._prefetching: dict[int, bool] = {}  # step -> whether it was asked to prefetch the next one
-        self._armed: list[asyncio.Future] | None = None  # the generators' receives of the next version
+        self._armed: tuple[str, list[asyncio.Future]] | None = None  # receives of the next version (group, futures)
 
     async def start(self) -> None:
         """Ask the generators once whether their receives can wait for a send (arm early)."""
@@ -339,20 +409,52 @@ class StepPipeline:
             self.ask_next(step + 1)
         try:
             metrics = await self.watch(train)
-            if receives is None:  # receivers that cannot wait for a send: called now that it has begun
-                receives = self._receive(armed=False)
-            sent = await self.watch(self.trainer.send_weights())
-            await self.watch(asyncio.gather(*receives))
+            sent, receives = await self._sync(receives)
         finally:
-            for f in receives or []:  # a failure above: no stray receive left running
+            for f in receives[1] if receives else []:  # a failure above: no stray receive left running
                 discard(f)
         if step + 1 < self.total_steps and self._arm:  # the next version's receives wait while it trains
             self._armed = self._receive(armed=True)
         await self.watch(self.buffer.publish(step + 1))
         return metrics, sent
 
-    def _receive(self, *, armed: bool) -> list[asyncio.Future]:
-        return [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+    async def _sync(self, receives: tuple[str, list[asyncio.Future]] | None,
+                    ) -> tuple[dict[str, float], tuple[str, list[asyncio.Future]] | None]:
+        """Claim the trainer's send and wait for every generator's receive; supervised, after a failure wait
+        for the re-formed group (`recover`) and sync again there. Returns (send statistics, the receives)."""
+        for attempt in range(8):
+            async with self.sync_lock:
+                if receives is not None and receives[0] != self.group:  # made for a group that is gone
+                    for f in receives[1]:
+                        discard(f)
+                    receives = None
+                if receives is None:  # receivers that cannot wait for a send: called now that it has begun
+                    receives = self._receive(armed=False)
+                assert receives is not None
+                group = self.group
+                try:
+                    sent = await self.watch(self.trainer.send_weights())
+                    await self.watch(asyncio.gather(*receives[1]))
+                    return sent, receives
+                except Exception as exc:
+                    if self.recover is None or attempt == 7:
+                        raise
+                    error = exc
+                    for f in receives[1]:
+                        discard(f)
+                    receives = None
+            if self.group == group:  # not re-formed yet: wait for it (or raise)
+                await self.recover(error)
+        raise AssertionError("unreachable")
+
+    def _receive(self, *, armed: bool) -> tuple[str, list[asyncio.Future]] | None:
+        """Every generator's receive, for the group as it is now; None while it is being re-formed."""
+        if self.recover is None:
+            return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+        if self.sync_lock.locked() and armed:
+            return None  # the sync makes them, under the lock, once the group is re-formed
+        return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed, group=self.group))
+                            for g in self.generators]
 
     def close(self) -> None:
         """Drop what was asked for ahead of a failure (or of the end): their outcomes warn nobody. An armed
@@ -360,6 +462,6 @@ class StepPipeline:
         if self._next is not None:
             discard(self._next[1])
             self._next = None
-        for f in self._armed or []:
+        for f in self._armed[1] if self._armed else []:
             discard(f)
         self._armed = None

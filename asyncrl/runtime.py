@@ -76,7 +76,22 @@ class _Embedded:
         self.generators = [_IdleGenerator(g) for g in inner.generators]
         self.scorers = inner.scorers
 
-    async def setup_weight_sync(self) -> None:
+    # your own loop submits episodes: a restarted generator could not take them over, so nothing is restarted
+    restartable: tuple[str, ...] = ()
+
+    def dead_role(self, exc: BaseException) -> str | None:
+        return self.inner.dead_role(exc)
+
+    def holder_of(self, role: str) -> str:
+        return self.inner.holder_of(role)
+
+    async def leave_weight_groups(self) -> None:
+        raise NotImplementedError("asyncrl.Runtime does not restart roles")
+
+    async def restart(self, kind: str, index: int) -> None:
+        raise NotImplementedError("asyncrl.Runtime does not restart roles")
+
+    async def setup_weight_sync(self, group_name: str = "weights") -> None:
         await self.inner.setup_weight_sync()
 
     async def save_checkpoint(self, path: str) -> None:

@@ -31,6 +31,16 @@ and waits of the window as `Total`s (the Controller adds them up: `buffer/*` are
 the depths now, and the env episodes that reached the rollout queue in the window. The buffer holds the one
 count of failed groups (`buffer/failed`: released as failed by a generator or a scorer), of filtered
 groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) and of env episodes.
+
+Holders (supervision). Each running group is held by the roles that have a part of it: the generator that
+admitted it (`admit(..., holder=)`) until its rollouts are queued, then the queue, then every scorer that took
+one of its trajectories (`get_rollouts(..., holder=)`). When a generator or scorer actor dies, the Controller
+calls `release_holder` with its name (one per actor incarnation: a restarted actor gets a fresh one): every
+running group it held is released as "failed" (its slot returns,
+the gate admits a fresh prompt in its place) and remembered as abandoned, so a late accept or release of one
+of them (a trajectory of it still queued, a put that was in flight) is dropped and counted
+(`buffer/abandoned`) instead of failing the scorer. A call of the dead actor still waiting in the buffer (an
+admit, a get) that returns later releases what it got at once. Accepted groups are never released.
 """
 
 from __future__ import annotations
@@ -106,10 +116,24 @@ class ReplayBuffer:
         self._window = Window()  # what stats() reported so far: its next report is the increment
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
         self.tracker = ProgressTracker()  # released groups in a row and why (the Controller's watch reads it)
+        self._holders: dict[int, set[str]] = {}  # running group id -> the roles holding part of it
+        self._abandoned: set[int] = set()  # released by release_holder: late accepts/releases are dropped
+        self._gone: set[str] = set()  # holders released: what a late call of theirs admits or takes is released
+        self.abandoned = {"groups": 0, "late": 0}  # released by release_holder; late accepts/releases dropped
 
     # -- generators ----------------------------------------------------------------------------
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
-        return await self.gate.admit(max_groups, version, timeout)
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None,
+                    holder: str | None = None) -> list[int]:
+        """Group ids admitted at `version` (see AdmissionGate.admit); `holder` (e.g. "generator/0") holds them
+        until their rollouts are queued."""
+        ids = await self.gate.admit(max_groups, version, timeout)
+        if holder is not None:
+            for gid in ids:
+                self._holders[gid] = {holder}
+            if holder in self._gone:  # a dead actor's admit that was waiting: nobody will generate these
+                await self.release_holder(holder)
+                return []
+        return ids
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         """Queue whole groups for scoring: `trajs` is one group's trajectories after another's (each group's
@@ -120,6 +144,9 @@ class ReplayBuffer:
         groups = whole_groups(trajs)
         self._count_env(trajs)
         await self.rollouts.put_many(groups)
+        for gid in {t.group_id for t in trajs}:  # queued: the generator no longer holds them
+            if gid in self._holders:
+                self._holders[gid] = {"queue"}
 
     def _count_env(self, trajs: list[Trajectory]) -> None:
         """Env episodes pass here on their way to scoring: count them (and their env faults) for metrics."""
@@ -168,10 +195,43 @@ class ReplayBuffer:
         return int(st["accepted"] + st["running"])
 
     # -- scorers ------------------------------------------------------------------------------
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+    async def get_rollouts(self, max_items: int, timeout: float | None = None,
+                           holder: str | None = None) -> list[Trajectory]:
         """Whole groups, oldest first, at most `max_items` trajectories (but always the oldest group, however
-        large); [] on timeout, or once the buffer is closed and the queue drained."""
-        return [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
+        large); [] on timeout, or once the buffer is closed and the queue drained. `holder` (e.g. "scorer/0")
+        then holds these groups too (supervision releases them if it dies)."""
+        trajs = [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
+        if holder is not None:
+            for gid in {t.group_id for t in trajs}:
+                if gid in self._holders:
+                    self._holders[gid].add(holder)
+            if holder in self._gone:  # a dead actor's get that was waiting: these trajectories are lost
+                await self.release_holder(holder)
+                return []
+        return trajs
+
+    async def release_holder(self, holder: str) -> list[int]:
+        """`holder` died: release every running group it held as "failed" (a fresh prompt takes its slot);
+        late accepts or releases of them are dropped. Returns their ids."""
+        self._gone.add(holder)
+        ids = [gid for gid, held in self._holders.items() if holder in held and self.gate.is_running(gid)]
+        for gid in ids:
+            self.gate.release(gid, "failed")
+            del self._holders[gid]
+            self._abandoned.add(gid)
+        self.abandoned["groups"] += len(ids)
+        self.tracker.released(len(ids), "failed", f"{holder} died")
+        if ids:
+            log.warning("%s died: %d running groups released as failed: %s", holder, len(ids), ids)
+        return ids
+
+    def _drop_abandoned(self, gids: list[int]) -> list[int]:
+        """The ids of `gids` that were not abandoned; the others are counted and forgotten."""
+        kept = [gid for gid in gids if gid not in self._abandoned]
+        for gid in set(gids) - set(kept):
+            self._abandoned.discard(gid)
+            self.abandoned["late"] += 1
+        return kept
 
     async def accept_groups(self, groups: list[Group]) -> None:
         """Store scored groups for training and accept them at the gate, in the given order.
@@ -179,8 +239,10 @@ class ReplayBuffer:
         Raises ValueError for a group that is not running at the gate, or whose min_version is
         older than the version it was admitted at (the generator admitted with a newer version than
         its engine held, which would void the staleness bound); QueueClosed once the buffer is closed.
+        A group released by `release_holder` (abandoned) is dropped.
         """
-        for group in groups:
+        kept = set(self._drop_abandoned([g.group_id for g in groups]))
+        for group in [g for g in groups if g.group_id in kept]:
             self._check_acceptable(group)
             _, waited = await timed_wait(
                 self._train_room, lambda: self._closed or len(self._train) < self.train_capacity, None
@@ -193,6 +255,7 @@ class ReplayBuffer:
             self.gate.accept(group.group_id)
             self._train[group.group_id] = group
             self.tracker.accepted(1)
+            self._holders.pop(group.group_id, None)
 
     def _check_acceptable(self, group: Group) -> None:
         gid = group.group_id
@@ -208,12 +271,14 @@ class ReplayBuffer:
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """Give back the slots of running groups that will not be trained ("filtered" / "failed"); `detail`
         says why in a few words (the reward's error, "rewards all 0"), for the error of a run in which every
-        group fails (`progress`)."""
+        group fails (`progress`). Abandoned groups (`release_holder`) were released already and are dropped."""
+        group_ids = self._drop_abandoned(group_ids)
         for gid in group_ids:  # validate all first, so a bad id releases nothing
             if not self.gate.is_running(gid):
                 raise ValueError(f"release_groups: group {gid} is not running (unknown, accepted or released)")
         for gid in group_ids:
             self.gate.release(gid, reason)
+            self._holders.pop(gid, None)
         self.tracker.released(len(group_ids), reason, detail)
 
     async def progress(self) -> Progress:
@@ -272,6 +337,7 @@ class ReplayBuffer:
             "rollout_put_wait_s": self.rollouts.put_wait_s, "rollout_get_wait_s": self.rollouts.get_wait_s,
             "train_put_wait_s": self.train_put_wait_s,
             "submitted_groups": self.submitted["groups"], "submitted_dropped_stale": self.submitted["dropped_stale"],
+            "abandoned": self.abandoned["groups"],
         })
         metrics = {f"buffer/{key}": Total(take(key, value)) for key, value in counts.items()}
         metrics["buffer/running"] = Last(gate["running"])

@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 class GroupSource(Protocol):
     """The part of the ReplayBuffer a generator talks to."""
 
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]: ...
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None,
+                    holder: str | None = None) -> list[int]:
+        """`holder` names this generator: if it dies, the groups it still holds are released (supervision)."""
+        ...
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         """Whole groups only: each group's trajectories together, one group after another."""
         ...
@@ -75,6 +78,8 @@ class Generator:
         self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
         self.receiver: WeightReceiver | None = None
+        self.holder = f"generator/{generator_id}"  # its name at the buffer (a restarted actor gets a fresh one)
+        self.weight_group = "weights"  # the name of the weight-sync group `receiver` belongs to (supervision)
         self.episodes: Any = None  # an asyncrl.envs.EpisodeRunner: play env episodes instead of completions
         # the estimator's AlgorithmNeeds.greedy_baseline (ReMax): also decode each prompt greedily into
         # baseline_response_ids, which the scorer scores into baseline_reward
@@ -89,12 +94,15 @@ class Generator:
         self._window = Window()
 
     # -- weights ---------------------------------------------------------------------------------
-    async def receive_weights(self, *, armed: bool = False) -> dict[str, float]:
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on).
         Called by the step pipeline (asyncrl/pipeline.py, `StepPipeline`).
 
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
-        it takes, without the group's timeout."""
+        it takes, without the group's timeout. `group`: the group the caller made this receive for; refused
+        if this generator is in another one (a group re-formed meanwhile must not count it)."""
+        if group is not None and group != self.weight_group:
+            raise RuntimeError(f"receive_weights for group {group!r}: this generator is in {self.weight_group!r}")
         if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
             t0 = self.recorder.begin("weights_recv")  # the engine's own workers receive and swap (vLLM / SGLang)
             version, stats = await self.engine.receive_weights()
@@ -175,7 +183,7 @@ class Generator:
                     continue
                 version = self.engine.version
                 t0 = self.recorder.begin("wait_gate")
-                group_ids = await self.buffer.admit(free, version, timeout=0.5)
+                group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=self.holder)
                 self.recorder.record("wait_gate", t0, time.time(), version)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))

@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 class ScoreSink(Protocol):
     """The part of the ReplayBuffer a scorer talks to."""
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
-        """Whole groups only, up to `max_items` trajectories (always at least the oldest group)."""
+    async def get_rollouts(self, max_items: int, timeout: float | None = None,
+                           holder: str | None = None) -> list[Trajectory]:
+        """Whole groups only, up to `max_items` trajectories (always at least the oldest group); `holder`
+        names this scorer: if it dies, the groups it took are released (supervision)."""
         ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
@@ -75,6 +77,7 @@ class Scorer:
         self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
+        self.holder = f"scorer/{scorer_id}"  # its name at the buffer (a restarted actor gets a fresh one)
         self._stopped = asyncio.Event()
         # since the start (stats() reports each window's increment); groups accepted, filtered or failed
         # are counted once, by the buffer
@@ -85,7 +88,7 @@ class Scorer:
     async def run(self) -> None:
         while not self._stopped.is_set():
             t0 = self.recorder.begin("wait_queue", "rollout queue")
-            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5)
+            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
             self.recorder.record("wait_queue", t0, time.time())
             if trajs:
                 await self.score_batch(trajs)

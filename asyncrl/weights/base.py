@@ -94,7 +94,9 @@ class JoinSender(Protocol):
     """Builds the Trainer's sender of one transport, once every member joins (they all call together)."""
 
     def __call__(self, *, store: Any, host: str, port: int, world_size: int, backend: str,
-                 timeout_s: float, meta: Any) -> WeightSender: ...
+                 timeout_s: float, meta: Any, group_name: str = "weights") -> WeightSender:
+        """`group_name`: a group re-formed after a generator died gets a fresh one (supervision)."""
+        ...
 
 
 SENDERS: Registry[JoinSender] = Registry("weight transport")

@@ -30,7 +30,9 @@ bit-identically.
 Joining (`join_group`) is a rendezvous: it blocks until every rank arrives, so every member must be asked
 to join together. Every collective has an explicit timeout, so a member that never arrives turns into a
 `TimeoutError` on the others, not a hang. After any collective error the group is marked broken: close
-it and form a new one (with a fresh `group_name`).
+it and form a new one (with a fresh `group_name`). The Controller's supervision does that when a generator
+dies (docs/checkpoints.md, Supervision): every member closes its old group and joins `weights-<n>`, whose
+announcements live under its own prefix and whose broadcast count starts from 0.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def join_group(
             ) from exc
         raise
     group = WeightSyncGroup(pg, rank=rank, world_size=world_size, backend=backend,
-                            timeout_s=timeout_s, device=dev, store=store)
+                            timeout_s=timeout_s, device=dev, store=store, group_name=group_name)
     if backend == "nccl":
         group.barrier()  # NCCL communicators are lazy; connect now, while every member is joining
     return group
@@ -192,7 +194,7 @@ class WeightSyncGroup:
     be issued in the same order on every member."""
 
     def __init__(self, pg: C10dBackend, *, rank: int, world_size: int, backend: str, timeout_s: float,
-                 device: torch.device, store: dist.Store | None = None) -> None:
+                 device: torch.device, store: dist.Store | None = None, group_name: str = "weights") -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -203,8 +205,9 @@ class WeightSyncGroup:
         self._timeout = timedelta(seconds=timeout_s)
         self._lock = threading.Lock()
         self._broken: str | None = None
-        # announcements of the weight broadcasts (see the module doc): their own prefix on the group's store
-        self._announce = dist.PrefixStore("asyncrl/announce", store) if store is not None else None
+        # announcements of the weight broadcasts (see the module doc): their own prefix under the group's name, so
+        # a re-formed group (a fresh name, its broadcast count from 0) never sees an older group's keys
+        self._announce = dist.PrefixStore(f"asyncrl/{group_name}/announce", store) if store is not None else None
         self._broadcasts = 0  # broadcast_weights calls so far; every member counts the same
 
     @property
@@ -373,6 +376,10 @@ class CollectiveSender:
         _, _, stats = self.group.broadcast_weights(tensors, self.meta, version, released=released)
         return stats
 
+    def close(self) -> None:
+        """End the group (a member died: it is re-formed under a fresh name); a send in flight raises."""
+        self.group.close()
+
 
 class CollectiveReceiver:
     """`WeightReceiver` over a `WeightSyncGroup`, on ranks >= 1 (the generators). `receive()` blocks
@@ -397,10 +404,14 @@ class CollectiveReceiver:
         self.last_version = version
         return staged, version, stats
 
+    def close(self) -> None:
+        """End the group (a member died: it is re-formed under a fresh name); an armed receive raises."""
+        self.group.close()
+
 
 def join_sender(*, store: dist.Store, host: str, port: int, world_size: int, backend: str, timeout_s: float,
-                meta: WeightsMeta) -> CollectiveSender:
+                meta: WeightsMeta, group_name: str = "weights") -> CollectiveSender:
     """The "bucketed" transport's sender: join the group as rank 0 over the store this process holds."""
     group = join_group(host=host, port=port, rank=0, world_size=world_size, backend=backend,
-                       timeout_s=timeout_s, store=store)
+                       timeout_s=timeout_s, store=store, group_name=group_name)
     return CollectiveSender(group, meta)

@@ -152,7 +152,9 @@ class PerTensorSender:
 
 
 def join_sender(*, store: dist.Store, host: str, port: int, world_size: int, backend: str, timeout_s: float,
-                meta: WeightsMeta) -> PerTensorSender:
+                meta: WeightsMeta, group_name: str = "weights") -> PerTensorSender:
     """The "per_tensor" transport's sender (host and port are the engines' to use: rank 0 holds the store)."""
+    if group_name != "weights":
+        raise ValueError("the per_tensor transport (SGLang) cannot re-form its group: generators are not restarted")
     group = join_sglang_sender(store=store, world_size=world_size, backend=backend, timeout_s=timeout_s)
     return PerTensorSender(group, meta)

@@ -416,3 +416,105 @@ def test_the_pipeline_modules_docstring_example_runs_and_holds():
 
     result = doctest.testmod(asyncrl.pipeline)
     assert result.attempted >= 10 and result.failed == 0
+
+
+# -- supervision: a failed sync waits for the re-formed group and syncs again there -------------------
+class GroupedGenerator(FakeGenerator):
+    """A generator in a named group: a receive made for another group is refused (asyncrl Generator's rule);
+    `dead` makes every receive fail, like a generator whose actor died."""
+
+    def __init__(self, index: int, log: list[str], trainer: FakeTrainer) -> None:
+        super().__init__(index, log, trainer)
+        self.group = "weights"
+        self.dead = False
+
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]:
+        if self.dead or group != self.group:
+            self.log.append(f"g{self.index} refuses {group}")
+            raise RuntimeError("actor died" if self.dead else "another group")
+        return await super().receive_weights(armed=armed)
+
+
+def test_step_pipeline_supervised_sync_waits_for_the_reformed_group_and_syncs_again_there():
+    log: list[str] = []
+    trainer = FakeTrainer(log)
+    gens = [GroupedGenerator(i, log, trainer) for i in range(2)]
+    recovered: list[str] = []
+
+    async def recover(exc: BaseException) -> None:  # the supervisor: restart g1, re-form, everyone gets the weights
+        recovered.append(str(exc))
+        async with steps.sync_lock:
+            for g in gens:
+                g.group, g.dead = "weights-1", False
+            steps.group = "weights-1"
+            await trainer.send_weights()
+            for g in gens:
+                await g.receive_weights(group="weights-1")
+
+    steps = StepPipeline(trainer=trainer, generators=gens, buffer=FakeGate(log), total_steps=2, recover=recover)
+
+    async def go() -> None:
+        await steps.start()
+        gens[1].dead = True  # dies before step 0's armed receives reach it
+        trainer.finish[0].set()
+        trainer.finish[1].set()
+        await steps.step(0)
+        await steps.step(1)
+        steps.close()
+
+    run(go())
+    assert recovered == ["actor died"]
+    # the recovery's sync, step 0's retried one and step 1's: every generator took part in each, and every
+    # receive after the recovery was made for the new group (the only refusals are the dead one's)
+    assert gens[0].held == gens[1].held == 3
+    assert [e for e in log if "refuses" in e] == ["g1 refuses weights"] * log.count("g1 refuses weights")
+    assert log[-1] == "publish 2" and log.count("publish 1") == 1
+
+
+def test_step_pipeline_supervised_sync_raises_what_recover_raises():
+    log: list[str] = []
+    trainer = FakeTrainer(log)
+    gens = [GroupedGenerator(0, log, trainer)]
+
+    async def recover(exc: BaseException) -> None:
+        raise RuntimeError("no generator died") from exc
+
+    steps = StepPipeline(trainer=trainer, generators=gens, buffer=FakeGate(log), total_steps=1, recover=recover)
+
+    async def go() -> None:
+        await steps.start()
+        gens[0].dead = True
+        trainer.finish[0].set()
+        with pytest.raises(RuntimeError, match="no generator died"):
+            await steps.step(0)
+        steps.close()
+
+    run(go())
+    assert not any(e.startswith("publish") for e in log)
+
+
+def test_trainer_drop_sender_ends_a_claimed_send_and_the_next_send_waits_for_the_new_sender():
+    log: list[str] = []
+    old = GatedSender(log)
+    trainer = make_trainer(log, old)
+    trainer.pipeline.supervised = True
+
+    async def go() -> None:
+        await trainer.train_step(0)
+        claim = asyncio.ensure_future(trainer.send_weights())
+        await asyncio.sleep(0.02)
+        trainer.pipeline.drop_sender()  # a generator died: the group is re-formed
+        with pytest.raises(RuntimeError, match="re-formed during the send"):
+            await claim
+        with pytest.raises(RuntimeError, match="being re-formed"):
+            await trainer.send_weights()
+        step1 = asyncio.ensure_future(trainer.train_step(1))  # the update goes on; its send waits
+        await asyncio.sleep(0.1)
+        assert "update 1 [1]" in log and "send 2 start" not in log
+        trainer.sender = InstantSender(log)
+        await step1
+        assert (await trainer.send_weights())["sync/version"] == 2.0
+        old.release.set()
+
+    run(go())
+    assert log.count("send 2") == 1

@@ -39,7 +39,7 @@ class FakeBuffer:
         self._next_id = 0
         self._admit_ids = admit_ids
 
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None, holder=None) -> list[int]:
         self.admits.append((max_groups, version))
         n = min(max_groups, self._admit_ids - self._next_id)
         if n <= 0:
@@ -52,7 +52,7 @@ class FakeBuffer:
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         self.rollouts.extend(trajs)
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None) -> list[Trajectory]:
+    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder=None) -> list[Trajectory]:
         if self.batches:
             return self.batches.pop(0)
         await asyncio.sleep(0.01)

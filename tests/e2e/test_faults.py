@@ -149,7 +149,7 @@ def _wait_for(cond, timeout: float, what: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.timeout(240)
-def test_killed_generator_actor_fails_the_run_fast_and_shuts_the_deployment_down(ray_cluster, make_config,
+def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_down(ray_cluster, make_config,
                                                                                  tmp_path):
     import ray
 
@@ -157,7 +157,7 @@ def test_killed_generator_actor_fails_the_run_fast_and_shuts_the_deployment_down
     from asyncrl.launch import RayDeployment
 
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
-                      f'run.output_dir="{tmp_path / "dead"}"')
+                      "cluster.max_restarts=0", f'run.output_dir="{tmp_path / "dead"}"')
     deployment = RayDeployment(cfg)
     deployment.wait_ready()
     controller = Controller(cfg, deployment)

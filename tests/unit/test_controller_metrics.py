@@ -39,7 +39,7 @@ def buffer(failed: float, depth: float, episodes: float = 0.0, turns_mean: float
 
 def controller(tmp_path, generators: list[FakeRole], scorers: list[FakeRole], trainer: FakeRole,
                buffer_role: FakeRole) -> Controller:
-    d = SimpleNamespace(generators=generators, scorers=scorers, trainer=trainer, buffer=buffer_role)
+    d = SimpleNamespace(generators=generators, scorers=scorers, trainer=trainer, buffer=buffer_role, restartable=())
     return Controller(Config(model=ModelConfig(path="unused")), d, run_dir=tmp_path)  # type: ignore[arg-type]
 
 

@@ -115,7 +115,7 @@ def test_submitted_groups_are_admitted_at_their_version_and_dropped_when_too_sta
 
 
 class _Buffer:
-    async def get_rollouts(self, max_items, timeout=None):
+    async def get_rollouts(self, max_items, timeout=None, holder=None):
         return []
 
     async def accept_groups(self, groups):

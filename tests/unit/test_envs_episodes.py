@@ -332,7 +332,7 @@ class _ClosingBuffer:
         self.before_refusing = lambda: None
         self.admitted = self.puts = 0
 
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None, holder=None) -> list[int]:
         if self.admitted:
             await asyncio.sleep(0.01)
             return []

@@ -309,3 +309,66 @@ def test_put_rollouts_refuses_a_group_that_is_not_whole():
         return buffer.rollouts.qsize()
 
     assert run(main()) == 0  # nothing of a refused batch was queued
+
+
+def test_a_dead_generators_unqueued_groups_are_released_and_its_queued_ones_are_not():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(3, 0, holder="generator/0")
+        other = await buf.admit(1, 0, holder="generator/1")
+        await buf.put_rollouts([traj(ids[0] * 2 + j, ids[0], 2, 0) for j in range(2)])  # queued: the queue holds it
+        released = await buf.release_holder("generator/0")
+        assert released == ids[1:]
+        assert buf.gate.is_running(ids[0]) and buf.gate.is_running(other[0])
+        assert buf.gate.stats()["failed"] == 2
+        return buf, ids
+
+    buf, ids = run(main())
+    assert run(buf.stats()).metrics["buffer/abandoned"] == Total(2.0)
+
+
+def test_a_dead_scorers_taken_groups_are_released_and_a_late_accept_of_them_is_dropped():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(2, 0, holder="generator/0")
+        await buf.put_rollouts([traj(g * 2 + j, g, 2, 0) for g in ids for j in range(2)])
+        taken = await buf.get_rollouts(4, holder="scorer/0")  # both groups, whole
+        assert {t.group_id for t in taken} == set(ids)
+        assert await buf.release_holder("scorer/0") == ids
+        assert await buf.get_rollouts(8, timeout=SHORT, holder="scorer/1") == []  # nothing of them is left
+        await buf.accept_groups([group(ids[0], 0)])  # a late accept (a put that was in flight): dropped
+        await buf.release_groups([ids[1]], "failed")  # a late release: dropped too
+        st = buf.gate.stats()
+        assert (st["accepted"], st["failed"], st["running"]) == (0, 2, 0)
+        assert buf.abandoned == {"groups": 2, "late": 2}
+
+    run(main())
+
+
+def test_release_holder_never_releases_an_accepted_group():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(1, 0, holder="generator/0")
+        await buf.put_rollouts([traj(ids[0] * 2 + j, ids[0], 2, 0) for j in range(2)])
+        await buf.get_rollouts(2, holder="scorer/0")
+        await buf.accept_groups([group(ids[0], 0)])
+        assert await buf.release_holder("scorer/0") == []
+        assert await buf.release_holder("generator/0") == []
+        assert buf.gate.stats()["accepted"] == 1
+
+    run(main())
+
+
+def test_an_admit_of_a_dead_holder_that_was_waiting_releases_what_it_got():
+    async def main():
+        buf = make_buffer()  # capacity at version 0: (0 + 1 + 1) * 2 = 4 groups
+        await buf.admit(4, 0, holder="generator/0#0")
+        late = asyncio.ensure_future(buf.admit(1, 0, timeout=1.0, holder="generator/0#0"))  # waits for room
+        await asyncio.sleep(0.01)
+        assert await buf.release_holder("generator/0#0") == [0, 1, 2, 3]  # room: the waiting admit gets an id
+        assert await late == []
+        st = buf.gate.stats()
+        assert (st["running"], st["failed"]) == (0, 5)
+        assert await buf.admit(1, 0, holder="generator/0#1") == [5]  # the restarted actor's own name works
+
+    run(main())

@@ -1,0 +1,234 @@
+"""Supervision of generators and scorers: a dead actor is restarted, its groups released, the weight group
+re-formed; a dead trainer or buffer ends the run with one line that says how to resume.
+
+Place in the dataflow: inside the Controller's process, beside the step pipeline. It owns the role loops
+(each generator's and scorer's `run()`), sees one end, and decides:
+
+```
+ a loop ended                         the role is                     then
+ ──────────────────────────────────── ─────────────────────────────── ──────────────────────────────────────────
+ its own actor died (kill -9, OOM)    scorer, restarts left            release its groups, new actor, its loop
+                                      generator, restarts left         every member leaves the weight group,
+                                                                        release its groups, new actor; the step
+                                                                        pipeline's failed sync calls `recover`
+ anything else, or no restarts left   —                                RoleFailed (the run stops)
+```
+
+Re-forming (at the end of a generator's restart, under the step pipeline's `sync_lock`, so never in the
+middle of a step's weight sync): every member joins a group with a fresh name (`weights-<n>`: its own
+announce keys, its broadcast count from 0), the trainer sends its current weights to every generator (the
+restarted one receives before it admits anything: its loop starts only then). It does not wait for a sync
+to fail: with max_staleness = 0 and one generator, the train step waits for groups that only the restarted
+generator can make. `recover` is the step pipeline's hook when a step's sync fails: it waits for the
+re-forming (or raises when no generator died), and the step syncs again on the new group.
+
+Groups: the buffer knows which role holds each running group (`ReplayBuffer.release_holder`); a dead role's
+groups are released as failed, so the gate admits fresh prompts in their place and `take_step` never waits
+for them. Accepted groups are never released: none is lost. In-process runs (`--local`) are not supervised
+(a role cannot die without the process); the deployment's `restartable` is empty there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Awaitable
+
+from asyncrl.aio import discard
+from asyncrl.checkpoint import CHECKPOINTS, latest_valid
+
+log = logging.getLogger(__name__)
+
+RECOVER_WAIT_S = 15.0  # a failed weight sync waits this long for a generator's death to show
+
+
+class RoleFailed(RuntimeError):
+    pass
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    # Ray's ActorDiedError / RayActorError, recognised by name: the Controller never imports Ray.
+    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+               for c in type(exc).__mro__)
+
+
+def first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "cancelled"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def death_message(role: str, exc: BaseException, run_dir: Path, save_every: int) -> str:
+    """One line: which role died and how to go on (the resume command, or that no checkpoint exists)."""
+    found = latest_valid(run_dir / CHECKPOINTS)
+    if found is not None:
+        then = f"resume from {found.name} with: asyncrl launch --resume {run_dir}"
+    else:
+        then = (f"no checkpoint exists in {run_dir / CHECKPOINTS} to resume from (run.save_every = {save_every}; "
+                "set it to write them)")
+    return f"the {role} actor died ({first_line(exc)}); {then}"
+
+
+class Supervisor:
+    """The role loops and their restarts (see the module docstring). `restarts` counts them for the metrics
+    (`supervisor/restarts`)."""
+
+    def __init__(self, deployment: Any, *, max_restarts: int, run_dir: Path, save_every: int) -> None:
+        self.d = deployment
+        self.max_restarts = max_restarts
+        self.run_dir = run_dir
+        self.save_every = save_every
+        self.restarts = 0
+        self._loops: dict[asyncio.Future, str] = {}  # a role's run() -> its name ("generator/0")
+        self._restarting: dict[asyncio.Future, str] = {}  # a restart in progress -> the role it restarts
+        self._generators_back: list[int] = []  # restarted generators waiting for the re-formed group
+        self._generators_down = 0  # generators dead and not restarted yet: the last restart re-forms the group
+        self._groups = 0  # weight groups re-formed so far
+        self.steps: Any = None  # the StepPipeline (its sync_lock and group name), set by `attach`
+
+    def attach(self, steps: Any) -> None:
+        self.steps = steps
+
+    # -- loops ---------------------------------------------------------------------------------------
+    def start_loops(self) -> None:
+        for i, g in enumerate(self.d.generators):
+            self._start(f"generator/{i}", g)
+        for i, s in enumerate(self.d.scorers):
+            self._start(f"scorer/{i}", s)
+
+    def _start(self, role: str, endpoint: Any) -> None:
+        self._loops[asyncio.ensure_future(endpoint.run())] = role
+
+    @property
+    def watched(self) -> list[asyncio.Future]:
+        """What the Controller's guard waits on beside each call: the loops and the restarts in progress."""
+        return [*self._loops, *self._restarting]
+
+    @property
+    def loops(self) -> list[asyncio.Future]:
+        return list(self._loops)
+
+    def ended(self, fut: asyncio.Future) -> None:
+        """A watched future ended while the Controller waited: restart its role, or raise RoleFailed."""
+        if fut not in self._restarting and fut not in self._loops:
+            return  # reported already
+        if fut in self._restarting:
+            role = self._restarting.pop(fut)
+            if fut.cancelled() or fut.exception() is not None:
+                exc = None if fut.cancelled() else fut.exception()
+                raise RoleFailed(f"restarting {role} failed: {first_line(exc)}") from exc
+            return
+        role = self._loops.pop(fut)
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:  # a loop whose buffer died reports the buffer's death (Ray wraps it in its error)
+            self.fatal(exc)
+        kind, index = role.split("/")
+        own_death = exc is not None and is_actor_death(exc) and self.d.dead_role(exc) == role
+        if not own_death or kind not in self.d.restartable:
+            raise RoleFailed(f"{role} stopped unexpectedly: {first_line(exc)}") from exc
+        if self.restarts >= self.max_restarts:
+            raise RoleFailed(f"{role} died and cluster.max_restarts = {self.max_restarts} restarts were used: "
+                             f"{first_line(exc)}") from exc
+        self.restarts += 1
+        self._generators_down += kind == "generator"
+        log.warning("%s died (%s): restarting it (restart %d of at most %d)", role, first_line(exc),
+                    self.restarts, self.max_restarts)
+        self._restarting[asyncio.ensure_future(self._restart(kind, int(index)))] = role
+
+    async def _restart(self, kind: str, index: int) -> None:
+        role = f"{kind}/{index}"
+        if kind == "generator":  # every live member leaves the group: its sync in flight fails at once
+            await self.d.leave_weight_groups()
+        await self.d.buffer.release_holder(self.d.holder_of(role))  # before restart: the dead incarnation's name
+        await self.d.restart(kind, index)
+        log.info("%s restarted", role)
+        if kind == "scorer":
+            self._start(role, self.d.scorers[index])
+            return
+        self._generators_back.append(index)  # its loop starts once it holds the current weights
+        self._generators_down -= 1
+        if self._generators_down == 0:  # the last one back: every member can join
+            await self._regroup()
+
+    async def _regroup(self) -> None:
+        """Re-form the weight group under a fresh name, send the current weights to every generator, start
+        the restarted generators' loops. Under the step pipeline's sync lock: no step syncs meanwhile."""
+        async with self.steps.sync_lock:
+            self._groups += 1
+            name = f"weights-{self._groups}"
+            log.info("re-forming the weight-sync group as %r", name)
+            await self.d.setup_weight_sync(group_name=name)
+            self.steps.group = name
+            await asyncio.gather(self.d.trainer.send_weights(),
+                                 *[g.receive_weights(group=name) for g in self.d.generators])
+        back, self._generators_back = self._generators_back, []
+        for index in back:
+            self._start(f"generator/{index}", self.d.generators[index])
+
+    # -- the step pipeline's hook ----------------------------------------------------------------------
+    async def recover(self, exc: BaseException) -> None:
+        """A step's weight sync failed: return once the group is re-formed around a restarted generator (the
+        step syncs again there); raise if the trainer died, or no generator did."""
+        self.fatal(exc)
+        if not self._generator_restarts():
+            await self._wait_for_a_death()
+        pending = self._generator_restarts()
+        if not pending:
+            raise exc
+        await asyncio.wait(pending)
+        for fut in pending:
+            self.ended(fut)  # raises if a restart failed
+
+    def _generator_restarts(self) -> list[asyncio.Future]:
+        return [f for f, role in self._restarting.items() if role.startswith("generator/")]
+
+    async def _wait_for_a_death(self) -> None:
+        """The sync may fail (a closed socket) before the dead generator's loop reports its death."""
+        gens = [f for f, role in self._loops.items() if role.startswith("generator/")]
+        if not gens:
+            return
+        done, _ = await asyncio.wait(gens, timeout=RECOVER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            self.ended(fut)
+
+    def fatal(self, exc: BaseException) -> None:
+        """Raise RoleFailed with the resume line if `exc` reports the trainer's or the buffer's death."""
+        if is_actor_death(exc):
+            role = self.d.dead_role(exc)
+            if role in ("trainer", "buffer"):
+                raise RoleFailed(death_message(role, exc, self.run_dir, self.save_every)) from exc
+
+    def tolerated(self, exc: BaseException) -> bool:
+        """Whether `exc` is the death of a generator or scorer that supervision takes care of."""
+        if not (is_actor_death(exc) and self.max_restarts > 0):
+            return False
+        role = self.d.dead_role(exc)
+        return role is not None and role.split("/")[0] in self.d.restartable
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        """Wait for the loops to end (after their roles' stop()), cancel what is left."""
+        for fut in self._restarting:
+            discard(fut)
+        self._restarting.clear()
+        if self._loops:
+            done, pending = await asyncio.wait(self._loops, timeout=timeout_s)
+            for f in pending:
+                f.cancel()
+            for f in done:  # retrieve: a loop that died has already been reported
+                if not f.cancelled() and f.exception() is not None:
+                    log.debug("role loop ended with %r", f.exception())
+
+
+async def gather_alive(supervisor: Supervisor, calls: list[Awaitable[Any]]) -> list[Any]:
+    """Results of `calls`, leaving out those of generators or scorers that died (supervision restarts them)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    out = []
+    for r in results:
+        if isinstance(r, BaseException):
+            if isinstance(r, Exception) and supervisor.tolerated(r):
+                continue
+            raise r
+        out.append(r)
+    return out
