@@ -5,12 +5,12 @@ whole training loop; its `_guard` fails fast (one line) when the watch raises `R
 `period_s` the watch asks each process that hosts roles for a `Heartbeat` (its `LoopMonitor`), then the
 buffer for its `progress()` (buffers/progress.py), and ends the run when
 
-| bound                            | crossed when                                                      |
-|----------------------------------|-------------------------------------------------------------------|
-| `run.role_timeout_s`             | a role's event loop did not run for that long, or its process did |
-|                                  | not answer at all                                                 |
+| bound                            | crossed when                                                       |
+|----------------------------------|--------------------------------------------------------------------|
+| `run.role_timeout_s`             | a role's event loop did not run for that long, or its process did  |
+|                                  | not answer at all                                                  |
 | `run.max_failed_groups_in_a_row` | that many groups in a row failed or were filtered, none trained on |
-| `run.no_progress_timeout_s`      | no group was accepted and no step taken for that many seconds     |
+| `run.no_progress_timeout_s`      | no group was accepted and no step taken for that many seconds      |
 
 Why. A failed or filtered group gives its slot back and the gate admits a fresh prompt in its place, so a
 run in which every group fails (a reward that always raises, rows without the answer field, a row the
