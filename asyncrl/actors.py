@@ -24,10 +24,10 @@ from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.watchdog import Heartbeat, LoopMonitor
-from asyncrl.weights.base import SENDERS
-from asyncrl.weights.bucketing import plan_buckets
-from asyncrl.weights.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
 from engines.base import CollectiveWeightEngine, weight_transport
+from transports.base import SENDERS
+from transports.bucketing import plan_buckets
+from transports.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
 from asyncrl.watchdog import Heartbeat, Probe
-from asyncrl.weights.collective import resolve_backend
 from engines.hf import ensure_model
+from transports.collective import resolve_backend
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
-from asyncrl.weights.local import LocalWeightChannel
+from transports.local import LocalWeightChannel
 
 
 class AsyncFacade:

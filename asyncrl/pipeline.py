@@ -88,7 +88,7 @@ from torch import Tensor
 from asyncrl.aio import discard, retrieve
 from asyncrl.messages import Group
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.weights.base import WeightSender
+from transports.base import WeightSender
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import FULL, hf_generate, native_generate, random_prompts, timed
 
 from asyncrl.messages import SamplingParams
-from asyncrl.weights.bucketing import plan_buckets
-from asyncrl.weights.collective import CollectiveReceiver, create_store, join_group
 from engines import hf
 from engines.torch_engine import TorchEngine
 from engines.vllm_engine import VLLMEngine
+from transports.bucketing import plan_buckets
+from transports.collective import CollectiveReceiver, create_store, join_group
 
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 REPEATS = 7

@@ -62,7 +62,7 @@ class InterruptibleEngine(RolloutEngine, Protocol):
 class CollectiveWeightEngine(RolloutEngine, Protocol):
     """An engine whose own worker processes join the trainer's weight-sync group (vLLM, SGLang), so a
     broadcast lands where the model lives instead of in the generator's process (optional; check with
-    isinstance). The group and its wire format are `asyncrl.weights.collective`'s."""
+    isinstance). The group and its wire format are `transports.collective`'s."""
 
     async def join_weight_group(self, *, host: str, port: int, rank: int, world_size: int, backend: str,
                                 timeout_s: float, meta: WeightsMeta) -> None:
@@ -81,7 +81,7 @@ ENGINES.register_lazy("vllm", "engines.vllm_engine:VLLMEngine")
 ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 
 # The wire format each engine's receiving side speaks, by the name of the trainer's sender in
-# `asyncrl.weights.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
+# `transports.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
 WEIGHT_TRANSPORTS = {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
 
 

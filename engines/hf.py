@@ -21,17 +21,37 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:  # annotations only: engines depend on no asyncrl module but messages and registry
-    from asyncrl.config_schema import ModelConfig, TinyModelConfig
 
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+
+
+class TinyModelSpec(Protocol):
+    """What building a tiny model reads (asyncrl's `[model.build_tiny]` section has these fields)."""
+
+    arch: str
+    vocab: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+    init_std: float
+    seed: int
+
+
+class ModelSpec(Protocol):
+    """What `ensure_model` reads (asyncrl's `[model]` section): the folder, and the tiny model to build there."""
+
+    path: str
+    build_tiny: TinyModelSpec | None
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,7 +110,7 @@ def _build_tokenizer(vocab: str):
     )
 
 
-def _build_model(cfg: TinyModelConfig, vocab_size: int):
+def _build_model(cfg: TinyModelSpec, vocab_size: int):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -128,7 +148,7 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def build_tiny_model(path: str | Path, cfg: TinyModelConfig) -> None:
+def build_tiny_model(path: str | Path, cfg: TinyModelSpec) -> None:
     """Write a tiny random-initialised HF causal LM + char tokenizer into `path` (deterministic in cfg.seed)."""
     _quiet_transformers()
     path = Path(path)
@@ -165,7 +185,7 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def ensure_model(model_cfg: ModelConfig) -> Path:
+def ensure_model(model_cfg: ModelSpec) -> Path:
     """Return model_cfg.path, first building the tiny model there if it is missing and build_tiny is set.
 
     Safe when several processes race: each builds into its own temporary folder beside the target and

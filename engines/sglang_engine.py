@@ -9,15 +9,15 @@ tests marked `sglang` that run only where SGLang is installed (tests/sglang_engi
 Place in the dataflow: a Generator holds this engine like any other (`rollout.engine = "sglang"`). Token
 ids go in, token ids + behaviour logprobs + version stamps come out. New weights arrive through
 SGLang's own weight-update group: the Trainer (rank 0) broadcasts each tensor with
-`asyncrl.weights.sglang.PerTensorSender` (the "per_tensor" transport), SGLang's scheduler process(es)
+`transports.sglang.PerTensorSender` (the "per_tensor" transport), SGLang's scheduler process(es)
 receive them in `update_weights_from_distributed`.
 
-Wire protocol of one weight update (SGLang's, not `asyncrl.weights.collective`'s header + buckets):
+Wire protocol of one weight update (SGLang's, not `transports.collective`'s header + buckets):
     group     SGLang ranks join with `init_weights_update_group(master_address, master_port, rank_offset,
               world_size, group_name, backend)`, i.e. torch's tcp:// rendezvous on the trainer's TCPStore,
               `PrefixStore(group_name, store)` and torch's `_new_process_group_helper` (keys under
               `<group_name>/<device>/`). The trainer joins the same keys without touching torch's global
-              group registry (`asyncrl.weights.sglang.join_sglang_sender`).
+              group registry (`transports.sglang.join_sglang_sender`).
     header    not part of SGLang's protocol: before each update the sender sets the store key
               `asyncrl-sglang/<group_name>/<n>` to msgpack [version, meta_crc]; the adapter (in the
               generator process, a client of the same store) reads it to learn the version and to refuse
@@ -55,7 +55,7 @@ Assumptions about SGLang (each one is where a real run could differ):
    the main thread; it then installs no signal handlers, with a warning).
 5. Control results are (success, message) tuples or objects with `.success` / `.message`.
 6. SGLang's group keys are PrefixStore(group_name) + torch's "<group_name>/<device>/" (read in current SGLang; a
-   release that prefixes differently makes the join time out): `asyncrl.weights.sglang.join_sglang_sender`
+   release that prefixes differently makes the join time out): `transports.sglang.join_sglang_sender`
    builds the same.
 7. One SGLang rank per engine (tp_size = 1): SGLang's ranks are rank_offset + tp_rank, and asyncrl's
    controller gives each generator one rank. tp_size > 1 needs the controller to count tp ranks.
@@ -85,9 +85,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
-from asyncrl.weights.base import is_timeout, sync_stats
-from asyncrl.weights.collective import meta_crc
-from asyncrl.weights.sglang import GROUP_NAME, header_key
+from transports.base import is_timeout, sync_stats
+from transports.collective import meta_crc
+from transports.sglang import GROUP_NAME, header_key
 
 log = logging.getLogger(__name__)
 

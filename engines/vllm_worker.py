@@ -1,6 +1,6 @@
 """The asyncrl side of a vLLM worker: joins the weight-sync group and loads weights in place.
 
-Place in the dataflow: Trainer --(bucketed broadcast, `asyncrl.weights.collective`)--> **this class,
+Place in the dataflow: Trainer --(bucketed broadcast, `transports.collective`)--> **this class,
 inside vLLM's worker process** --(model_runner.reload_weights)--> the model vLLM samples from.
 `engines.vllm_engine.VLLMEngine` passes `WORKER_EXTENSION` as vLLM's `worker_extension_cls`; vLLM then
 mixes this class into its worker class, and the engine reaches the methods below with
@@ -82,7 +82,7 @@ class AsyncrlWorkerExtension:
         import msgspec
 
         from asyncrl.messages import WeightsMeta
-        from asyncrl.weights.collective import join_group
+        from transports.collective import join_group
 
         self._asyncrl_meta = msgspec.msgpack.decode(meta_msgpack, type=WeightsMeta)
         device = getattr(self, "device", None) if backend != "gloo" else None

@@ -24,8 +24,8 @@ import torch
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.weights.base import STAT_SECONDS, WeightReceiver
 from engines.base import CollectiveWeightEngine, RolloutEngine
+from transports.base import STAT_SECONDS, WeightReceiver
 
 log = logging.getLogger(__name__)
 

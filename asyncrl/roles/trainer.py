@@ -24,7 +24,7 @@ from asyncrl.roles.evaluator import Evaluator
 from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.learner import Learner
-from asyncrl.weights.base import WeightSender
+from transports.base import WeightSender
 
 log = logging.getLogger(__name__)
 

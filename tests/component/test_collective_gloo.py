@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.weights import (
+from transports import (
     CollectiveReceiver,
     CollectiveSender,
     LocalWeightChannel,
@@ -262,7 +262,7 @@ def test_nccl_two_ranks_receive_bit_identical_weights():
 def test_the_weight_store_listens_on_the_given_address_only():
     import socket
 
-    from asyncrl.weights.collective import create_store
+    from transports.collective import create_store
 
     store, port = create_store(2, timeout_s=5.0)  # loopback by default
     try:

@@ -25,11 +25,11 @@ pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not insta
 
 from asyncrl.config_schema import TinyModelConfig  # noqa: E402
 from asyncrl.messages import SamplingParams  # noqa: E402
-from asyncrl.weights.bucketing import plan_buckets  # noqa: E402
-from asyncrl.weights.collective import create_store  # noqa: E402
-from asyncrl.weights.sglang import PerTensorSender, join_sglang_sender  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.sglang_engine import SGLangEngine  # noqa: E402
+from transports.bucketing import plan_buckets  # noqa: E402
+from transports.collective import create_store  # noqa: E402
+from transports.sglang import PerTensorSender, join_sglang_sender  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")]

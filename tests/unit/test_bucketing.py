@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.messages import WeightsMeta
-from asyncrl.weights.bucketing import (
+from transports.bucketing import (
     bucket_metas,
     bucket_nbytes,
     dtype_to_str,

@@ -1,5 +1,6 @@
-"""The layers stay apart: engines and buffers use no asyncrl internals, the weight transports are a leaf,
-and Ray is imported only where actors are built and launched (roles are tested without it)."""
+"""The layers stay apart: engines/, buffers/ and transports/ sit below asyncrl/ and use none of its
+internals; the few asyncrl modules they share are leaves; Ray is imported only where actors are built and
+launched (roles are tested without it)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What engines/ and buffers/ may import from asyncrl: the wire messages, the registry, the weight
-# transports (the receiving half of a transport runs inside an engine's own workers) and the typed metric
-# and span records every role reports in. Each of these is a leaf: it imports no other asyncrl module.
-NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.weights", "asyncrl.telemetry.metrics",
-           "asyncrl.telemetry.spans")
-NEUTRAL_FILES = ("asyncrl/messages.py", "asyncrl/registry.py", "asyncrl/weights", "asyncrl/telemetry/metrics.py",
+# What engines/, buffers/ and transports/ may import from asyncrl: the wire messages, the registry and the
+# typed metric and span records every role reports in. Each of these is a leaf: it imports no other asyncrl
+# module. Engines may also use transports/ (the receiving half of a transport runs inside an engine's own
+# workers); transports/ uses neither engines/ nor buffers/.
+NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.telemetry.metrics", "asyncrl.telemetry.spans")
+NEUTRAL_FILES = ("asyncrl/messages.py", "asyncrl/registry.py", "asyncrl/telemetry/metrics.py",
                  "asyncrl/telemetry/spans.py")
+BELOW = ("engines", "buffers", "transports")  # the packages below asyncrl/
 RAY_MODULES = {"asyncrl/actors.py", "asyncrl/launch.py"}
 
 
@@ -44,23 +46,27 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_engines_and_buffers_import_only_the_neutral_asyncrl_modules():
-    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("engines", "buffers")
+def test_engines_buffers_and_transports_import_only_the_neutral_asyncrl_modules():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files(*BELOW)
            for name in _runtime_imports(p) if _within(name, ("asyncrl",)) and not _within(name, NEUTRAL)]
     assert bad == []
 
 
+def test_transports_use_neither_engines_nor_buffers():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("transports")
+           for name in _runtime_imports(p) if _within(name, ("engines", "buffers"))]
+    assert bad == []
+
+
 def test_the_neutral_modules_are_leaves_of_asyncrl():
-    files = [p for f in NEUTRAL_FILES for p in ([ROOT / f] if f.endswith(".py") else _files(f))]
-    assert len(files) > len(NEUTRAL_FILES)
+    files = [ROOT / f for f in NEUTRAL_FILES]
     bad = [f"{p.relative_to(ROOT)}: {name}" for p in files
-           for name in _runtime_imports(p)
-           if _within(name, ("asyncrl", "engines", "buffers")) and not _within(name, NEUTRAL)]
+           for name in _runtime_imports(p) if _within(name, ("asyncrl", *BELOW)) and not _within(name, NEUTRAL)]
     assert bad == []
 
 
 def test_ray_is_imported_only_by_the_actor_and_launch_modules():
-    bad = [str(p.relative_to(ROOT)) for p in _files("asyncrl", "engines", "buffers")
+    bad = [str(p.relative_to(ROOT)) for p in _files("asyncrl", *BELOW)
            if str(p.relative_to(ROOT)) not in RAY_MODULES and _within_any_ray(_runtime_imports(p))]
     assert bad == []
 

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.messages import SamplingParams
-from asyncrl.weights.bucketing import plan_buckets
-from asyncrl.weights.collective import create_store
-from asyncrl.weights.sglang import PerTensorSender, broadcast_per_tensor, join_sglang_sender
 from engines.base import CollectiveWeightEngine, RolloutEngine, create_engine
 from engines.hf import eos_token_ids, load_model, load_tokenizer
 from engines.sglang_engine import SGLangEngine, SGLangResponseError
+from transports.bucketing import plan_buckets
+from transports.collective import create_store
+from transports.sglang import PerTensorSender, broadcast_per_tensor, join_sglang_sender
 
 TIMEOUT_S = 20.0
 # The API fields of SGLang's SamplingParams (sglang/srt/sampling/sampling_params.py).

@@ -30,11 +30,11 @@ pytest.importorskip("vllm.v1.engine.async_llm", reason="vLLM is not installed")
 
 from asyncrl.config_schema import TinyModelConfig  # noqa: E402
 from asyncrl.messages import Completion, SamplingParams  # noqa: E402
-from asyncrl.weights.bucketing import plan_buckets  # noqa: E402
-from asyncrl.weights.collective import create_store, join_group  # noqa: E402
 from engines.base import ENGINES  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.vllm_engine import VLLMEngine  # noqa: E402
+from transports.bucketing import plan_buckets  # noqa: E402
+from transports.collective import create_store, join_group  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,9 +1,9 @@
 """Weight transport from the Trainer to the generators: Protocols (base), bucketing, the collective
 (gloo/NCCL) group and an in-process channel. See each module's docstring for its place in the dataflow."""
 
-from asyncrl.weights.base import WeightReceiver, WeightSender, sync_stats
-from asyncrl.weights.bucketing import pack_bucket, plan_buckets, unpack_bucket
-from asyncrl.weights.collective import (
+from transports.base import WeightReceiver, WeightSender, sync_stats
+from transports.bucketing import pack_bucket, plan_buckets, unpack_bucket
+from transports.collective import (
     CollectiveReceiver,
     CollectiveSender,
     WeightSyncGroup,
@@ -11,7 +11,7 @@ from asyncrl.weights.collective import (
     join_group,
     resolve_backend,
 )
-from asyncrl.weights.local import LocalWeightChannel
+from transports.local import LocalWeightChannel
 
 __all__ = [
     "CollectiveReceiver",

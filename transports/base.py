@@ -100,5 +100,5 @@ class JoinSender(Protocol):
 
 
 SENDERS: Registry[JoinSender] = Registry("weight transport")
-SENDERS.register_lazy("bucketed", "asyncrl.weights.collective:join_sender")
-SENDERS.register_lazy("per_tensor", "asyncrl.weights.sglang:join_sender")
+SENDERS.register_lazy("bucketed", "transports.collective:join_sender")
+SENDERS.register_lazy("per_tensor", "transports.sglang:join_sender")

@@ -2,11 +2,11 @@
 and broadcasts one typed tensor per entry of `WeightsMeta.tensors`.
 
 Place in the dataflow: Trainer --(this module)--> SGLang scheduler processes. It is the transport
-"per_tensor" of `asyncrl.weights.base.SENDERS`, chosen for engines whose receiving side speaks SGLang's
+"per_tensor" of `transports.base.SENDERS`, chosen for engines whose receiving side speaks SGLang's
 protocol (`engines.sglang_engine.SGLangEngine.weight_transport`). The receiving half runs in the engine
 (`SGLangEngine.receive_weights`), which reads the header key written here (`header_key`).
 
-Wire protocol of one update (SGLang's, not `asyncrl.weights.collective`'s header + buckets):
+Wire protocol of one update (SGLang's, not `transports.collective`'s header + buckets):
     group     SGLang ranks join with `init_weights_update_group(master_address, master_port, rank_offset,
               world_size, group_name, backend)` on the trainer's TCPStore; `join_sglang_sender` builds the
               same keys (PrefixStore(group_name) / "<group_name>/" / "<device>/") without touching torch's
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.messages import WeightsMeta
-from asyncrl.weights.base import is_timeout, sync_stats
-from asyncrl.weights.bucketing import check_matches
-from asyncrl.weights.collective import close_process_group, meta_crc, resolve_backend
+from transports.base import is_timeout, sync_stats
+from transports.bucketing import check_matches
+from transports.collective import close_process_group, meta_crc, resolve_backend
 
 GROUP_NAME = "asyncrl_weights"
 
@@ -129,7 +129,7 @@ def broadcast_per_tensor(group: SGLangSenderGroup, tensors: Mapping[str, Tensor]
 
 
 class PerTensorSender:
-    """`WeightSender` (asyncrl.weights.base) for SGLang engines, on the Trainer (rank 0). It reads the
+    """`WeightSender` (transports.base) for SGLang engines, on the Trainer (rank 0). It reads the
     trainer's tensors until its last broadcast is done, so it calls `released` only then."""
 
     def __init__(self, group: SGLangSenderGroup, meta: WeightsMeta) -> None:

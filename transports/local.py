@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
-from asyncrl.weights.base import sync_stats
+from transports.base import sync_stats
 
 
 class LocalWeightChannel:

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.messages import WeightsMeta
-from asyncrl.weights.base import is_timeout, sync_stats
-from asyncrl.weights.bucketing import (
+from transports.base import is_timeout, sync_stats
+from transports.bucketing import (
     bucket_metas,
     check_matches,
     empty_bucket,
