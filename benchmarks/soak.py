@@ -4,11 +4,11 @@
     python benchmarks/soak.py --steps 300       # shorter
     python benchmarks/soak.py --local           # every role in this process
 
-Generation is much faster than training here (a 2-layer model, 2 new tokens, staleness 4), so queues stay
-full and every per-step leftover (rows, spans, store keys, reward threads) would show. Each role reports
-its resident memory every step (`<role>/rss_mb`, `buffer/rss_mb`, and the driver's `controller/rss_mb`).
-After the first `--warmup` share of the steps, the slope of a least-squares line through
-each series is printed in MiB per 1000 steps. The JSON line's value is the largest slope over the roles
+The learning example (examples/first_digit/config.toml) with 4 groups of 4 a step and staleness 4:
+generation is much faster than training, so queues stay full and every per-step leftover (rows, spans,
+store keys, reward threads) would show. Each role reports its resident memory every step (`<role>/rss_mb`,
+`buffer/rss_mb`, and the driver's `controller/rss_mb`). After the first `--warmup` share of the steps, the
+slope of a least-squares line through each series is printed in MiB per 1000 steps. The JSON line's value is the largest slope over the roles
 and the driver; the target is below 1 MiB per 1000 steps (the baseline is a flat series, 0).
 """
 
@@ -24,53 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = """
-[model]
-path = "{model_dir}"
-[model.build_tiny]
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 64
-vocab = "0123456789+="
+EXAMPLE = ROOT / "examples" / "first_digit" / "config.toml"
+# the learning example, with little training per step and generation allowed far ahead of it
+OVERRIDES = ("trainer.prompts_per_step=4", "rollout.group_size=4", "rollout.concurrency=8",
+             "trainer.micro_batch_size=16", "trainer.eval_every=0", "staleness.max_staleness=4",
+             "logging.live=false", "logging.trace=false", "run.save_checkpoint=false", "cluster.torch_threads=1")
 
-[data]
-source = "asyncrl.tasks.digits:first_digit"
-max_prompt_len = 16
-
-[rollout]
-num_generators = 1
-concurrency = 8
-group_size = 4
-max_new_tokens = 2
-
-[reward]
-fn = "prefix_match"
-
-[trainer]
-total_steps = {steps}
-prompts_per_step = 4
-micro_batch_size = 16
-lr = 1e-2
-eval_every = 0
-
-[staleness]
-max_staleness = 4
-
-[logging]
-live = false
-trace = false
-
-[cluster]
-num_cpus = 2
-torch_threads = 1
-
-[run]
-output_dir = "{run_dir}"
-log_every = {log_every}
-save_checkpoint = false
-"""
 
 KEYS = ("generator/rss_mb", "scorer/rss_mb", "trainer/rss_mb", "buffer/rss_mb", "controller/rss_mb")
 
@@ -95,10 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     from asyncrl.launch import run_local, run_with_ray
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg_path = Path(tmp) / "soak.toml"
-        cfg_path.write_text(CONFIG.format(model_dir=Path(tmp) / "model", run_dir=Path(tmp) / "run",
-                                          steps=args.steps, log_every=max(1, args.steps // 10)))
-        cfg = load_config(cfg_path)
+        cfg = load_config(EXAMPLE, [*OVERRIDES, f"trainer.total_steps={args.steps}",
+                                    f"run.log_every={max(1, args.steps // 10)}",
+                                    f'model.path="{Path(tmp) / "model"}"', f'run.output_dir="{Path(tmp) / "run"}"'])
         t0 = time.time()
         rows = (run_local if args.local else run_with_ray)(cfg)
         wall = time.time() - t0
