@@ -8,8 +8,9 @@ The learning example (examples/first_digit/config.toml) with 4 groups of 4 a ste
 generation is much faster than training, so queues stay full and every per-step leftover (rows, spans,
 store keys, reward threads) would show. Each role reports its resident memory every step (`<role>/rss_mb`,
 `buffer/rss_mb`, and the driver's `controller/rss_mb`). After the first `--warmup` share of the steps, the
-slope of a least-squares line through each series is printed in MiB per 1000 steps. The JSON line's value is the largest slope over the roles
-and the driver; the target is below 1 MiB per 1000 steps (the baseline is a flat series, 0).
+slope of a least-squares line through each series is printed in MiB per 1000 steps. The JSON line's value
+is the largest slope over the roles and the driver; the target is below 1 MiB per 1000 steps (the baseline
+is a flat series, 0).
 """
 
 from __future__ import annotations
