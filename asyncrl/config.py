@@ -1,4 +1,5 @@
-"""Load, validate and describe a run's config (the schema itself lives in `config_schema.py`).
+"""Load, validate and describe a run's config (the schema lives in `config_schema.py`, reading and field-by-field
+conversion in `config_fields.py`).
 
 Place in the dataflow: the CLI calls `load_config(path, overrides)` before anything else starts; the
 Controller builds every role from the returned `Config`, places actors with `plan_resources`, and writes
