@@ -183,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = run_local if args.local else run_with_ray
     try:
         rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the run's loop took the signal (setup)
         print("interrupted; actors stopped", file=sys.stderr)
         return 130
-    except RunStopped as stop:  # SIGTERM: a checkpoint was written
+    except RunStopped as stop:  # SIGTERM or Ctrl-C: a checkpoint was written
         print(str(stop), file=sys.stderr)
-        return 143
-    except asyncio.CancelledError:  # a second SIGTERM
-        print("stopped at once (second SIGTERM); actors stopped; resume from the last checkpoint with: "
+        return 130 if "SIGINT" in str(stop) else 143
+    except asyncio.CancelledError:  # a second SIGTERM or Ctrl-C
+        print("stopped at once (a second signal); actors stopped; resume from the last checkpoint with: "
               f"asyncrl launch --resume {cfg.run.output_dir}", file=sys.stderr)
         return 143
     except Exception as exc:  # a failed run ends with one line, the traceback goes to the log

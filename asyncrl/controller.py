@@ -44,7 +44,7 @@ from asyncrl.checkpoint import CHECKPOINTS, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
-from asyncrl.supervisor import RoleFailed, Supervisor, first_line, gather_alive, is_actor_death
+from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
@@ -87,7 +87,7 @@ __all__ = ["Controller", "Deployment", "RoleFailed", "RunStopped"]
 
 
 class RunStopped(RuntimeError):
-    """The run stopped on SIGTERM after writing a checkpoint; the message says how to resume."""
+    """The run stopped on SIGTERM or SIGINT after writing a checkpoint; the message says how to resume."""
 
 
 class Controller:
@@ -98,12 +98,15 @@ class Controller:
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
         self.resume = resume  # continue from the newest valid checkpoint in RUN_DIR/checkpoints
-        self._stopping = False  # SIGTERM: finish the step, write a checkpoint, stop (RunStopped)
+        # the signal's name once SIGTERM or SIGINT asked to stop: finish the step, write a checkpoint, stop
+        self._stopping = ""
         # ends a run that cannot progress (every group failing, a role's loop blocked) with one error
         self.watch = RunWatch(buffer=deployment.buffer, max_failed_in_a_row=cfg.run.max_failed_groups_in_a_row,
                               no_progress_timeout_s=cfg.run.no_progress_timeout_s,
                               role_timeout_s=cfg.run.role_timeout_s)
         self._watching: asyncio.Future | None = None
+        self.first_step = 0  # the step this run starts from: a resume's checkpoint step, else 0
+        self.ready = asyncio.Event()  # set once restored and every generator holds the weights to start from
         self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
                                      save_every=cfg.run.save_every)
         self._spans: list[Span] = []
@@ -114,7 +117,7 @@ class Controller:
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
-                                  drain_after=lambda v: self._save_due(v) or self._stopping,
+                                  drain_after=lambda v: self._save_due(v) or bool(self._stopping),
                                   recover=self.supervisor.recover if deployment.restartable else None)
         self.supervisor.attach(self.steps)
         # the newest rows only: every row is in metrics.jsonl, which the summary reads at the end (a run of
@@ -132,7 +135,7 @@ class Controller:
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         remove_handler = self._on_sigterm()
         try:
-            first_step = await self._restore() if self.resume else self._fresh_run_dir()
+            first_step = self.first_step = await self._restore() if self.resume else self._fresh_run_dir()
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
@@ -140,6 +143,7 @@ class Controller:
             if first_step:  # the generators start from the model folder: give them the checkpoint's weights
                 await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                  *[g.receive_weights() for g in d.generators]))
+            self.ready.set()
             self.supervisor.start_loops()
             self.watch.probes = d.probes()
             self._watching = asyncio.ensure_future(self.watch.run())
@@ -158,7 +162,7 @@ class Controller:
                 if self._save_due(step + 1) or (self._stopping and self.steps.drained(step + 1)):
                     path = await self._save(step + 1)
                     if self._stopping:
-                        raise RunStopped(f"stopped by SIGTERM after step {step + 1} of "
+                        raise RunStopped(f"stopped by {self._stopping} after step {step + 1} of "
                                          f"{cfg.trainer.total_steps}; checkpoint {path}; resume with: "
                                          f"asyncrl launch --resume {self.run_dir}")
                     self.steps.ask_next(step + 1)
@@ -224,25 +228,33 @@ class Controller:
         return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
 
     def _on_sigterm(self) -> Callable[[], None]:
-        """SIGTERM (preemption): the first finishes the step in progress, writes a checkpoint and stops the
-        run with RunStopped; a second cancels the run at once. Returns the function that uninstalls it (a
-        no-op where the loop cannot take signal handlers: not the main thread)."""
+        """SIGTERM (preemption) or SIGINT (Ctrl-C): the first finishes the step in progress, writes a
+        checkpoint and stops the run with RunStopped; a second cancels the run at once. Returns the function
+        that uninstalls the handlers (a no-op where the loop cannot take signal handlers: not the main
+        thread, where Ctrl-C keeps Python's default)."""
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
 
-        def handle() -> None:
+        def handle(sig: signal.Signals) -> None:
             if self._stopping and task is not None:
-                log.warning("second SIGTERM: stopping now, without a checkpoint")
+                log.warning("second %s: stopping now, without a checkpoint", sig.name)
                 task.cancel()
                 return
-            self._stopping = True
-            log.warning("SIGTERM: finishing the step in progress, then a checkpoint and stop "
-                        "(send SIGTERM again to stop at once)")
+            self._stopping = sig.name
+            log.warning("%s: finishing the step in progress, then a checkpoint and stop "
+                        "(send it again to stop at once)", sig.name)
 
-        try:
-            loop.add_signal_handler(signal.SIGTERM, handle)
-        except (NotImplementedError, RuntimeError, ValueError):
-            return lambda: None
-        return lambda: loop.remove_signal_handler(signal.SIGTERM)
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, handle, sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                break
+            installed.append(sig)
+
+        def remove() -> None:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+        return remove
 
     async def _save(self, version: int) -> str:
         """A durable checkpoint of version `version` (asyncrl/checkpoint.py), written by the trainer: its
@@ -343,7 +355,7 @@ class Controller:
                 self.supervisor.fatal(exc)  # the trainer or the buffer: RoleFailed with the resume line
                 if self.supervisor.tolerated(exc):
                     raise  # a generator's: the step pipeline's `recover` takes it
-                raise RoleFailed(f"an actor died: {first_line(exc)}") from exc
+                raise self.supervisor.death(self.d.dead_role(exc), exc) from exc
             raise
 
     async def _stop_loops(self) -> None:

@@ -109,7 +109,9 @@ def test_b_k1_two_generators_killed_and_resumed_train_every_group_once(tiny_conf
     assert {g for gs in clean_ledger.values() for g in map(tuple, gs)} == set(trained)
 
 
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_from_it(tiny_config_file, tmp_path):
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_or_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_from_it(tiny_config_file,
+                                                                                          tmp_path, sig, status):
     run_dir, args = _config(tiny_config_file, tmp_path, "preempted", "trainer.total_steps=400",
                             "staleness.max_staleness=1")
     proc = _launch(tiny_config_file, "--local", *args)
@@ -118,11 +120,11 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_from_
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out[-2000:]
-    assert f"resume with: asyncrl launch --resume {run_dir}" in out
-    (ckpt,) = (run_dir / "checkpoints").glob("step_*")  # run.save_every is off: the one SIGTERM wrote
+    assert proc.returncode == status, out[-2000:]
+    assert f"stopped by {sig.name} after step" in out and f"resume with: asyncrl launch --resume {run_dir}" in out
+    (ckpt,) = (run_dir / "checkpoints").glob("step_*")  # run.save_every is off: the one the signal wrote
     stopped_at = int(ckpt.name.removeprefix("step_"))
     assert stopped_at < 400
 
