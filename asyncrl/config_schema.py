@@ -344,8 +344,8 @@ class ClusterConfig(Section):
     max_restarts: Annotated[
         int,
         _d("Ray runs: a generator or scorer actor that dies is restarted, at most this many times in the run "
-           "(the run then stops with an error); 0 = off: a dead actor ends the run. A dead trainer or buffer always "
-           "ends the run (resume from its last checkpoint)", ge=0),
+           "(the run then stops with an error); 0 = off: a dead actor ends the run. A dead trainer or buffer is "
+           "not restarted: the run resumes from its newest checkpoint (run.max_resumes)", ge=0),
     ] = 3
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
 
@@ -367,6 +367,12 @@ class RunConfig(Section):
     ] = 0
     keep_last: Annotated[
         int, _d("durable checkpoints to keep (the newest valid ones); 0 = keep all", ge=0),
+    ] = 2
+    max_resumes: Annotated[
+        int,
+        _d("Ray runs: when the trainer or the buffer actor dies and RUN_DIR/checkpoints holds a valid checkpoint, "
+           "start the roles afresh and resume from it, at most this many times in the run; 0 = end the run with the "
+           "command that resumes it", ge=0),
     ] = 2
     max_failed_groups_in_a_row: Annotated[
         int,

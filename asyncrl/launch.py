@@ -11,15 +11,17 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import ray
 
 from asyncrl.actors import RayProxy, RemoteRoleActor
+from asyncrl.aio import discard
 from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.supervisor import RoleFailed
 from asyncrl.watchdog import Heartbeat, Probe
 from engines.hf import ensure_model
 from transports.collective import resolve_backend
@@ -37,7 +39,7 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=cfg.cluster.address, log_to_driver=True)
         return False
     # before ray.init: the local cluster's processes (raylet, GCS, workers) start from this one and inherit
-    # its CPUs; each actor then pins itself to its role's own (cluster.affinity)
+    # its CPUs and environment; each actor then pins itself to its role's own (cluster.affinity)
     pin_cpus(cfg.cluster.affinity.controller, "controller")
     ray.init(
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
@@ -181,22 +183,48 @@ class RayDeployment:
                 log.debug("kill failed: %s", exc)
 
 
-def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
-    """Run `cfg` on Ray; returns the metrics rows. Stops the cluster if this call started it."""
+def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = False,
+                 beside: Callable[[Controller, RayDeployment], Awaitable[None]] | None = None) -> list[dict[str, Any]]:
+    """Run `cfg` on Ray; returns the metrics rows. Stops the cluster if this call started it.
+
+    A dead trainer or buffer ends the Controller's run with RoleFailed; when a valid checkpoint exists the
+    roles are started afresh and the run resumes from it, up to `run.max_resumes` times. `beside(controller,
+    deployment)`, when given, runs on the Controller's loop beside each attempt's run and is cancelled when
+    the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
     ensure_model(cfg.model)
     started = start_ray(cfg)
     try:
-        deployment = RayDeployment(cfg)
-        try:
-            deployment.wait_ready()
-        except BaseException:
-            asyncio.run(deployment.shutdown())
-            raise
-        controller = Controller(cfg, deployment, config_text=config_text, resume=resume)
-        return run_loop(controller.run())
+        resumes = 0
+        while True:
+            deployment = RayDeployment(cfg)
+            try:
+                deployment.wait_ready()
+            except BaseException:
+                asyncio.run(deployment.shutdown())
+                raise
+            controller = Controller(cfg, deployment, config_text=config_text, resume=resume)
+            try:
+                return run_loop(_run_beside(controller, deployment, beside))
+            except RoleFailed as exc:
+                if exc.checkpoint is None or resumes >= cfg.run.max_resumes:
+                    raise
+                resumes += 1
+                log.warning("%s — resuming from %s (resume %d of at most %d, run.max_resumes)", exc,
+                            exc.checkpoint.name, resumes, cfg.run.max_resumes)
+                resume = True
     finally:
         if started:
             ray.shutdown()
+
+
+async def _run_beside(controller: Controller, deployment: RayDeployment,
+                      beside: Callable[[Controller, RayDeployment], Awaitable[None]] | None) -> list[dict[str, Any]]:
+    side = None if beside is None else asyncio.ensure_future(beside(controller, deployment))
+    try:
+        return await controller.run()
+    finally:
+        if side is not None:
+            discard(side)
 
 
 def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:

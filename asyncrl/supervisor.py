@@ -1,5 +1,6 @@
 """Supervision of generators and scorers: a dead actor is restarted, its groups released, the weight group
-re-formed; a dead trainer or buffer ends the run with one line that says how to resume.
+re-formed; a dead trainer or buffer ends the run with one line that says how to resume (`run_with_ray`
+then resumes it from its newest checkpoint, up to `run.max_resumes` times).
 
 Place in the dataflow: inside the Controller's process, beside the step pipeline. It owns the role loops
 (each generator's and scorer's `run()`), sees one end, and decides:
@@ -11,6 +12,9 @@ Place in the dataflow: inside the Controller's process, beside the step pipeline
                                       generator, restarts left         every member leaves the weight group,
                                                                         release its groups, new actor; the step
                                                                         pipeline's failed sync calls `recover`
+ its own actor died                   trainer, buffer, a vLLM/SGLang   RoleFailed with the resume command and
+                                      generator, or restarts off       the newest checkpoint: `run_with_ray`
+                                                                       resumes from it (run.max_resumes)
  anything else, or no restarts left   —                                RoleFailed (the run stops)
 ```
 
@@ -44,7 +48,12 @@ RECOVER_WAIT_S = 15.0  # a failed weight sync waits this long for a generator's 
 
 
 class RoleFailed(RuntimeError):
-    pass
+    """The run cannot go on. `checkpoint`: set when the trainer or the buffer died and RUN_DIR holds a valid
+    checkpoint, which a resume can continue from (`run_with_ray` does, up to `run.max_resumes` times)."""
+
+    def __init__(self, message: str, *, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 def is_actor_death(exc: BaseException) -> bool:
@@ -60,7 +69,7 @@ def first_line(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-def death_message(role: str, exc: BaseException, run_dir: Path, save_every: int) -> str:
+def death_message(role: str | None, exc: BaseException, run_dir: Path, save_every: int) -> str:
     """One line: which role died and how to go on (the resume command, or that no checkpoint exists)."""
     found = latest_valid(run_dir / CHECKPOINTS)
     if found is not None:
@@ -68,7 +77,8 @@ def death_message(role: str, exc: BaseException, run_dir: Path, save_every: int)
     else:
         then = (f"no checkpoint exists in {run_dir / CHECKPOINTS} to resume from (run.save_every = {save_every}; "
                 "set it to write them)")
-    return f"the {role} actor died ({first_line(exc)}); {then}"
+    who = f"the {role} actor" if role else "an actor"
+    return f"{who} died ({first_line(exc)}); {then}"
 
 
 class Supervisor:
@@ -126,7 +136,9 @@ class Supervisor:
             self.fatal(exc)
         kind, index = role.split("/")
         own_death = exc is not None and is_actor_death(exc) and self.d.dead_role(exc) == role
-        if not own_death or kind not in self.d.restartable:
+        if own_death and kind not in self.d.restartable:  # (a vLLM/SGLang generator, or restarts off)
+            raise self.death(role, exc) from exc
+        if not own_death:
             raise RoleFailed(f"{role} stopped unexpectedly: {first_line(exc)}") from exc
         if self.restarts >= self.max_restarts:
             raise RoleFailed(f"{role} died and cluster.max_restarts = {self.max_restarts} restarts were used: "
@@ -198,7 +210,13 @@ class Supervisor:
         if is_actor_death(exc):
             role = self.d.dead_role(exc)
             if role in ("trainer", "buffer"):
-                raise RoleFailed(death_message(role, exc, self.run_dir, self.save_every)) from exc
+                raise self.death(role, exc) from exc
+
+    def death(self, role: str | None, exc: BaseException) -> RoleFailed:
+        """The run's end when `role`'s actor died and is not restarted: one line with the resume command, and
+        the checkpoint a resume would continue from (None when none exists)."""
+        return RoleFailed(death_message(role, exc, self.run_dir, self.save_every),
+                          checkpoint=latest_valid(self.run_dir / CHECKPOINTS))
 
     def tolerated(self, exc: BaseException) -> bool:
         """Whether `exc` is the death of a generator or scorer that supervision takes care of."""

@@ -1,6 +1,6 @@
 """Supervision on Ray (asyncrl/supervisor.py): a generator or scorer actor killed with SIGKILL is restarted and
-the run trains all its steps with every accepted group once; a killed trainer ends the run with one line that
-names it and the resume command."""
+the run trains all its steps with every accepted group once; a killed trainer ends the Controller's run with
+one line that names it and the resume command, and `run_with_ray` resumes it from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -108,6 +108,50 @@ def test_a_trainer_killed_with_sigkill_ends_the_run_naming_it_and_the_resume_com
     assert "\n" not in message
     assert message.startswith("the trainer actor died"), message
     assert f"asyncrl launch --resume {run_dir}" in message, message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("role", "sets"), [("trainer", ()), ("generator", ("cluster.max_restarts=0",))])
+def test_run_with_ray_resumes_from_the_newest_checkpoint_when_a_role_dies_that_is_not_restarted(
+        ray_cluster, make_config, tmp_path, role, sets):
+    from asyncrl.launch import run_with_ray
+
+    run_dir = tmp_path / "resumed"
+    cfg = make_config(f"trainer.total_steps={STEPS}", "trainer.eval_every=0", "run.save_checkpoint=false",
+                      "run.save_every=2", "logging.live=false", f'run.output_dir="{run_dir}"', *sets)
+    attempts = []
+
+    async def kill_once(controller, deployment):
+        attempts.append(controller)
+        if len(attempts) > 1:
+            return
+        while sum("trainer/samples" in r for r in controller.rows) < 3:
+            await asyncio.sleep(0.02)
+        actor = deployment.trainer_actor if role == "trainer" else deployment.generator_actors[0]
+        os.kill(await actor.pid.remote(), signal.SIGKILL)
+
+    rows = run_with_ray(cfg, beside=kill_once)
+    assert len(attempts) == 2 and attempts[1].first_step in (2, 4)  # a checkpoint written before the kill
+    assert [r["step"] for r in rows if "trainer/samples" in r] == list(range(1, STEPS + 1))
+    _check_every_step_trained_distinct_groups(run_dir, cfg.trainer.prompts_per_step)
+
+
+@pytest.mark.timeout(300)
+def test_run_with_ray_ends_with_the_resume_command_once_run_max_resumes_is_used(ray_cluster, make_config, tmp_path):
+    from asyncrl.controller import RoleFailed
+    from asyncrl.launch import run_with_ray
+
+    run_dir = tmp_path / "no-resume"
+    cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
+                      "run.save_every=1", "run.max_resumes=0", "logging.live=false", f'run.output_dir="{run_dir}"')
+
+    async def kill_the_trainer(controller, deployment):
+        while len(controller.rows) < 2:
+            await asyncio.sleep(0.02)
+        os.kill(await deployment.trainer_actor.pid.remote(), signal.SIGKILL)
+
+    with pytest.raises(RoleFailed, match=f"the trainer actor died .*asyncrl launch --resume {run_dir}"):
+        run_with_ray(cfg, beside=kill_the_trainer)
 
 
 @pytest.mark.timeout(400)
