@@ -24,6 +24,12 @@ the gate at its min_version, so `staleness.max_staleness` holds for it like for 
 waits while the gate has no room (backpressure) and drops the group (returns None, counted as
 `buffer/submitted_dropped_stale`) when it is too old to fit. Deployments: in-process (`local=True`) or Ray
 actors (`local=False`).
+
+Checkpoints and resume: `run.save_every` writes durable checkpoints as for `asyncrl launch`;
+`Runtime(cfg, resume=True)` continues from the newest valid one in the run directory. `rt.version` starts
+at the checkpoint's version, the groups accepted and not yet trained are trained, metrics.jsonl goes on.
+Groups your loop had submitted that were still being scored when the checkpoint was taken are not in it:
+submit them again (their places at the gate are kept for the next submissions).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from asyncrl.aio import discard
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
 from asyncrl.config_schema import Config
@@ -161,7 +168,7 @@ class Runtime:
     """Starts the run's roles and trains in the background on what the user's loop submits."""
 
     def __init__(self, config: Config | str | Path, *, local: bool = True, overrides: Sequence[str] = (),
-                 run_dir: str | Path | None = None) -> None:
+                 run_dir: str | Path | None = None, resume: bool = False) -> None:
         self.cfg = config if isinstance(config, Config) else load_config(config, overrides)
         advantage = self.cfg.algorithm.advantage
         if advantage_needs(advantage).greedy_baseline:
@@ -170,6 +177,7 @@ class Runtime:
                              f"e.g. 'grpo' or 'rloo'")
         self.local = local
         self.run_dir = run_dir
+        self.resume = resume  # continue from the newest valid checkpoint in the run directory
         self._version = 0
         self._version_changed = asyncio.Condition()
         self._task: asyncio.Future | None = None
@@ -197,7 +205,7 @@ class Runtime:
                 self._inner = RayDeployment(cfg)
                 await asyncio.to_thread(self._inner.wait_ready)
             self._deployment = _Embedded(self._inner, self._published)
-            self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir)
+            self.controller = Controller(cfg, self._deployment, run_dir=self.run_dir, resume=self.resume)
         except BaseException:  # __aexit__ will not run: stop what was started, then report the cause
             try:
                 await self._release()
@@ -206,7 +214,20 @@ class Runtime:
             raise
         self._task = asyncio.ensure_future(self.controller.run())
         self._task.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
+        await self._until_ready()
         return self
+
+    async def _until_ready(self) -> None:
+        """Wait until the Controller restored its checkpoint (a resume) and the engines hold the weights to
+        start from; a run that ends first (no checkpoint to resume from) is shut down and its error raised."""
+        ready = asyncio.ensure_future(self.controller.ready.wait())
+        await asyncio.wait([ready, self._task], return_when=asyncio.FIRST_COMPLETED)
+        discard(ready)
+        if not self.controller.ready.is_set():
+            assert self._task is not None and self._task.done()
+            await self._release()
+            self._task.result()  # its error; a run without steps to take ends here too
+        self._version = self.controller.first_step
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._task is not None and not self._task.done():

@@ -170,3 +170,47 @@ def test_runtime_that_fails_to_start_shuts_down_what_it_started(tmp_path, monkey
     with pytest.raises(RuntimeError, match="controller could not start"):
         asyncio.run(asyncio.wait_for(main(), 60))
     assert len(closed) == 1  # the engines the deployment started were closed
+
+
+def test_runtime_resumes_from_its_checkpoint_with_the_version_and_metrics_it_had(tmp_path):
+    import json
+
+    from asyncrl.runtime import TrainingFinished
+
+    async def train(cfg, resume: bool):
+        async with Runtime(cfg, resume=resume) as rt:
+            start = rt.version
+            target = 0
+            try:
+                while not rt.training_done:
+                    target = (target + 3) % 10
+                    group = await asyncio.gather(*[play_guess(rt, target) for _ in range(4)])
+                    await rt.submit(group, timeout=30)
+            except TrainingFinished:
+                pass
+            await asyncio.wait_for(rt.wait_done(), 60)
+            return start, rt.version
+
+    sets = ("trainer.prompts_per_step=1", "run.save_every=2")
+    first = asyncio.run(asyncio.wait_for(train(tiny_config(tmp_path, *sets, "trainer.total_steps=4"), False), 120))
+    assert first == (0, 4)
+    second = asyncio.run(asyncio.wait_for(train(tiny_config(tmp_path, *sets, "trainer.total_steps=6"), True), 120))
+    assert second == (4, 6)  # the version numbering goes on from the checkpoint's
+    run_dir = tmp_path / "run"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ledger] == [1, 2, 3, 4, 5, 6]
+    ids = [g[0] for r in ledger for g in r["groups"]]
+    assert len(ids) == len(set(ids)) == 6  # every accepted group trained once
+
+
+def test_runtime_resume_without_a_checkpoint_fails_in_the_context_entry_with_one_line(tmp_path):
+    cfg = tiny_config(tmp_path)
+
+    async def main():
+        async with Runtime(cfg, resume=True):
+            raise AssertionError("entered without a checkpoint")
+
+    with pytest.raises(RuntimeError, match="no valid checkpoint"):
+        asyncio.run(asyncio.wait_for(main(), 60))

@@ -48,6 +48,15 @@ def test_cli_launch_writes_run_directory(ray_cluster, tiny_config_file, tmp_path
     assert summary["steps"] == 3
 
 
+def test_a_local_cluster_requires_ray_token_authentication(ray_cluster):
+    """Ray 2.60 starts a local cluster (`ray.init()` without an address, as `start_ray` does) with token
+    authentication on unless RAY_AUTH_MODE says otherwise: the README's trust model relies on it."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    assert os.environ.get("RAY_AUTH_MODE", "token") == "token"
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+
+
 def test_slow_trainer_reaches_but_never_exceeds_staleness_2(ray_cluster, make_config, tmp_path):
     from asyncrl.launch import run_with_ray
 
