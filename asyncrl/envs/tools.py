@@ -10,12 +10,8 @@ Call format (compact, so that a character-level model over "0123456789+-*=..." c
     ARGS=              with a default tool: a turn ending in "=" calls it, e.g. "7*8=" -> calculator("7*8")
 Results come back as text; errors as "error: <one line>".
 
-Python sandbox: `sys.executable -I -c CODE` in a fresh process, with RLIMIT_AS (memory) and RLIMIT_CPU set in
-the child before exec, a wall-clock timeout (the process group is killed), stdin closed, an empty
-environment and a temporary working directory. Network: when `unshare -rn` works here (user + network
-namespaces), the child runs in a namespace with no network interface; otherwise `socket.socket` and
-`socket.create_connection` are replaced by functions that raise before the user code runs — a Python-level
-block that code importing `_socket` directly could bypass. `PythonTool.isolation` says which one is active.
+The Python tool (`PythonTool`: a fresh interpreter under resource limits, namespaces and Landlock where
+the machine allows them) lives in asyncrl/envs/sandbox.py; its docstring says what is and is not confined.
 """
 
 from __future__ import annotations
@@ -25,16 +21,11 @@ import asyncio
 import logging
 import math
 import operator
-import os
 import re
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Awaitable, Callable
+
+from asyncrl.envs.sandbox import PythonTool
 
 log = logging.getLogger(__name__)
 
@@ -161,93 +152,6 @@ def format_number(value: int | float) -> str:
 
 async def calculator(args: str) -> str:
     return format_number(calculate(args))
-
-
-# -- python sandbox -----------------------------------------------------------------------------------
-
-_SOCKET_BLOCK = (
-    "import socket as _s\n"
-    "def _no_net(*a, **k):\n    raise OSError('network access is disabled in the python tool')\n"
-    "_s.socket = _no_net; _s.create_connection = _no_net; _s.socketpair = _no_net\n"
-    "del _s, _no_net\n"
-)
-
-
-def _unshare_works() -> bool:
-    exe = shutil.which("unshare")
-    if exe is None:
-        return False
-    try:
-        return subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-class PythonTool:
-    """Runs a code snippet in a fresh, limited interpreter; returns its stdout (or 'error: ...')."""
-
-    def __init__(self, *, timeout_s: float = 2.0, memory_mb: int = 256, cpu_s: int = 2,
-                 max_output: int = 2000, isolation: str = "auto") -> None:
-        if isolation not in ("auto", "namespace", "socket_block"):
-            raise ValueError(f"PythonTool isolation must be auto, namespace or socket_block, got {isolation!r}")
-        if isolation == "auto":
-            isolation = "namespace" if _unshare_works() else "socket_block"
-        self.isolation = isolation
-        self.timeout_s = timeout_s
-        self.memory_bytes = memory_mb * 2**20
-        self.cpu_s = cpu_s
-        self.max_output = max_output
-
-    def _limits(self) -> None:  # runs in the child between fork and exec
-        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    async def __call__(self, code: str) -> str:
-        argv = [sys.executable, "-I", "-c", _SOCKET_BLOCK + code]
-        if self.isolation == "namespace":
-            argv = [shutil.which("unshare") or "unshare", "-rn", *argv]
-        with tempfile.TemporaryDirectory(prefix="asyncrl-py-") as cwd:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, preexec_fn=self._limits,
-                start_new_session=True)
-            try:
-                # Not communicate(): it would hold everything the child prints (GBs within the time limit)
-                # in this process, past the child's own memory limit. Keep a bounded head / tail instead.
-                out, err, _ = await asyncio.wait_for(asyncio.gather(
-                    _drain(proc.stdout, self.max_output), _drain(proc.stderr, 8192, tail=True), proc.wait()),
-                    self.timeout_s)
-            except asyncio.TimeoutError:
-                _kill_group(proc.pid)
-                await proc.wait()
-                return f"error: python timed out after {self.timeout_s:g}s"
-        if proc.returncode != 0:
-            lines = err.decode(errors="replace").strip().splitlines()
-            why = lines[-1] if lines else f"exit status {proc.returncode}"
-            if proc.returncode < 0:
-                why = f"killed by signal {-proc.returncode} (cpu or memory limit)"
-            return f"error: {why[:200]}"
-        return out.decode(errors="replace")[: self.max_output].rstrip("\n")
-
-
-async def _drain(stream: asyncio.StreamReader | None, cap: int, *, tail: bool = False) -> bytes:
-    """Read `stream` to its end, keeping only its first (or, with `tail`, last) `cap` bytes."""
-    buf = bytearray()
-    if stream is None:
-        return b""
-    while chunk := await stream.read(65536):
-        buf += chunk
-        if len(buf) > cap:
-            buf = buf[-cap:] if tail else buf[:cap]
-    return bytes(buf)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 TOOLS: dict[str, Callable[[], ToolFn]] = {"calculator": lambda: calculator, "python": PythonTool}
