@@ -186,7 +186,7 @@ def _adapt(spec: str, fn: Any) -> RewardFn:
         raise ValueError(f"reward.fn: {spec!r} is not callable (got {type(fn).__name__})")
     if inspect.iscoroutinefunction(fn):
         raise ValueError(f"reward.fn: {spec!r} is an async function — make it a plain def "
-                         f"(scorers call it in a thread)")
+                         f"(scorers call it on a worker thread or in a worker process)")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
