@@ -15,10 +15,12 @@ import torch
 
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
-from asyncrl.config_schema import Config
+from asyncrl.config_schema import Config, RewardConfig
 from asyncrl.data import PromptStream, load_rows
 from asyncrl.messages import SamplingParams
-from asyncrl.rewards.loader import resolve_cost, resolve_reward
+from asyncrl.rewards.base import Rewards
+from asyncrl.rewards.loader import ThreadRewards, resolve_cost, resolve_reward
+from asyncrl.rewards.process import ProcessRewards
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
@@ -116,15 +118,24 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
     return generator
 
 
+def build_rewards(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards:
+    """The reward (and, `with_cost`, Safe-RLHF cost) function as a role calls it: on threads of this process,
+    or in worker processes that resolve the functions themselves (`reward.isolation`)."""
+    cost_fn = cfg.cost_fn if with_cost else ""
+    if cfg.isolation == "process":
+        return ProcessRewards(cfg.fn, cfg.answer_key, cost_fn, timeout_s=cfg.timeout_s, workers=cfg.workers,
+                              max_memory_mb=cfg.max_memory_mb)
+    return ThreadRewards(resolve_reward(cfg.fn, cfg.answer_key),
+                         resolve_cost(cost_fn, cfg.answer_key) if cost_fn else None, timeout_s=cfg.timeout_s)
+
+
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
     _, _, decode = tokenizer_fns(cfg.model.path)
-    reward_fn = resolve_reward(cfg.reward.fn, cfg.reward.answer_key)
-    cost_fn = resolve_cost(cfg.reward.cost_fn, cfg.reward.answer_key) if cfg.reward.cost_fn else None
     reference = None
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
         reference = build_reference(cfg)
-    return Scorer(scorer_id=scorer_id, buffer=buffer, reward_fn=reward_fn, decode=decode,
-                  timeout_s=cfg.reward.timeout_s, cost_fn=cost_fn, reference=reference,
+    return Scorer(scorer_id=scorer_id, buffer=buffer, rewards=build_rewards(cfg.reward), decode=decode,
+                  reference=reference,
                   filter_zero_variance=cfg.algorithm.filter_zero_variance or cfg.algorithm.dynamic_sampling)
 
 
@@ -169,13 +180,13 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
         engine = TorchEngine.from_model(model, eos_token_ids=eos_token_ids(model),
                                         max_prompt_len=cfg.data.max_prompt_len,
                                         seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode)
-        evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
-                              reward_fn=resolve_reward(cfg.reward.fn, cfg.reward.answer_key),
-                              prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
-                              temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
-                              reward_timeout_s=cfg.reward.timeout_s)
-    if cfg.env is not None and evaluator is not None:  # held-out env episodes on the same engine and rows
-        from asyncrl.envs.setup import env_evaluator
+        if cfg.env is not None:  # held-out env episodes on the same engine and rows (they bring their rewards)
+            from asyncrl.envs.setup import env_evaluator
 
-        evaluator = env_evaluator(cfg, evaluator.engine, tok, evaluator.rows)
+            evaluator = env_evaluator(cfg, engine, tok, rows)
+        else:
+            evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
+                                  rewards=build_rewards(cfg.reward, with_cost=False),
+                                  prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"))
     return Trainer(learner=learner, buffer=buffer, evaluator=evaluator)

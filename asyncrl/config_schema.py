@@ -109,6 +109,25 @@ class RewardConfig(Section):
     ] = "exact_match"
     answer_key: Annotated[str, _d("row field holding the reference answer for built-in rules", min_length=1)] = "answer"
     timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
+    isolation: Annotated[
+        Literal["thread", "process"],
+        _d("where reward (and cost) calls run: thread = worker threads of the scorer's process (a call past "
+           "timeout_s is abandoned, not stopped); process = a pool of `workers` processes per scorer (and one in "
+           "the trainer for evaluation): a call past timeout_s kills its worker, a worker that crashes fails only "
+           "its call, a fresh one replaces it. Isolates memory, crashes and the interpreter lock, not the "
+           "filesystem or the network"),
+    ] = "thread"
+    workers: Annotated[
+        int,
+        _d("reward.isolation = 'process': worker processes per scorer; a batch's calls run in parallel across them",
+           ge=1),
+    ] = 2
+    max_memory_mb: Annotated[
+        int,
+        _d("reward.isolation = 'process': address-space limit (RLIMIT_AS) of each worker in MiB, imports included "
+           "(a worker that imports torch needs several GiB); a call that exceeds it fails and its worker is "
+           "replaced; 0 = no limit", ge=0),
+    ] = 0
     num_scorers: Annotated[int, _d("scorer actors", ge=1)] = 1
     cost_fn: Annotated[
         str,
@@ -336,7 +355,8 @@ class ClusterConfig(Section):
         Literal["actor", "buffer"],
         _d("actor: each scorer is its own actor (process); buffer: the scorers run inside the replay buffer actor's "
            "process and call the buffer without actor calls (light rule rewards: one process and two actor calls per "
-           "batch fewer; reward functions still run on worker threads)"),
+           "batch fewer; reward functions still run on worker threads, or worker processes with "
+           "reward.isolation = 'process')"),
     ] = "actor"
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25

@@ -101,3 +101,5 @@ class LocalDeployment:
             self.channel.close()  # a receive still waiting ends with an error
         for g in self.generator_objs:
             await g.engine.close()
+        for s in self.scorer_objs:  # their loops closed them too, unless a loop never started
+            s.rewards.close()

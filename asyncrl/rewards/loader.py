@@ -1,9 +1,11 @@
 """Resolve `reward.fn` into a callable and call it safely.
 
-Place in the dataflow: building a run resolves `resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once
-(asyncrl/build.py); the Scorer then scores a batch of trajectories with `call_rewards_async` (one call after
-the other on a worker thread, each bounded by `reward.timeout_s`) and the Evaluator single completions with
-`call_reward_async`; both wrap `call_reward`. `asyncrl validate` calls `check_reward`.
+Place in the dataflow: with `reward.isolation = "thread"` (the default) building a run resolves
+`resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once (asyncrl/build.py) and hands it to the roles as
+`ThreadRewards`: the Scorer scores a batch of trajectories, the Evaluator its held-out completions, with
+`call_rewards_async` (one call after the other on a worker thread, each bounded by `reward.timeout_s`),
+which wraps `call_reward`. With "process" a worker process (worker.py) resolves and calls it the same way.
+`asyncrl validate` calls `check_reward`.
 
 The calling convention of a reward function is
 
@@ -28,6 +30,7 @@ import threading
 from typing import Any
 
 from asyncrl.registry import import_path
+from asyncrl.rewards.base import Call
 from asyncrl.rewards.rules import RULES, RewardFn
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -103,51 +106,18 @@ def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any])
     return value
 
 
-async def call_reward_async(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any],
-                            timeout_s: float) -> float:
-    """`call_reward` on a daemon thread of its own, bounded by `timeout_s` (asyncio.TimeoutError).
-
-    Not a thread pool: a call that hangs cannot be killed, and in a pool each hung call would hold a
-    worker for good — after `max_workers` of them every later call times out waiting in the queue, every
-    group fails and training starves; pool threads would also block interpreter exit. A hung daemon
-    thread holds only itself.
-    """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[float] = loop.create_future()
-
-    def settle(value: float | None, exc: BaseException | None) -> None:
-        if fut.done():  # timed out (cancelled) meanwhile
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)  # type: ignore[arg-type]
-
-    def work() -> None:
-        value, exc = None, None
-        try:
-            value = call_reward(fn, prompt, completion, row)
-        except Exception as e:  # noqa: BLE001 - user code; the caller reports it
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, value, exc)
-        except RuntimeError:  # the loop closed while the call hung
-            pass
-
-    threading.Thread(target=work, name="reward", daemon=True).start()
-    return await asyncio.wait_for(fut, timeout_s)
-
-
-async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str, Any]]],
+async def call_rewards_async(fn: RewardFn, calls: list[Call],
                              timeout_s: float) -> list[float | BaseException]:
     """`call_reward` on each (prompt, completion, row), one call after the other on one daemon thread, each
     call bounded by `timeout_s`. Returns, per call, its value or its exception (asyncio.TimeoutError for one
     that hung).
 
-    The same guarantees as `call_reward_async` (one call at a time, except beside a call that already
-    timed out: a hung call holds only its own thread, and the calls after it go on on a fresh one), without
-    a thread start and a round trip through the event loop per call: the thread runs through the batch and
-    hands each result to the loop as it goes.
+    One call at a time, except beside a call that already timed out: a hung call cannot be killed, so it
+    holds only its own thread, and the calls after it go on on a fresh one. Not a thread pool: in a pool each
+    hung call would hold a worker for good — after `max_workers` of them every later call times out waiting
+    in the queue, every group fails and training starves; pool threads would also block interpreter exit.
+    The thread runs through the batch and hands each result to the loop as it goes (no thread start and no
+    round trip through the event loop per call).
     """
     loop = asyncio.get_running_loop()
     out: list[float | BaseException] = []
@@ -191,13 +161,32 @@ async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str,
     return out
 
 
+class ThreadRewards:
+    """`Rewards` (base.py) on daemon threads of this process (`reward.isolation = "thread"`)."""
+
+    def __init__(self, reward_fn: RewardFn, cost_fn: RewardFn | None = None, *, timeout_s: float = 30.0) -> None:
+        self.reward_fn = reward_fn
+        self.cost_fn = cost_fn
+        self.has_cost = cost_fn is not None
+        self.timeout_s = timeout_s
+
+    async def score(self, calls: list[Call], *, cost: bool = False) -> list[float | BaseException]:
+        fn = self.cost_fn if cost else self.reward_fn
+        if fn is None:
+            raise ValueError("score(cost=True) without a cost function (reward.cost_fn)")
+        return await call_rewards_async(fn, calls, self.timeout_s)
+
+    def close(self) -> None:
+        """Nothing to stop: a hung daemon thread holds only itself."""
+
+
 def _adapt(spec: str, fn: Any) -> RewardFn:
     """Check a user function's signature and wrap it into the fn(prompt, completion, **fields) convention."""
     if not callable(fn):
         raise ValueError(f"reward.fn: {spec!r} is not callable (got {type(fn).__name__})")
     if inspect.iscoroutinefunction(fn):
         raise ValueError(f"reward.fn: {spec!r} is an async function — make it a plain def "
-                         f"(scorers call it in a thread)")
+                         f"(scorers call it on a worker thread or in a worker process)")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
-from asyncrl.rewards.loader import call_reward_async
+from asyncrl.rewards.base import Rewards
 from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -25,23 +25,21 @@ class Evaluator:
         rows: list[dict[str, Any]],
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
-        reward_fn: Callable[..., float],
+        rewards: Rewards,
         prompt_key: str,
         max_new_tokens: int,
         temperature: float,
         seed: int = 0,
-        reward_timeout_s: float = 30.0,
     ) -> None:
         self.engine = engine
         self.rows = rows
         self.encode = encode
         self.decode = decode
-        self.reward_fn = reward_fn
+        self.rewards = rewards  # the run's reward function, as the scorers call it (reward.isolation)
         self.prompt_key = prompt_key
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
-        self.reward_timeout_s = reward_timeout_s
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
@@ -50,16 +48,16 @@ class Evaluator:
         for name, temp in (("greedy", 0.0), ("sampled", self.temperature)):
             params = SamplingParams(n=1, temperature=temp, max_new_tokens=self.max_new_tokens, seed=self.seed)
             groups = await self.engine.generate(prompts, params)
+            results = await self.rewards.score([(str(row[self.prompt_key]), self.decode(group[0].response_ids), row)
+                                                for row, group in zip(self.rows, groups)])
             rewards, errors = [], 0
-            for row, group in zip(self.rows, groups):
-                text = self.decode(group[0].response_ids)
-                try:
-                    rewards.append(await call_reward_async(self.reward_fn, str(row[self.prompt_key]), text,
-                                                           row, self.reward_timeout_s))
-                except Exception as exc:  # a failing or hung reward counts as 0 and is reported
+            for result in results:
+                if isinstance(result, BaseException):  # a failing or hung reward counts as 0 and is reported
                     errors += 1
                     rewards.append(0.0)
-                    log.debug("eval reward failed: %s", exc)
+                    log.debug("eval reward failed: %s", result)
+                else:
+                    rewards.append(result)
             out[f"eval/{name}_reward"] = sum(rewards) / max(1, len(rewards))
             out[f"eval/{name}_errors"] = float(errors)
         out["eval/prompts"] = float(len(prompts))

@@ -2,11 +2,15 @@
 them to training — or returns their admission slots when they are filtered or failed.
 
 Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train store ──► Trainer.
-A reward function that raises, returns garbage or hangs past `timeout_s` fails its sample; the group it
-belongs to completes as a failed group (slots returned to the gate, counted) and the run goes on.
+The reward function runs behind `Rewards` (asyncrl/rewards/base.py): on worker threads of this process,
+or, with `reward.isolation = "process"`, in worker processes that a hung or crashing reward cannot take
+down with it. A reward call that raises, returns garbage, hangs past `reward.timeout_s` or dies with its
+worker fails its sample; the group it belongs to completes as a failed group (slots returned to the
+gate, counted) and the run goes on.
 
 Algorithm extras (docs/algorithms.md), each off unless configured:
-- Safe-RLHF: `cost_fn` is called like the reward function (same containment) and fills `Trajectory.cost`
+- Safe-RLHF: the cost function is called like the reward function (same containment) and fills
+  `Trajectory.cost`
   — also for episodes that bring their own reward (`env_reward`, e.g. submitted to `asyncrl.Runtime`).
 - ReMax: a group whose trajectories carry the generator's greedy completion (`baseline_response_ids`)
   gets it scored once, into every member's `baseline_reward`.
@@ -28,7 +32,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.loader import call_reward_async, call_rewards_async
+from asyncrl.rewards.base import Rewards
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
@@ -57,23 +61,19 @@ class Scorer:
         *,
         scorer_id: int,
         buffer: ScoreSink,
-        reward_fn: Callable[..., float],
+        rewards: Rewards,
         decode: Callable[[list[int]], str],
-        timeout_s: float = 30.0,
         filter_zero_variance: bool = False,
         batch: int = 256,
         recorder: SpanRecorder | None = None,
-        cost_fn: Callable[..., float] | None = None,
         reference: ReferencePolicy | None = None,
     ) -> None:
         self.scorer_id = scorer_id
         self.buffer = buffer
-        self.reward_fn = reward_fn
+        self.rewards = rewards  # the reward (and cost) function; closed when `run` ends
         self.decode = decode
-        self.timeout_s = timeout_s
         self.filter_zero_variance = filter_zero_variance
         self.batch = batch  # trajectories per get_rollouts: whole groups, at least one
-        self.cost_fn = cost_fn
         self.reference = reference
         self.recorder = recorder or SpanRecorder(f"scorer/{scorer_id}")
         self.assembler = GroupAssembler()
@@ -86,12 +86,15 @@ class Scorer:
         self._window = Window()
 
     async def run(self) -> None:
-        while not self._stopped.is_set():
-            t0 = self.recorder.begin("wait_queue", "rollout queue")
-            trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
-            self.recorder.record("wait_queue", t0, time.time())
-            if trajs:
-                await self.score_batch(trajs)
+        try:
+            while not self._stopped.is_set():
+                t0 = self.recorder.begin("wait_queue", "rollout queue")
+                trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
+                self.recorder.record("wait_queue", t0, time.time())
+                if trajs:
+                    await self.score_batch(trajs)
+        finally:  # nothing scores after the loop: its reward workers (reward.isolation = "process") end too
+            self.rewards.close()
 
     async def score_batch(self, trajs: list[Trajectory]) -> None:
         t0 = self.recorder.begin("score", "reward fn")
@@ -127,15 +130,14 @@ class Scorer:
         self.recorder.record("wait_queue", t0, time.time())
 
     async def _score_all(self, trajs: list[Trajectory]) -> None:
-        """Rewards (and costs) of a batch: the user's function is called once per sample, one call after
-        the other on a worker thread (`call_rewards_async`); a call that raises, returns garbage or hangs
-        fails its sample."""
+        """Rewards (and costs) of a batch: the user's function is called once per sample (`Rewards.score`);
+        a call that raises, returns garbage, hangs or dies with its worker fails its sample."""
         todo: list[tuple[Trajectory, str, dict[str, Any]]] = []  # (trajectory, completion, row)
         for traj in trajs:
             self.counts["scored"] += 1
             if traj.finish_reason == "error":
                 continue
-            if traj.env_reward is not None and self.cost_fn is None:  # an env episode brings its own reward
+            if traj.env_reward is not None and not self.rewards.has_cost:  # an env episode brings its own reward
                 traj.reward = traj.env_reward
                 continue
             row = json.loads(traj.row_json) if traj.row_json else {}
@@ -145,23 +147,23 @@ class Scorer:
         for t, _, _ in todo:
             if t.env_reward is not None:
                 t.reward = t.env_reward
-        await self._call(self.reward_fn, "reward", need_reward)
-        if self.cost_fn is not None:
-            await self._call(self.cost_fn, "cost", [(t, c, r) for t, c, r in todo if t.finish_reason != "error"])
+        await self._call("reward", need_reward)
+        if self.rewards.has_cost:
+            await self._call("cost", [(t, c, r) for t, c, r in todo if t.finish_reason != "error"])
 
-    async def _call(self, fn: Any, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
+    async def _call(self, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
         if not items:
             return
-        results = await call_rewards_async(fn, [(t.prompt_text, c, r) for t, c, r in items], self.timeout_s)
+        results = await self.rewards.score([(t.prompt_text, c, r) for t, c, r in items], cost=what == "cost")
         for (traj, _, _), result in zip(items, results):
             if isinstance(result, BaseException):  # user code: contain, count, fail the group
-                self._fail(traj, what, result)  # type: ignore[arg-type]
+                self._fail(traj, what, result)
             elif what == "reward":
                 traj.reward = result
             else:
                 traj.cost = result
 
-    def _fail(self, traj: Trajectory, what: str, exc: Exception) -> None:
+    def _fail(self, traj: Trajectory, what: str, exc: BaseException) -> None:
         reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
         key = f"{what}_errors"
         self.counts[key] += 1
@@ -175,10 +177,9 @@ class Scorer:
         first = group.trajectories[0]
         row = json.loads(first.row_json) if first.row_json else {}
         completion = self.decode(first.baseline_response_ids)
-        try:
-            value = await call_reward_async(self.reward_fn, first.prompt_text, completion, row, self.timeout_s)
-        except Exception as exc:  # user code: the group cannot be trained without its baseline
-            self._fail(first, "baseline", exc)  # counted and logged once per group
+        [value] = await self.rewards.score([(first.prompt_text, completion, row)])
+        if isinstance(value, BaseException):  # user code: the group cannot be trained without its baseline
+            self._fail(first, "baseline", value)  # counted and logged once per group
             for t in group.trajectories[1:]:
                 t.finish_reason, t.error = "error", first.error
             return

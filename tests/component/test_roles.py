@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
+from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
@@ -82,8 +83,9 @@ def decode(ids: list[int]) -> str:
     return "".join(chr(i) for i in ids)
 
 
-def make_scorer(buffer: FakeBuffer, reward_fn: Callable[..., Any], **kw: Any) -> Scorer:
-    return Scorer(scorer_id=0, buffer=buffer, reward_fn=reward_fn, decode=decode, **kw)
+def make_scorer(buffer: FakeBuffer, reward_fn: Callable[..., Any], timeout_s: float = 30.0, **kw: Any) -> Scorer:
+    return Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(reward_fn, timeout_s=timeout_s), decode=decode,
+                  **kw)
 
 
 def by_text(prompt: str, completion: str, **fields: Any) -> Any:
@@ -225,7 +227,7 @@ def test_two_scorers_complete_every_group_of_a_backed_up_queue_when_group_size_d
                               train_capacity=2 * p)
         ids = await buffer.admit(2 * p, 0)
         await buffer.put_rollouts([traj(g, j, "ab"[j % 2], group_size=size) for g in ids for j in range(size)])
-        scorers = [Scorer(scorer_id=i, buffer=buffer, reward_fn=by_text, decode=decode) for i in range(2)]
+        scorers = [Scorer(scorer_id=i, buffer=buffer, rewards=ThreadRewards(by_text), decode=decode) for i in range(2)]
         loops = [asyncio.create_task(s.run()) for s in scorers]
         try:
             taken = [g.group_id for step in range(2) for g in await buffer.take_step(step, timeout=5.0)]

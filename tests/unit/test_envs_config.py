@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.messages import Trajectory
+from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import WindowReducer
 from buffers.replay import ReplayBuffer
@@ -130,7 +131,7 @@ def test_scorer_uses_the_env_reward_and_never_calls_the_reward_function():
         raise AssertionError("reward.fn must not be called for env episodes")
 
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward_fn, decode=lambda ids: "")
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(reward_fn), decode=lambda ids: "")
     t = traj(0, env_reward=0.75)
     asyncio.run(scorer.score_batch([t]))
     assert buffer.accepted[0].trajectories[0].reward == 0.75 and scorer.counts["reward_errors"] == 0

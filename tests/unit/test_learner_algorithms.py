@@ -18,6 +18,7 @@ from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
+from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.scorer import Scorer
 from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.training.learner import Learner
@@ -268,8 +269,8 @@ def test_scorer_fills_costs_and_fails_the_group_whose_cost_function_raises():
         return float(len(completion) > 1)
 
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode,
-                    cost_fn=cost)
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(lambda p, c, **f: float(c == "a"), cost),
+                    decode=_decode)
     asyncio.run(scorer.score_batch([_scored("a", 0, 0), _scored("ab", 0, 1), _scored("a", 1, 0),
                                     _scored("boom", 1, 1)]))
     assert [g.group_id for g in buffer.accepted] == [0] and buffer.released["failed"] == [1]
@@ -280,14 +281,15 @@ def test_scorer_fills_costs_and_fails_the_group_whose_cost_function_raises():
 def test_scorer_costs_episodes_that_bring_their_own_reward():
     # an episode submitted to asyncrl.Runtime carries env_reward; Safe-RLHF still needs its cost
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: 99.0, decode=_decode,
-                    cost_fn=lambda p, c, **f: float(len(c)))
+    rewards = ThreadRewards(lambda p, c, **f: 99.0, lambda p, c, **f: float(len(c)))
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=rewards, decode=_decode)
     trajs = [msgspec.structs.replace(_scored(text, 0, j), env_reward=0.5 * j) for j, text in enumerate(["a", "abc"])]
     asyncio.run(scorer.score_batch(trajs))
     assert [(t.reward, t.cost) for t in buffer.accepted[0].trajectories] == [(0.0, 1.0), (0.5, 3.0)]
     plain = _Buffer()  # without a cost function the env reward is taken as it is, nothing decoded
-    asyncio.run(Scorer(scorer_id=0, buffer=plain, reward_fn=lambda p, c, **f: 99.0, decode=None).score_batch(
-        [msgspec.structs.replace(_scored("a", 1, j), env_reward=1.0) for j in range(2)]))
+    plain_scorer = Scorer(scorer_id=0, buffer=plain, rewards=ThreadRewards(lambda p, c, **f: 99.0), decode=None)
+    asyncio.run(plain_scorer.score_batch([msgspec.structs.replace(_scored("a", 1, j), env_reward=1.0)
+                                          for j in range(2)]))
     assert [t.reward for t in plain.accepted[0].trajectories] == [1.0, 1.0]
 
 
@@ -299,7 +301,7 @@ def test_scorer_scores_the_greedy_baseline_once_per_group_into_every_member():
         return float(completion == "a")
 
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward, decode=_decode)
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(reward), decode=_decode)
     asyncio.run(scorer.score_batch([_scored("b", 0, 0, baseline="a"), _scored("a", 0, 1, baseline="a")]))
     assert [t.baseline_reward for t in buffer.accepted[0].trajectories] == [1.0, 1.0]
     assert calls.count("a") == 2 and scorer.counts["baselines_scored"] == 1  # one sample + the baseline
@@ -310,7 +312,7 @@ def test_scorer_fills_reference_logprobs_equal_to_a_teacher_forced_forward():
     reference = ReferencePolicy(model, pad_token_id=PAD, micro_batch_size=1)
     learner = Learner(_model(3), algorithm=AlgorithmConfig(), trainer=TrainerConfig(), pad_token_id=PAD)
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(len(c)),
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(lambda p, c, **f: float(len(c))),
                     decode=lambda ids: "x" * len(ids), reference=reference)
     trajs = [_traj(0, 0, [3, 4], [5, 6, 7], [0.0] * 3), _traj(1, 0, [3], [9], [0.0])]
     trajs = [msgspec.structs.replace(t, group_size=2) for t in trajs]
@@ -327,8 +329,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_the_step_is_refilled_to
 
     async def main() -> list[Group]:
         buffer = ReplayBuffer(prompts_per_step=2, group_size=2, max_staleness=0, rollout_capacity=64, train_capacity=8)
-        scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=lambda p, c, **f: float(c == "a"), decode=_decode,
-                        filter_zero_variance=True)
+        scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(lambda p, c, **f: float(c == "a")),
+                        decode=_decode, filter_zero_variance=True)
         ids = await buffer.admit(2, 0, timeout=1)
         assert ids == [0, 1]
         # group 0 all-correct (zero variance: dropped), group 1 mixed
@@ -427,7 +429,7 @@ def test_a_failing_greedy_baseline_fails_its_group_once():
         return 1.0
 
     buffer = _Buffer()
-    scorer = Scorer(scorer_id=0, buffer=buffer, reward_fn=reward, decode=_decode)
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(reward), decode=_decode)
     asyncio.run(scorer.score_batch([_scored("a", 0, 0, baseline="boom"), _scored("b", 0, 1, baseline="boom")]))
     assert buffer.released["failed"] == [0] and not buffer.accepted
     assert scorer.counts["baseline_errors"] == 1

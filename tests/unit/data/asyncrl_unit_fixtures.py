@@ -67,3 +67,41 @@ def reward_returns(value):
         return value
 
     return reward
+
+
+def reward_misbehaves(prompt, completion, **fields):
+    """What a reward can do to the process it runs in, chosen by the completion (reward.isolation tests):
+    'pid' returns the worker's process id; 'sleep' sleeps; 'regex' holds the interpreter lock in one long C
+    call; 'exit' and 'segv' end the process; 'alloc' allocates 1 GiB; 'print' writes to stdout; 'boom'
+    raises KeyError; 'custom' raises an exception type of this module; 'nan' returns NaN; anything else scores
+    its length."""
+    import ctypes
+    import os
+    import re
+    import time
+
+    if completion == "pid":
+        return float(os.getpid())
+    if completion == "sleep":
+        time.sleep(60)
+    if completion == "regex":  # catastrophic backtracking: minutes inside the regex engine, lock held
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    if completion == "exit":
+        os._exit(1)
+    if completion == "segv":
+        ctypes.string_at(0)
+    if completion == "alloc":
+        return float(len(bytearray(2**30)))
+    if completion == "print":
+        print("a reward that prints must not corrupt the wire\n" * 1000)
+    if completion == "boom":
+        raise KeyError("boom")
+    if completion == "custom":
+        raise CustomRewardError("custom")
+    if completion == "nan":
+        return float("nan")
+    return float(len(completion))
+
+
+class CustomRewardError(Exception):
+    pass
