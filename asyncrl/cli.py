@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--address", help="join an existing Ray cluster (same as --set cluster.address=...)")
     launch.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest valid checkpoint (run.save_every)")
+    launch.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="console and RUN_DIR/run.log (default INFO)")
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
@@ -179,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from asyncrl.controller import RunStopped
     from asyncrl.launch import run_local, run_with_ray
+    from asyncrl.telemetry.runlog import RunLog, cause_chain
 
+    logging.getLogger().setLevel(args.log_level)
+    run_log = RunLog(cfg.run.output_dir, level=args.log_level)
     runner = run_local if args.local else run_with_ray
     try:
         rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
@@ -193,11 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped at once (a second signal); actors stopped; resume from the last checkpoint with: "
               f"asyncrl launch --resume {cfg.run.output_dir}", file=sys.stderr)
         return 143
-    except Exception as exc:  # a failed run ends with one line, the traceback goes to the log
-        logging.getLogger("asyncrl").debug("run failed", exc_info=True)
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        print(f"run failed: {type(exc).__name__}: {first}", file=sys.stderr)
+    except Exception as exc:  # a failed run: the root cause first, one line per wrapper; tracebacks in run.log
+        run_log.exception(exc)
+        root, *wrappers = cause_chain(exc)
+        print(f"run failed: {root}", file=sys.stderr)
+        for line in wrappers:
+            print(f"  raised as: {line}", file=sys.stderr)
+        print(f"  (tracebacks: {run_log.path})", file=sys.stderr)
         return 1
+    finally:
+        run_log.close()
     print(f"run directory: {cfg.run.output_dir} ({len(rows)} metric rows)")
     return 0
 
