@@ -70,7 +70,7 @@ class Faults:
         try:
             while self.pending:
                 step, role = self.pending[0]
-                done = sum("trainer/samples" in r for r in controller.rows)
+                done = max((r["step"] for r in controller.rows if "trainer/samples" in r), default=0)
                 if done < step:
                     await asyncio.sleep(0.05)
                     continue

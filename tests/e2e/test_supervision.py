@@ -125,7 +125,7 @@ def test_run_with_ray_resumes_from_the_newest_checkpoint_when_a_role_dies_that_i
         attempts.append(controller)
         if len(attempts) > 1:
             return
-        while sum("trainer/samples" in r for r in controller.rows) < 3:
+        while max((r["step"] for r in controller.rows if "trainer/samples" in r), default=0) < 3:
             await asyncio.sleep(0.02)
         actor = deployment.trainer_actor if role == "trainer" else deployment.generator_actors[0]
         os.kill(await actor.pid.remote(), signal.SIGKILL)
