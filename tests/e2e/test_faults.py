@@ -191,7 +191,7 @@ def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_do
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_config_file, tmp_path):
+def test_ctrl_c_on_launch_checkpoints_exits_130_and_leaves_no_actors(ray_cluster, tiny_config_file, tmp_path):
     run_dir = tmp_path / "sigint"
     before = _alive_role_actors()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -225,7 +225,8 @@ def test_ctrl_c_on_launch_exits_130_and_leaves_no_actors(ray_cluster, tiny_confi
                 proc.wait()
     out = log_path.read_text()
     assert rc == 130, out[-3000:]
-    assert "interrupted" in out
+    assert "stopped by SIGINT after step" in out and f"asyncrl launch --resume {run_dir}" in out  # checkpointed
+    assert any(run_dir.glob("checkpoints/step_*"))
     assert elapsed < 30
     _wait_for(lambda: not (_alive_role_actors() - before), 15, "the run's actors to die")
     assert len(read_metrics(run_dir / "metrics.jsonl")) < 500
