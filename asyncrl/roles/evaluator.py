@@ -1,6 +1,7 @@
 """Held-out evaluation: fixed prompts, greedy and sampled, scored with the run's reward function.
 
-Runs inside the trainer process on the trainer's own weights (through the native engine's
+Prompts are encoded exactly as the generators encode them (`asyncrl.prompts.PromptEncoder`). Runs inside
+the trainer process on the trainer's own weights (through the native engine's
 `from_model`, which shares the parameters), so the reported numbers belong to an exact policy version.
 This is what "the run learns" is judged on.
 """
@@ -11,6 +12,7 @@ import logging
 from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
+from asyncrl.prompts import Prompt
 from asyncrl.rewards.loader import call_reward_async
 from engines.base import RolloutEngine
 
@@ -23,10 +25,9 @@ class Evaluator:
         *,
         engine: RolloutEngine,
         rows: list[dict[str, Any]],
-        encode: Callable[[str], list[int]],
+        encode: Callable[[dict[str, Any]], Prompt],
         decode: Callable[[list[int]], str],
         reward_fn: Callable[..., float],
-        prompt_key: str,
         max_new_tokens: int,
         temperature: float,
         seed: int = 0,
@@ -34,10 +35,9 @@ class Evaluator:
     ) -> None:
         self.engine = engine
         self.rows = rows
-        self.encode = encode
+        self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode), as the generators do
         self.decode = decode
         self.reward_fn = reward_fn
-        self.prompt_key = prompt_key
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
@@ -45,17 +45,17 @@ class Evaluator:
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
-        prompts = [self.encode(r[self.prompt_key]) for r in self.rows]
+        prompts = [self.encode(r) for r in self.rows]
         out: dict[str, float] = {}
         for name, temp in (("greedy", 0.0), ("sampled", self.temperature)):
             params = SamplingParams(n=1, temperature=temp, max_new_tokens=self.max_new_tokens, seed=self.seed)
-            groups = await self.engine.generate(prompts, params)
+            groups = await self.engine.generate([p.ids for p in prompts], params)
             rewards, errors = [], 0
-            for row, group in zip(self.rows, groups):
+            for row, prompt, group in zip(self.rows, prompts, groups):
                 text = self.decode(group[0].response_ids)
                 try:
-                    rewards.append(await call_reward_async(self.reward_fn, str(row[self.prompt_key]), text,
-                                                           row, self.reward_timeout_s))
+                    rewards.append(await call_reward_async(self.reward_fn, prompt.text, text, row,
+                                                           self.reward_timeout_s))
                 except Exception as exc:  # a failing or hung reward counts as 0 and is reported
                     errors += 1
                     rewards.append(0.0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
+from asyncrl.prompts import Prompt
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
@@ -281,7 +282,8 @@ def make_generator(buffer: FakeBuffer, engine: FakeEngine, concurrency: int = 2,
     counter = iter(range(10**6))
     prompt_row = rows or (lambda gid: {"prompt": f"q{next(counter)}", "answer": "a"})
     return Generator(generator_id=0, engine=engine, buffer=buffer, prompt_row=prompt_row,
-                     encode=lambda s: [ord(c) for c in s], sampling=SamplingParams(n=2, max_new_tokens=1),
+                     encode=lambda row: Prompt([ord(c) for c in row["prompt"]], row["prompt"]),
+                     sampling=SamplingParams(n=2, max_new_tokens=1),
                      concurrency=concurrency)
 
 

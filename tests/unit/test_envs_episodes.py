@@ -351,11 +351,13 @@ class _ClosingBuffer:
 
 
 def _generator(buffer: _ClosingBuffer, env: bool):
+    from asyncrl.prompts import Prompt
     from asyncrl.roles.generator import Generator
 
     codec = MergeCodec()
     gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), buffer=buffer,
-                    prompt_row=lambda gid: {"prompt": "q"}, encode=codec.encode,
+                    prompt_row=lambda gid: {"prompt": "q"},
+                    encode=lambda row: Prompt(codec.encode(row["prompt"]), row["prompt"]),
                     sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
     if env:
         gen.episodes = runner(ScriptedEngine([[1]] * 8), codec)
