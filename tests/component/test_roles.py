@@ -330,6 +330,20 @@ def test_generator_stats_report_the_window_since_the_previous_read():
     assert gen.stats().values()["generation/stall_s"] == 0
 
 
+def test_generator_counts_truncated_prompts_and_reports_the_rows_filtered_at_load():
+    buffer = FakeBuffer()
+    gen = Generator(generator_id=0, engine=FakeEngine(), buffer=buffer, prompt_row=lambda gid: {"prompt": f"q{gid}"},
+                    encode=lambda row: Prompt([1, 2], "whole " + row["prompt"], truncated=row["prompt"] == "q1"),
+                    sampling=SamplingParams(n=2, max_new_tokens=1), prompts_filtered=3)
+    run(_run_until(gen, lambda: len({t.group_id for t in buffer.rollouts}) >= 3))
+    values = gen.stats().values()
+    assert values["data/truncated_prompts"] == 1 and values["data/filtered_overlong"] == 3
+    q1 = [t for t in buffer.rollouts if t.group_id == 1]
+    assert all(t.prompt_truncated and t.prompt_text == "whole q1" for t in q1)
+    assert not any(t.prompt_truncated for t in buffer.rollouts if t.group_id != 1)
+    assert gen.stats().values()["data/truncated_prompts"] == 0  # a window count: read resets it
+
+
 class PausingEngine(FakeEngine):
     """An engine that keeps its own record of swap pauses (as TorchEngine and vLLM do), since the start."""
 

@@ -213,3 +213,15 @@ def test_check_prompts_reports_overlong_rows_before_a_run(tmp_path, plain_llama)
     assert errors[0].startswith("data.max_prompt_len: train") and errors[1].startswith("data.max_prompt_len: eval")
     assert check_prompts(_config(tmp_path, max_prompt_len=8, overlong="filter"), plain_llama) == []
     assert check_prompts(_config(tmp_path, max_prompt_len=8), None) == []  # no tokenizer in model.path yet
+
+
+def test_asyncrl_validate_names_overlong_rows_with_the_models_tokenizer(tiny_config_file, capsys):
+    from asyncrl.cli import main
+
+    assert main(["validate", str(tiny_config_file)]) == 0
+    assert main(["validate", str(tiny_config_file), "--set", "data.max_prompt_len=4"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("config error: data.max_prompt_len: train row 1 (5 tokens), row 2 (5 tokens), "
+                             "row 3 (5 tokens) and 3997 more: prompt longer than 4 tokens")
+    assert main(["validate", str(tiny_config_file), "--set", "data.max_prompt_len=4",
+                 "--set", 'data.overlong="truncate_left"']) == 0
