@@ -41,6 +41,9 @@ class MergeCodec:
                 i += 1
         return out
 
+    def encode_prompt(self, text: str) -> list[int]:  # no BOS
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         return "".join(self.vocab[i] for i in ids if i != self.eos)
 

@@ -225,3 +225,13 @@ def test_asyncrl_validate_names_overlong_rows_with_the_models_tokenizer(tiny_con
                              "row 3 (5 tokens) and 3997 more: prompt longer than 4 tokens")
     assert main(["validate", str(tiny_config_file), "--set", "data.max_prompt_len=4",
                  "--set", 'data.overlong="truncate_left"']) == 0
+
+
+def test_env_episodes_without_a_template_start_with_one_bos_too(plain_llama, tiny_model_dir):
+    from asyncrl.envs.transcript import HFCodec, Transcript
+    from engines.hf import load_tokenizer
+
+    assert Transcript(HFCodec(plain_llama), "none").start("ab") == [BOS, *chars(plain_llama, "ab")]
+    assert HFCodec(plain_llama).encode_prompt("<s>ab") == [BOS, *chars(plain_llama, "ab")]
+    tiny = load_tokenizer(tiny_model_dir)  # no BOS behaviour: episodes start exactly as before
+    assert Transcript(HFCodec(tiny), "none").start("5=") == tiny.encode("5=", add_special_tokens=False)
