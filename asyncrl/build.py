@@ -16,8 +16,9 @@ import torch
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config_schema import Config, RewardConfig
-from asyncrl.data import PromptStream, load_rows
+from asyncrl.data import PromptStream
 from asyncrl.messages import SamplingParams
+from asyncrl.prompts import PromptEncoder, prompt_rows
 from asyncrl.rewards.base import Rewards
 from asyncrl.rewards.loader import ThreadRewards, resolve_cost, resolve_reward
 from asyncrl.rewards.process import ProcessRewards
@@ -70,16 +71,15 @@ def set_torch_threads(n: int) -> None:
         pass
 
 
-def tokenizer_fns(model_path: str) -> tuple[Any, Any, Any]:
+def tokenizer_fns(model_path: str) -> tuple[Any, Any]:
+    """The tokenizer and its decode (responses, special tokens skipped). Prompts are encoded by
+    `asyncrl.prompts.PromptEncoder`."""
     tok = load_tokenizer(model_path)
-
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
 
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
 
-    return tok, encode, decode
+    return tok, decode
 
 
 def training_sampling(cfg: Config) -> SamplingParams:
@@ -98,15 +98,17 @@ def build_buffer(cfg: Config) -> ReplayBuffer:
 
 def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
-    _, encode, decode = tokenizer_fns(cfg.model.path)
+    tok, decode = tokenizer_fns(cfg.model.path)
     engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
                            max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                            kv_on_update=cfg.rollout.kv_on_update)
-    # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it)
-    stream = PromptStream(load_rows(cfg.data, "train", cfg.run.seed), seed=derive_seed(cfg.run.seed, "data"),
-                          shuffle=cfg.data.shuffle)
+    # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it:
+    # the same rows, screened by data.overlong the same way)
+    encoder = PromptEncoder(tok, cfg.data)
+    rows, filtered = prompt_rows(cfg, "train", encoder)
+    stream = PromptStream(rows, seed=derive_seed(cfg.run.seed, "data"), shuffle=cfg.data.shuffle)
     generator = Generator(generator_id=generator_id, engine=engine, buffer=buffer, prompt_row=stream.row,
-                          encode=encode, sampling=training_sampling(cfg), prompt_key=cfg.data.prompt_key,
+                          encode=encoder.encode, sampling=training_sampling(cfg), prompts_filtered=filtered,
                           concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update,
                           greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline,
                           group_seed=(lambda gid: derive_seed(cfg.run.seed, "group", gid))
@@ -130,7 +132,7 @@ def build_rewards(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards:
 
 
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
-    _, _, decode = tokenizer_fns(cfg.model.path)
+    _, decode = tokenizer_fns(cfg.model.path)
     reference = None
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
         reference = build_reference(cfg)
@@ -168,7 +170,7 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
 def build_trainer(cfg: Config, buffer: Any) -> Trainer:
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
     model = load_model(cfg.model.path, dtype=cfg.model.dtype)
-    tok, encode, decode = tokenizer_fns(cfg.model.path)
+    tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     learner = build_learner(cfg, model, pad_id)
     evaluator = None
@@ -176,7 +178,8 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
         from engines.hf import eos_token_ids
         from engines.torch_engine import TorchEngine
 
-        rows = load_rows(cfg.data, "eval", cfg.run.seed)[: cfg.trainer.eval_prompts]
+        encoder = PromptEncoder(tok, cfg.data)
+        rows, _ = prompt_rows(cfg, "eval", encoder)
         engine = TorchEngine.from_model(model, eos_token_ids=eos_token_ids(model),
                                         max_prompt_len=cfg.data.max_prompt_len,
                                         seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode)
@@ -185,8 +188,8 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
 
             evaluator = env_evaluator(cfg, engine, tok, rows)
         else:
-            evaluator = Evaluator(engine=engine, rows=rows, encode=encode, decode=decode,
+            evaluator = Evaluator(engine=engine, rows=rows, encode=encoder.encode, decode=decode,
                                   rewards=build_rewards(cfg.reward, with_cost=False),
-                                  prompt_key=cfg.data.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"))
     return Trainer(learner=learner, buffer=buffer, evaluator=evaluator)

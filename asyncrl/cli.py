@@ -175,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return _config_errors(err)
     if args.command == "validate":
+        from asyncrl.prompts import check_prompts
+
+        problems = check_prompts(cfg)  # with the model's tokenizer: prompts render and fit (data.overlong)
+        if problems:
+            return _config_errors(ConfigError(problems))
         print(f"{args.config}: ok")
         return 0
     if args.dry_run:

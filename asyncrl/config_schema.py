@@ -51,17 +51,63 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    path: Annotated[str, _d("JSONL or Parquet file of prompt rows; or leave empty and set `source`")] = ""
+    """Where prompt rows come from and how a row becomes the prompt's tokens (docs/data.md)."""
+
+    path: Annotated[
+        str,
+        _d("dataset file (.jsonl, .json, .parquet; .csv, .arrow with the datasets extra) or folder (save_to_disk, or "
+           "data files named by split; datasets extra); or leave empty and set `source`"),
+    ] = ""
     source: Annotated[
         str,
         _d("'pkg.module:function' returning an iterable of rows, called as fn(split=..., seed=...)"),
     ] = ""
     eval_path: Annotated[
         str,
-        _d("held-out JSONL/Parquet rows for evaluation (default: `source` with split='eval')"),
+        _d("held-out rows for evaluation, a file or folder like `path` (default: `eval_split` of `path`, or "
+           "`source` with split='eval')"),
     ] = ""
-    prompt_key: Annotated[str, _d("row field holding the prompt text", min_length=1)] = "prompt"
-    max_prompt_len: Annotated[int, _d("prompts longer than this many tokens are cut (and counted)", ge=1)] = 256
+    split: Annotated[
+        str,
+        _d("the split of a `path` folder that holds several (a save_to_disk DatasetDict, or files named by split) "
+           "to train on; a single file is one split", min_length=1),
+    ] = "train"
+    eval_split: Annotated[
+        str,
+        _d("the split held out for evaluation, read from `eval_path` if set, else from the `path` folder, e.g. "
+           "'test'; empty: `eval_path` whole (or its only split)"),
+    ] = ""
+    prompt_key: Annotated[
+        str,
+        _d("row field holding the prompt: a string, or a list of chat messages [{role, content}]; a dotted path "
+           "reaches a nested field (e.g. 'extra_info.question')", min_length=1),
+    ] = "prompt"
+    prompt_template: Annotated[
+        str,
+        _d("if set, the prompt is this text formatted with the row's fields, e.g. '{question}\\nAnswer with a "
+           "number.' (dotted paths: '{extra_info.question}'), instead of the `prompt_key` field"),
+    ] = ""
+    system_prompt: Annotated[
+        str,
+        _d("if set, a system message put before the prompt's messages (rows whose messages start with a system "
+           "message keep theirs)"),
+    ] = ""
+    chat_template: Annotated[
+        Literal["auto", "none"],
+        _d("auto: render the prompt's messages with the tokenizer's chat template and its generation prompt when "
+           "it has one; none, or a tokenizer without one: the messages' contents joined by newlines"),
+    ] = "auto"
+    chat_template_kwargs: Annotated[
+        dict[str, Any],
+        _d("extra keyword arguments for the chat template, e.g. {enable_thinking = false}"),
+    ] = {}
+    max_prompt_len: Annotated[int, _d("longest prompt in tokens; longer ones are handled by `overlong`", ge=1)] = 256
+    overlong: Annotated[
+        Literal["error", "filter", "truncate_left"],
+        _d("prompts longer than max_prompt_len: error: stop at load naming the rows; filter: leave those rows "
+           "out (counted, data/filtered_overlong); truncate_left: keep their last tokens (counted, "
+           "data/truncated_prompts)"),
+    ] = "error"
     shuffle: Annotated[bool, _d("reshuffle the prompt order every epoch (seeded by run.seed)")] = True
 
 
@@ -107,7 +153,11 @@ class RewardConfig(Section):
         str,
         _d("built-in rule name (e.g. 'exact_match') or 'pkg.module:function'", min_length=1),
     ] = "exact_match"
-    answer_key: Annotated[str, _d("row field holding the reference answer for built-in rules", min_length=1)] = "answer"
+    answer_key: Annotated[
+        str,
+        _d("row field holding the reference answer for built-in rules; a dotted path reaches a nested field "
+           "(e.g. 'reward_model.ground_truth')", min_length=1),
+    ] = "answer"
     timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
     isolation: Annotated[
         Literal["thread", "process"],

@@ -21,6 +21,7 @@ from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
 from asyncrl.watchdog import Heartbeat, Probe
 from engines.hf import ensure_model
@@ -192,6 +193,9 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     deployment)`, when given, runs on the Controller's loop beside each attempt's run and is cancelled when
     the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
     ensure_model(cfg.model)
+    problems = check_prompts(cfg)  # an over-long or unrenderable prompt: one line here, not an actor's death
+    if problems:
+        raise ValueError("\n".join(problems))
     started = start_ray(cfg)
     try:
         resumes = 0

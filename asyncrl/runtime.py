@@ -309,9 +309,10 @@ class Runtime:
         return SamplingParams(n=1, **base)
 
     async def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
-        """One completion of `prompt` (text is encoded once; ids are used as they are) on the newest weights:
+        """One completion of `prompt` (text is encoded once, with the model's BOS if its tokenizer puts one before
+        plain text; ids are used as they are) on the newest weights:
         token ids, behaviour logprobs and the version of each token. Concurrent calls are batched."""
-        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.codec.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         gens = self._deployment.generators
         gen = gens[self._next_gen % len(gens)]
         self._next_gen += 1

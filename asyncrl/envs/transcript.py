@@ -7,8 +7,9 @@ behaviour logprobs and versions); environment observations are encoded once and 
 decode→encode does not round-trip cannot change a trained token.
 
 Formats (`[env] chat_template`):
-* "none"   — plain: prompt = encode(initial observation); each observation = encode(text). The tiny
-             char-level tokenizer has no chat template and uses this.
+* "none"   — plain: prompt = encode_prompt(initial observation) (with the model's BOS when its tokenizer
+             puts one before plain text, as `asyncrl.prompts` does for dataset prompts); each observation =
+             encode(text). The tiny char-level tokenizer has no chat template and uses this.
 * "strict" — the tokenizer's chat template, applied append-only: for every turn k the rendering of
              messages[:k+1] must start with the rendering of messages[:k] (text and tokens); the tokens
              appended for an observation are the rendering's new suffix (plus the template's end-of-turn
@@ -25,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from asyncrl.prompts import plain_text_bos
+
 log = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -38,7 +41,8 @@ class ChatTemplateError(ValueError):
 class Codec(Protocol):
     """What a transcript needs from a tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...              # no special tokens added
+    def encode_prompt(self, text: str) -> list[int]: ...       # an episode's first text: plus the BOS, if expected
     def decode(self, ids: list[int]) -> str: ...               # special tokens skipped (what the env sees)
     def decode_raw(self, ids: list[int]) -> str: ...           # special tokens kept (to match template text)
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str: ...  # chat template
@@ -49,9 +53,19 @@ class HFCodec:
     """A Hugging Face tokenizer as a Codec."""
 
     tok: Any
+    bos: int | None = field(init=False, default=None)  # put before plain text by this tokenizer, if any
+
+    def __post_init__(self) -> None:
+        self.bos = plain_text_bos(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The first text of an episode without a chat template: the BOS once, if the model expects one
+        (a template writes its own: `render` output goes through `encode`)."""
+        ids = self.encode(text)
+        return ids if self.bos is None or ids[:1] == [self.bos] else [self.bos, *ids]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -141,7 +155,7 @@ class Transcript:
     def start(self, observation: str) -> list[int]:
         self.messages = [{"role": "user", "content": observation}]
         if self.fmt == "none":
-            self.prompt_ids = self.codec.encode(observation)
+            self.prompt_ids = self.codec.encode_prompt(observation)
         elif self.fmt == "strict":
             self.prompt_ids = self.codec.encode(self.codec.render(self.messages, True))
         else:

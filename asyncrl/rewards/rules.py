@@ -3,7 +3,8 @@
 Place in the dataflow: `reward.fn` is resolved once (`loader.resolve_reward`) and the Scorer calls the
 result for every trajectory as `fn(prompt, completion, **fields)`, where `fields` are the dataset row's
 other fields. A rule is registered by name as a *factory* taking `answer_key` (the row field holding the
-reference answer, `reward.answer_key`) and returning such a function.
+reference answer, `reward.answer_key`; a dotted path such as `reward_model.ground_truth` reaches into nested
+fields, as in verl's parquet rows) and returning such a function.
 
 Every rule returns 1.0 or 0.0. Comparisons strip surrounding whitespace on both sides; the answer is
 converted with `str()`, so numeric answers in JSON (`"answer": 4`) work. An empty reference answer is
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from asyncrl.data import MissingField, field_at
 from asyncrl.registry import Registry
 
 RewardFn = Callable[..., float]
@@ -24,13 +26,14 @@ RULES: Registry[Callable[[str], RewardFn]] = Registry("reward rule")
 
 
 def _answer(rule: str, answer_key: str, fields: dict[str, Any]) -> str:
-    """The reference answer of a row, or one clear line naming the missing field."""
+    """The reference answer of a row (`answer_key` may be a dotted path into nested fields, e.g.
+    'reward_model.ground_truth'), or one clear line naming the missing field."""
     try:
-        return str(fields[answer_key]).strip()
-    except KeyError:
+        return str(field_at(fields, answer_key)).strip()
+    except MissingField as exc:
         known = ", ".join(sorted(fields)) or "none"
         raise ValueError(
-            f"reward rule {rule!r}: the row has no field {answer_key!r} (fields: {known}) "
+            f"reward rule {rule!r}: the row has {exc} (fields: {known}) "
             f"— set reward.answer_key to the field holding the reference answer"
         ) from None
 

@@ -1,6 +1,7 @@
 """Held-out evaluation: fixed prompts, greedy and sampled, scored with the run's reward function.
 
-Runs inside the trainer process on the trainer's own weights (through the native engine's
+Prompts are encoded exactly as the generators encode them (`asyncrl.prompts.PromptEncoder`). Runs inside
+the trainer process on the trainer's own weights (through the native engine's
 `from_model`, which shares the parameters), so the reported numbers belong to an exact policy version.
 This is what "the run learns" is judged on.
 """
@@ -11,6 +12,7 @@ import logging
 from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
+from asyncrl.prompts import Prompt
 from asyncrl.rewards.base import Rewards
 from engines.base import RolloutEngine
 
@@ -23,33 +25,31 @@ class Evaluator:
         *,
         engine: RolloutEngine,
         rows: list[dict[str, Any]],
-        encode: Callable[[str], list[int]],
+        encode: Callable[[dict[str, Any]], Prompt],
         decode: Callable[[list[int]], str],
         rewards: Rewards,
-        prompt_key: str,
         max_new_tokens: int,
         temperature: float,
         seed: int = 0,
     ) -> None:
         self.engine = engine
         self.rows = rows
-        self.encode = encode
+        self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode), as the generators do
         self.decode = decode
         self.rewards = rewards  # the run's reward function, as the scorers call it (reward.isolation)
-        self.prompt_key = prompt_key
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
-        prompts = [self.encode(r[self.prompt_key]) for r in self.rows]
+        prompts = [self.encode(r) for r in self.rows]
         out: dict[str, float] = {}
         for name, temp in (("greedy", 0.0), ("sampled", self.temperature)):
             params = SamplingParams(n=1, temperature=temp, max_new_tokens=self.max_new_tokens, seed=self.seed)
-            groups = await self.engine.generate(prompts, params)
-            results = await self.rewards.score([(str(row[self.prompt_key]), self.decode(group[0].response_ids), row)
-                                                for row, group in zip(self.rows, groups)])
+            groups = await self.engine.generate([p.ids for p in prompts], params)
+            results = await self.rewards.score([(prompt.text, self.decode(group[0].response_ids), row)
+                                                for row, prompt, group in zip(self.rows, prompts, groups)])
             rewards, errors = [], 0
             for result in results:
                 if isinstance(result, BaseException):  # a failing or hung reward counts as 0 and is reported

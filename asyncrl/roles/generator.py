@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.prompts import Prompt
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, RolloutEngine
@@ -56,14 +57,14 @@ class Generator:
         engine: RolloutEngine,
         buffer: GroupSource,
         prompt_row: Callable[[int], dict[str, Any]],
-        encode: Callable[[str], list[int]],
+        encode: Callable[[dict[str, Any]], Prompt],
         sampling: SamplingParams,
-        prompt_key: str = "prompt",
         concurrency: int = 16,
         weight_update: str = "in_flight",
         greedy_baseline: bool = False,
         group_seed: Callable[[int], int] | None = None,
         recorder: SpanRecorder | None = None,
+        prompts_filtered: int = 0,
     ) -> None:
         if weight_update not in ("in_flight", "between_requests"):
             raise ValueError(f"weight_update must be 'in_flight' or 'between_requests', got {weight_update!r}")
@@ -71,9 +72,8 @@ class Generator:
         self.engine = engine
         self.buffer = buffer
         self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.PromptStream.row)
-        self.encode = encode
+        self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode)
         self.sampling = sampling
-        self.prompt_key = prompt_key
         self.concurrency = concurrency
         self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
@@ -90,6 +90,8 @@ class Generator:
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
         self.tokens_generated = 0  # since the start; stats() reports each window's increment
+        self.prompts_truncated = 0  # prompts cut to max_prompt_len (data.overlong = "truncate_left"), since the start
+        self.prompts_filtered = prompts_filtered  # dataset rows left out at load (data.overlong = "filter")
         self.swap_s_total = 0.0
         self._window = Window()
 
@@ -230,18 +232,19 @@ class Generator:
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
             rows = [self.prompt_row(gid) for gid in group_ids]
             row_jsons = [json.dumps(row).encode() for row in rows]
-            prompts = [self.encode(row[self.prompt_key]) for row in rows]
+            prompts = [self.encode(row) for row in rows]
             t0 = self.recorder.begin("generate")
-            completions, baselines = await self._sample(prompts, group_ids)
+            completions, baselines = await self._sample([p.ids for p in prompts], group_ids)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
             await self._release_failed(group_ids, f"generation: {type(exc).__name__}: {exc}")
             return
+        self.prompts_truncated += sum(p.truncated for p in prompts)
         trajs: list[Trajectory] = []
-        for gid, row, row_json, group, base in zip(group_ids, rows, row_jsons, completions, baselines):
+        for gid, prompt, row_json, group, base in zip(group_ids, prompts, row_jsons, completions, baselines):
             for j, c in enumerate(group):
-                trajs.append(self._trajectory(gid, j, row, row_json, c))
+                trajs.append(self._trajectory(gid, j, prompt, row_json, c))
                 trajs[-1].baseline_response_ids = base
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
         await self._put_rollouts(trajs, version)
@@ -287,7 +290,7 @@ class Generator:
                                                        self.engine.generate(prompts, greedy))
         return completions, [g[0].response_ids for g in greedy_out]
 
-    def _trajectory(self, group_id: int, j: int, row: dict, row_json: bytes, c: Completion) -> Trajectory:
+    def _trajectory(self, group_id: int, j: int, prompt: Prompt, row_json: bytes, c: Completion) -> Trajectory:
         n = self.sampling.n
         return Trajectory(
             seq_id=group_id * n + j,  # group ids are unique per run (the gate hands them out)
@@ -302,9 +305,9 @@ class Generator:
             max_version=max(c.versions) if c.versions else self.engine.version,
             finish_reason=c.finish_reason,
             truncated=c.finish_reason == "length",
-            prompt_truncated=c.prompt_truncated,
+            prompt_truncated=c.prompt_truncated or prompt.truncated,
             temperature=self.sampling.temperature,
-            prompt_text=str(row[self.prompt_key]),
+            prompt_text=prompt.text,
             row_json=row_json,
             kv_reused=c.kv_reused,
             generator_id=self.generator_id,
@@ -320,10 +323,13 @@ class Generator:
         engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         stall = self._window.take("stall_s", engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total))
         tokens = self._window.take("tokens", self.tokens_generated)
+        truncated = self._window.take("prompts_truncated", self.prompts_truncated)
         return RoleStats(metrics={
             "generation/tokens_per_s": Rate(tokens),
             "generation/stall_s": Sum(stall),
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window
             "generator/rss_mb": Max(rss_mb()),
+            "data/truncated_prompts": Total(truncated),
+            "data/filtered_overlong": Max(self.prompts_filtered),  # the same rows in every generator
         }, spans=self.recorder.drain())

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
+from asyncrl.prompts import Prompt
 from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
@@ -283,7 +284,8 @@ def make_generator(buffer: FakeBuffer, engine: FakeEngine, concurrency: int = 2,
     counter = iter(range(10**6))
     prompt_row = rows or (lambda gid: {"prompt": f"q{next(counter)}", "answer": "a"})
     return Generator(generator_id=0, engine=engine, buffer=buffer, prompt_row=prompt_row,
-                     encode=lambda s: [ord(c) for c in s], sampling=SamplingParams(n=2, max_new_tokens=1),
+                     encode=lambda row: Prompt([ord(c) for c in row["prompt"]], row["prompt"]),
+                     sampling=SamplingParams(n=2, max_new_tokens=1),
                      concurrency=concurrency)
 
 
@@ -328,6 +330,20 @@ def test_generator_stats_report_the_window_since_the_previous_read():
     swap = gen.stats()
     assert swap.values()["generation/stall_s"] == swap.values()["generation/stall_s_total"] == gen.swap_s_total > 0
     assert gen.stats().values()["generation/stall_s"] == 0
+
+
+def test_generator_counts_truncated_prompts_and_reports_the_rows_filtered_at_load():
+    buffer = FakeBuffer()
+    gen = Generator(generator_id=0, engine=FakeEngine(), buffer=buffer, prompt_row=lambda gid: {"prompt": f"q{gid}"},
+                    encode=lambda row: Prompt([1, 2], "whole " + row["prompt"], truncated=row["prompt"] == "q1"),
+                    sampling=SamplingParams(n=2, max_new_tokens=1), prompts_filtered=3)
+    run(_run_until(gen, lambda: len({t.group_id for t in buffer.rollouts}) >= 3))
+    values = gen.stats().values()
+    assert values["data/truncated_prompts"] == 1 and values["data/filtered_overlong"] == 3
+    q1 = [t for t in buffer.rollouts if t.group_id == 1]
+    assert all(t.prompt_truncated and t.prompt_text == "whole q1" for t in q1)
+    assert not any(t.prompt_truncated for t in buffer.rollouts if t.group_id != 1)
+    assert gen.stats().values()["data/truncated_prompts"] == 0  # a window count: read resets it
 
 
 class PausingEngine(FakeEngine):

@@ -127,7 +127,7 @@ CASES = [
     ("neither_path_nor_source", {"data.path": DELETE},
      "data.path, data.source: set exactly one of them (neither is set)"),
     ("data_file_missing", {"data.path": "nope.jsonl"}, "data.path: file 'nope.jsonl' does not exist"),
-    ("data_bad_suffix", {"data.path": "train.csv"}, "data.path: 'train.csv' must end in"),
+    ("data_bad_suffix", {"data.path": "train.txt"}, "data.path: 'train.txt' must end in"),
     ("data_source_wrong_signature", {"data.path": DELETE, "data.source": "asyncrl_unit_fixtures:rows_without_seed"},
      "data.source: 'asyncrl_unit_fixtures:rows_without_seed' must be callable"),
     ("bad_reward_import_path", {"reward.fn": "no_such_module_xyz:score"},

@@ -104,7 +104,8 @@ def test_rows_missing_prompt_key_are_rejected_naming_up_to_three(tmp_path):
     with pytest.raises(ValueError) as exc:
         load_rows(DataConfig(path=str(path)), "train", seed=0)
     message = str(exc.value)
-    assert message.startswith("data.path: line 2, line 3, line 4 (and 2 more): not a row with a string field 'prompt'")
+    assert message.startswith("data.path: line 2, line 3, line 4 (and 2 more): not a row with a prompt at 'prompt' "
+                              "(a string, or a list of chat messages")
     assert "data.prompt_key" in message and "\n" not in message
 
 
@@ -131,8 +132,9 @@ def test_empty_train_file_is_an_error(tmp_path):
         ({}, "data.path, data.source: set exactly one of them (neither is set)"),
         ({"path": "x.jsonl", "source": f"{FIX}:rows"}, "(both are set)"),
         ({"path": "missing.jsonl"}, "data.path: file 'missing.jsonl' does not exist"),
-        ({"path": "rows.csv"}, "data.path: 'rows.csv' must end in .jsonl, .json, .parquet"),
-        ({"source": f"{FIX}:rows", "eval_path": "missing.parquet"}, "data.eval_path: file 'missing.parquet'"),
+        ({"path": "rows.txt"}, "data.path: 'rows.txt' must end in .jsonl, .json, .parquet, .csv, .arrow or be a "
+                               "dataset folder"),
+        ({"source": f"{FIX}:rows", "eval_path": "missing.parquet"}, "data.eval_path: file 'missing.parquet' does not"),
         ({"source": f"{FIX}:rows_without_seed"},
          "data.source: 'asyncrl_unit_fixtures:rows_without_seed' must be callable as fn(split=..., seed=...) "
          "(missing: seed)"),

@@ -41,6 +41,9 @@ class MergeCodec:
                 i += 1
         return out
 
+    def encode_prompt(self, text: str) -> list[int]:  # no BOS
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         return "".join(self.vocab[i] for i in ids if i != self.eos)
 
@@ -351,11 +354,13 @@ class _ClosingBuffer:
 
 
 def _generator(buffer: _ClosingBuffer, env: bool):
+    from asyncrl.prompts import Prompt
     from asyncrl.roles.generator import Generator
 
     codec = MergeCodec()
     gen = Generator(generator_id=0, engine=ScriptedEngine([[1]] * 8), buffer=buffer,
-                    prompt_row=lambda gid: {"prompt": "q"}, encode=codec.encode,
+                    prompt_row=lambda gid: {"prompt": "q"},
+                    encode=lambda row: Prompt(codec.encode(row["prompt"]), row["prompt"]),
                     sampling=SamplingParams(n=2, max_new_tokens=2), concurrency=1)
     if env:
         gen.episodes = runner(ScriptedEngine([[1]] * 8), codec)

@@ -392,6 +392,7 @@ def test_every_example_config_validates():
 
 def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
     from asyncrl.messages import SamplingParams
+    from asyncrl.prompts import Prompt
     from asyncrl.roles.generator import Generator
     from engines.torch_engine import TorchEngine
 
@@ -407,7 +408,8 @@ def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
     rows = iter([{"prompt": "a"}, {"prompt": "b"}])
     sink = Sink()
     gen = Generator(generator_id=0, engine=engine, buffer=sink, prompt_row=lambda gid: next(rows),
-                    encode=lambda s: [ord(s) % VOCAB, 4], sampling=sampling, greedy_baseline=True)
+                    encode=lambda row: Prompt([ord(row["prompt"]) % VOCAB, 4], row["prompt"]), sampling=sampling,
+                    greedy_baseline=True)
 
     async def main():
         await gen._generate_groups([0, 1], 0)
