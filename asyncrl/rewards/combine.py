@@ -53,7 +53,7 @@ def combine(parts: Sequence[tuple[str, float, Value | Score]]) -> Score:
             if name:
                 record(name, value)
     if not math.isfinite(total):
-        raise ValueError(f"the weighted reward is {total} (components {components}); check the weights")
+        raise ValueError(f"the weighted reward is {total}, not finite (components {components}); check the weights")
     return Score(total=total, components=components)
 
 

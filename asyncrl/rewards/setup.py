@@ -16,6 +16,8 @@ The reward of a sample is the weighted sum of its components (combine.py):
 
 from __future__ import annotations
 
+import math
+
 from asyncrl.config_schema import RewardConfig
 from asyncrl.rewards.base import Component, FunctionSpec, Rewards
 from asyncrl.rewards.combine import RESERVED_NAMES, RewardSet
@@ -59,6 +61,11 @@ def check_rewards(cfg: RewardConfig) -> list[str]:
             errors.append(f"{where}: {spec.name!r} is also the name of {seen[spec.name]} — every reward "
                           f"component needs its own name (metrics reward/<name>)")
         seen.setdefault(spec.name, where.removesuffix(".name"))
+    for i, spec in enumerate(specs if cfg.functions else []):
+        if not math.isfinite(spec.weight):
+            errors.append(f"reward.functions[{i}].weight: {spec.weight} — a weight is a finite number")
+    if not math.isfinite(cfg.model_weight):
+        errors.append(f"reward.model_weight: {cfg.model_weight} — a weight is a finite number")
     for spec in specs:
         errors += check_reward(spec.fn, cfg.answer_key, spec.path, isolation=cfg.isolation)
     if cfg.model:
