@@ -16,20 +16,9 @@ from asyncrl.config_schema import RewardConfig, RewardFunctionConfig
 from asyncrl.rewards.base import Call, Score
 from asyncrl.rewards.model import RewardModel, check_reward_model
 from asyncrl.rewards.setup import rewards_from_config
+from tests.reward_models import build_reward_model
 
 TEXTS = [("1+2=", "3"), ("9+9=", "18"), ("1=", "1+1+1+1+1+1+1"), ("7+0=", "")]
-
-
-def build_reward_model(causal_dir: Path, out: Path, *, labels: int = 1, seed: int = 0) -> Path:
-    """A random sequence classifier over the tiny causal LM's body, saved as a reward model folder."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(causal_dir, num_labels=labels, local_files_only=True)
-    torch.nn.init.normal_(model.score.weight, std=1.0)  # a head that tells the texts apart
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(causal_dir, local_files_only=True).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
