@@ -20,8 +20,7 @@ from asyncrl.data import PromptStream
 from asyncrl.messages import SamplingParams
 from asyncrl.prompts import PromptEncoder, prompt_rows
 from asyncrl.rewards.base import Rewards
-from asyncrl.rewards.loader import ThreadRewards, resolve_cost, resolve_reward
-from asyncrl.rewards.process import ProcessRewards
+from asyncrl.rewards.setup import rewards_from_config
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
@@ -121,14 +120,9 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
 
 
 def build_rewards(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards:
-    """The reward (and, `with_cost`, Safe-RLHF cost) function as a role calls it: on threads of this process,
-    or in worker processes that resolve the functions themselves (`reward.isolation`)."""
-    cost_fn = cfg.cost_fn if with_cost else ""
-    if cfg.isolation == "process":
-        return ProcessRewards(cfg.fn, cfg.answer_key, cost_fn, timeout_s=cfg.timeout_s, workers=cfg.workers,
-                              max_memory_mb=cfg.max_memory_mb)
-    return ThreadRewards(resolve_reward(cfg.fn, cfg.answer_key),
-                         resolve_cost(cost_fn, cfg.answer_key) if cost_fn else None, timeout_s=cfg.timeout_s)
+    """The reward (and, `with_cost`, Safe-RLHF cost) as a role calls it: its weighted functions on threads of
+    this process or in worker processes (`reward.isolation`), and the reward model (asyncrl/rewards/setup.py)."""
+    return rewards_from_config(cfg, with_cost=with_cost)
 
 
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:

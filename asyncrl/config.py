@@ -235,9 +235,13 @@ def _check_data(cfg: Config) -> list[str]:
 
 
 def _check_reward(cfg: Config) -> list[str]:
-    from asyncrl.rewards import check_reward
+    from asyncrl.rewards.setup import check_rewards
 
-    return check_reward(cfg.reward.fn, cfg.reward.answer_key)
+    errors = check_rewards(cfg.reward)
+    if cfg.env is not None and (cfg.reward.functions or cfg.reward.model):
+        errors.append("reward.functions: env episodes bring their own reward and are not scored by reward "
+                      "functions or reward.model — leave them empty with [env]")
+    return errors
 
 
 def _check_engine(cfg: Config) -> list[str]:
@@ -288,7 +292,8 @@ def _check_algorithm_options(cfg: Config) -> list[str]:
     if cfg.reward.cost_fn:
         from asyncrl.rewards import check_reward
 
-        errors += check_reward(cfg.reward.cost_fn, cfg.reward.answer_key, "reward.cost_fn")
+        errors += check_reward(cfg.reward.cost_fn, cfg.reward.answer_key, "reward.cost_fn",
+                               isolation=cfg.reward.isolation)
     for section, path, used in (("critic", cfg.critic.path, needs is not None and needs.critic),
                                 ("reference", cfg.reference.path, a.kl_mode != "off")):
         if used and path and not (Path(path) / "config.json").is_file():
@@ -436,7 +441,7 @@ def _check_affinity(cfg: Config) -> list[str]:
 
 _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("data",), _check_data),
-    (("reward.fn", "reward.answer_key"), _check_reward),
+    (("reward", "env"), _check_reward),
     (("rollout.engine",), _check_engine),
     (("algorithm",), _check_algorithm),
     (("algorithm", "critic", "reference", "reward", "rollout.group_size", "rollout.max_new_tokens"),

@@ -90,7 +90,13 @@ def convert_struct(cls: type, raw: Any, path: str, errors: list[str], broken: se
                 errors.append(_line(fpath, what, f.type))
             continue
         value = raw[f.encode_name]
-        if sub is not None:
+        item = _list_struct_type(f.type)
+        if item is not None and isinstance(value, list):  # [[section.key]] tables: each entry field by field
+            if all(isinstance(v, dict) for v in value):
+                kwargs[f.name] = [convert_struct(item, v, f"{fpath}[{i}]", errors, broken) for i, v in enumerate(value)]
+                continue
+            errors.append(_line(fpath, f"expected a list of tables [[{fpath}]], got {_show(value)}", f.type))
+        elif sub is not None:
             if isinstance(value, dict):
                 kwargs[f.name] = convert_struct(sub, value, fpath, errors, broken)
                 continue
@@ -160,8 +166,20 @@ def _unwrap(tp: Any) -> Any:
     return typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
 
 
+def _list_struct_type(tp: Any) -> type | None:
+    """The Struct class of a field typed `list[SomeStruct]`, else None."""
+    inner = _unwrap(tp)
+    if typing.get_origin(inner) is list:
+        (item,) = typing.get_args(inner) or (None,)
+        if isinstance(item, type) and issubclass(item, msgspec.Struct):
+            return item
+    return None
+
+
 def _struct_type(tp: Any) -> type | None:
     """The Struct class of a field typed `SomeStruct` or `SomeStruct | None`, else None."""
+    if _list_struct_type(tp) is not None:
+        return None
     for t in (_unwrap(tp), *typing.get_args(_unwrap(tp))):
         if isinstance(t, type) and issubclass(t, msgspec.Struct):
             return t

@@ -148,21 +148,51 @@ class RolloutConfig(Section):
     ] = False
 
 
+class RewardFunctionConfig(Section):
+    """One weighted reward function: `[[reward.functions]]` (docs/rewards.md)."""
+
+    fn: Annotated[
+        str,
+        _d("built-in rule name (e.g. 'gsm8k', 'boxed', 'math_verify', 'exact_match') or 'pkg.module:function'",
+           min_length=1),
+    ]
+    name: Annotated[
+        str,
+        _d("component name, logged as reward/<name>; empty = the rule's or the function's name"),
+    ] = ""
+    weight: Annotated[float, _d("its weight in the total reward: sum of weight x value over the functions")] = 1.0
+
+
 class RewardConfig(Section):
     fn: Annotated[
         str,
-        _d("built-in rule name (e.g. 'exact_match') or 'pkg.module:function'", min_length=1),
-    ] = "exact_match"
+        _d("the reward function: a built-in rule name (exact_match, prefix_match, contains, gsm8k, boxed, "
+           "math_verify) or 'pkg.module:function' (per-sample, batched or async: docs/rewards.md); empty = "
+           "exact_match, unless [[reward.functions]] or reward.model give the reward"),
+    ] = ""
+    functions: Annotated[
+        list[RewardFunctionConfig],
+        _d("several weighted reward functions instead of reward.fn: [[reward.functions]] tables with fn, name, "
+           "weight; the reward is the weighted sum, each component logged as reward/<name>"),
+    ] = []
     answer_key: Annotated[
         str,
         _d("row field holding the reference answer for built-in rules; a dotted path reaches a nested field "
            "(e.g. 'reward_model.ground_truth')", min_length=1),
     ] = "answer"
-    timeout_s: Annotated[float, _d("a reward call that takes longer fails its group", gt=0)] = 30.0
+    timeout_s: Annotated[
+        float,
+        _d("a reward call that takes longer fails its group (a batched function: its one call for the batch)", gt=0),
+    ] = 30.0
+    max_concurrency: Annotated[
+        int,
+        _d("async reward functions: calls of one function in flight at once on a scorer's event loop", ge=1),
+    ] = 32
     isolation: Annotated[
         Literal["thread", "process"],
-        _d("where reward (and cost) calls run: thread = worker threads of the scorer's process (a call past "
-           "timeout_s is abandoned, not stopped); process = a pool of `workers` processes per scorer (and one in "
+        _d("where reward (and cost) calls run: thread = worker threads (async functions: the event loop) of the "
+           "scorer's process (a call past timeout_s is abandoned, not stopped); process = per-sample functions only, "
+           "in a pool of `workers` processes per scorer (and one in "
            "the trainer for evaluation): a call past timeout_s kills its worker, a worker that crashes fails only "
            "its call, a fresh one replaces it. Isolates memory, crashes and the interpreter lock, not the "
            "filesystem or the network"),
@@ -196,6 +226,31 @@ class RewardConfig(Section):
            "clamped at 0", ge=0),
     ] = 0.05
     lagrange_max: Annotated[float, _d("Safe-RLHF: upper bound of the multiplier; 0 = unbounded", ge=0)] = 0.0
+    model: Annotated[
+        str,
+        _d("a learned reward model: a local AutoModelForSequenceClassification folder with num_labels = 1; its "
+           "logit on prompt + completion is the component 'reward_model' (beside reward.fn or the functions); "
+           "empty = none"),
+    ] = ""
+    model_weight: Annotated[float, _d("reward.model: its weight in the total reward")] = 1.0
+    model_batch_size: Annotated[int, _d("reward.model: texts per forward pass", ge=1)] = 8
+    model_max_len: Annotated[
+        int,
+        _d("reward.model: tokens it reads per text; longer texts lose their beginning", ge=8),
+    ] = 1024
+    model_transform: Annotated[
+        Literal["none", "sigmoid"],
+        _d("reward.model: the raw logit (none) or sigmoid(logit), a value in (0, 1)"),
+    ] = "none"
+    model_chat_template: Annotated[
+        bool,
+        _d("reward.model: render (prompt, completion) as a user and an assistant message with the model's chat "
+           "template instead of concatenating them"),
+    ] = False
+    model_dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        _d("reward.model: parameter dtype"),
+    ] = "float32"
 
 
 class AlgorithmConfig(Section):

@@ -82,7 +82,9 @@ class Trajectory(Message):
                                      # the scorer decodes them (to call the reward function)
     kv_reused: bool = False          # KV computed under older weights was kept across an in-flight swap
     generator_id: int = 0
-    reward: float = 0.0              # filled by the scorer
+    reward: float = 0.0              # filled by the scorer: the weighted sum of its reward components
+    reward_components: dict[str, float] = {}  # each named component, unweighted (metrics reward/<name>); {}
+                                     # for one plain reward function (asyncrl/rewards/combine.py)
     error: str = ""                  # why it failed, if finish_reason == "error"
     # -- algorithms (docs/algorithms.md) --
     ref_logprobs: list[float] = []   # reference policy's logprob per response token (KL term), filled by

@@ -1,8 +1,10 @@
-"""`ProcessRewards`: reward (and cost) calls in a pool of worker processes (`reward.isolation = "process"`).
+"""`ProcessRewards`: the per-sample reward (and cost) functions in a pool of worker processes
+(`reward.isolation = "process"`).
 
-Place in the dataflow: a Scorer (and the trainer's Evaluator) hands a batch of calls to `score`; the calls
-run in parallel across `workers` processes (asyncrl/rewards/worker.py), one call at a time in each. What a
-worker does to itself stays there:
+Place in the dataflow: a Scorer (and the trainer's Evaluator) hands a batch of calls to `score`; every
+(function, call) pair runs as one request, in parallel across `workers` processes (asyncrl/rewards/worker.py),
+one request at a time in each; `PoolFunctions` combines each call's values (combine.py) and the
+`RewardSet` adds any in-process component (a reward model). What a worker does to itself stays there:
 
 | what the reward does                        | what happens                                                     |
 |---------------------------------------------|------------------------------------------------------------------|
@@ -12,8 +14,9 @@ worker does to itself stays there:
 | dies (os._exit, a segfault, the OOM killer) | the call fails with RewardWorkerDied; a fresh worker takes over  |
 | MemoryError (e.g. under `max_memory_mb`)    | the call fails with MemoryError; the worker exits and is replaced|
 
-Only the call a worker is running fails; the others, and the role, go on. Each worker resolves the
-functions itself from the spec strings, so the role's process never imports the user's module.
+Only the request a worker is running fails; the others, and the role, go on. Each worker resolves the
+functions itself from the spec strings, so the role's process never imports the user's module. Workers call
+plain per-sample functions only: async and batched ones need `reward.isolation = "thread"`.
 
 The workers are started, and replaced, on the thread that builds the pool or calls `score` (the death
 signal of a worker follows that thread: see worker.py); the blocking pipe reads run on daemon threads, so
@@ -34,12 +37,14 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Iterator, Sequence, TypeVar
 
 import msgspec
 
-from asyncrl.rewards.base import Call
-from asyncrl.rewards.worker import Hello, Reply, Request, WorkerSettings, receive, send
+from asyncrl.aio import on_daemon_thread
+from asyncrl.rewards.base import Call, Component, FunctionSpec, Score, Value
+from asyncrl.rewards.combine import RewardSet, combine
+from asyncrl.rewards.worker import Hello, Reply, Request, WorkerFunction, WorkerSettings, receive, send
 
 START_TIMEOUT_S = 120.0  # python start + the user's imports (torch, a tokenizer...) in a fresh worker
 T = TypeVar("T")
@@ -54,21 +59,70 @@ class RewardError(Exception):
     """The reward raised an exception of a type that is not a builtin: 'module.Type: message'."""
 
 
-class ProcessRewards:
-    """`Rewards` (base.py) in `workers` worker processes; `score` takes one batch at a time."""
+class ProcessRewards(RewardSet):
+    """`Rewards` (base.py) whose functions run in `workers` worker processes; `score` takes one batch at a time.
 
-    def __init__(self, reward_fn: str, answer_key: str, cost_fn: str = "", *, timeout_s: float = 30.0,
+    `reward_fn`: one spec ('exact_match', 'pkg.module:function'), or the run's `FunctionSpec`s (named,
+    weighted); `extra`: components that run in this process beside them (the reward model)."""
+
+    def __init__(self, reward_fn: str | Sequence[FunctionSpec], answer_key: str, cost_fn: str = "", *,
+                 timeout_s: float = 30.0, workers: int = 2, max_memory_mb: int = 0,
+                 start_timeout_s: float = START_TIMEOUT_S, extra: Sequence[Component] = ()) -> None:
+        """Start the workers and wait until each resolved the functions. Raises ValueError with the worker's one
+        line ('reward.fn: ...' / 'reward.cost_fn: ...') when a spec does not resolve, and TimeoutError when a
+        worker is not ready within `start_timeout_s`."""
+        specs = [FunctionSpec("", reward_fn)] if isinstance(reward_fn, str) else list(reward_fn)
+        functions = [WorkerFunction(fn=s.fn, path=s.path) for s in specs]
+        if cost_fn:
+            functions.append(WorkerFunction(fn=cost_fn, path="reward.cost_fn"))
+        self.pool = WorkerPool(functions, answer_key, timeout_s=timeout_s, workers=workers,
+                               max_memory_mb=max_memory_mb, start_timeout_s=start_timeout_s)
+        reward = [PoolFunctions(self.pool, [(s.name, s.weight, i) for i, s in enumerate(specs)])] if specs else []
+        cost = PoolFunctions(self.pool, [("", 1.0, len(specs))]) if cost_fn else None
+        super().__init__([*reward, *extra], cost)
+
+    def pids(self) -> list[int]:
+        """Process ids of the current workers (tests check that they end)."""
+        return self.pool.pids()
+
+
+class PoolFunctions:
+    """Several weighted functions of one `WorkerPool` as one `Component`: each call's values, combined."""
+
+    def __init__(self, pool: WorkerPool, functions: list[tuple[str, float, int]]) -> None:
+        self.pool = pool
+        self.functions = functions  # (component name, weight, index in the pool)
+        self.name = ""  # its values are Scores: they carry their components' names
+        self.weight = 1.0
+
+    async def values(self, calls: list[Call]) -> list[Value | Score | BaseException]:
+        n = len(calls)
+        results = await self.pool.run([(index, call) for _, _, index in self.functions for call in calls])
+        out: list[Value | Score | BaseException] = []
+        for i in range(n):
+            parts = [(name, weight, results[k * n + i]) for k, (name, weight, _) in enumerate(self.functions)]
+            failed = next((v for _, _, v in parts if isinstance(v, BaseException)), None)
+            try:
+                out.append(failed if failed is not None else combine(parts))  # type: ignore[arg-type]
+            except ValueError as exc:
+                out.append(exc)
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class WorkerPool:
+    """`workers` processes that each resolved `functions`; `run` takes one batch of requests at a time."""
+
+    def __init__(self, functions: list[WorkerFunction], answer_key: str, *, timeout_s: float = 30.0,
                  workers: int = 2, max_memory_mb: int = 0, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start `workers` processes and wait until each resolved the functions. Raises ValueError with the
-        worker's one line ('reward.fn: ...' / 'reward.cost_fn: ...') when a spec does not resolve, and
-        TimeoutError when a worker is not ready within `start_timeout_s`."""
         if workers < 1:
             raise ValueError(f"reward.workers must be at least 1, got {workers}")
-        self.has_cost = bool(cost_fn)
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        settings = WorkerSettings(reward_fn=reward_fn, answer_key=answer_key, cost_fn=cost_fn,
-                                  max_memory_mb=max_memory_mb, parent_pid=os.getpid())
+        settings = WorkerSettings(functions=functions, answer_key=answer_key, max_memory_mb=max_memory_mb,
+                                  parent_pid=os.getpid())
         self._argv = [sys.executable, "-m", "asyncrl.rewards.worker", msgspec.json.encode(settings).decode()]
         # the worker imports what this process can: the same search path (tests, Ray working dirs, '' = cwd)
         path = [p or os.getcwd() for p in sys.path if isinstance(p, str)]
@@ -86,40 +140,42 @@ class ProcessRewards:
             self.close()
             raise
 
-    async def score(self, calls: list[Call], *, cost: bool = False) -> list[float | BaseException]:
+    async def run(self, requests: list[tuple[int, Call]]) -> list[Value | BaseException]:
+        """The value of each (function index, call), in order, or the exception that failed it."""
         if not self._close.alive:
-            raise RuntimeError("ProcessRewards.score after close()")
-        if cost and not self.has_cost:
-            raise ValueError("score(cost=True) without a cost function (reward.cost_fn)")
+            raise RuntimeError("the reward workers were closed")
         if self._busy:  # a second batch would interleave its requests with the first's on one pipe
-            raise RuntimeError("ProcessRewards.score: one batch at a time")
+            raise RuntimeError("WorkerPool.run: one batch at a time")
         self._busy = True
-        out: list[float | BaseException] = [RuntimeError("not called")] * len(calls)
-        todo = iter(enumerate(calls))
+        out: list[Value | BaseException] = [RuntimeError("not called")] * len(requests)
+        todo = iter(enumerate(requests))
 
-        async def lane(slot: int) -> None:  # each worker takes the next call as it finishes one
-            for i, call in todo:
-                out[i] = await self._call(slot, cost, call)
+        async def lane(slot: int) -> None:  # each worker takes the next request as it finishes one
+            for i, (fn, call) in todo:
+                out[i] = await self._call(slot, fn, call)
 
         try:
-            await asyncio.gather(*(lane(s) for s in range(min(len(self._slots), len(calls)))))
+            await asyncio.gather(*(lane(s) for s in range(min(len(self._slots), len(requests)))))
         finally:
             self._busy = False
         return out
 
-    async def _call(self, slot: int, cost: bool, call: Call) -> float | BaseException:
-        prompt, completion, row = call
+    async def _call(self, slot: int, fn: int, call: Call) -> Value | BaseException:
         if not self._close.alive:  # closed mid-batch: start nothing more
             return RuntimeError("the reward workers were closed")
         try:
-            request = msgspec.msgpack.encode(Request(cost=cost, prompt=prompt, completion=completion, row=row))
+            request = msgspec.msgpack.encode(Request(fn=fn, prompt=call.prompt, completion=call.completion,
+                                                     row=call.row, finish_reason=call.finish_reason,
+                                                     completion_tokens=call.completion_tokens))
             worker = self._worker(slot)
         except (TypeError, ValueError, OSError) as exc:  # a row value msgpack cannot carry; no process to start
             return exc
         try:
             if not worker.ready:
-                await asyncio.wait_for(_on_thread(worker.wait_ready, None), self.start_timeout_s)
-            return await asyncio.wait_for(_on_thread(worker.call, request), self.timeout_s)
+                await asyncio.wait_for(on_daemon_thread(worker.wait_ready, None, name="reward-worker-io"),
+                                       self.start_timeout_s)
+            return await asyncio.wait_for(on_daemon_thread(worker.call, request, name="reward-worker-io"),
+                                          self.timeout_s)
         except (asyncio.TimeoutError, RewardWorkerDied, ValueError) as exc:  # ValueError: the spec broke since
             self._replace(slot)
             return exc
@@ -149,7 +205,6 @@ class ProcessRewards:
                 log.warning("could not start a reward worker (%s); retrying at the next call", exc)
 
     def pids(self) -> list[int]:
-        """Process ids of the current workers (tests check that they end)."""
         return [w.proc.pid for w in self._slots if w is not None]
 
     def close(self) -> None:
@@ -184,7 +239,7 @@ class _Worker:
             raise ValueError(hello.error)
         self.ready = True
 
-    def call(self, request: bytes) -> float | BaseException:
+    def call(self, request: bytes) -> Value | BaseException:
         """The reply to one request: its value, or the exception the reward raised (returned, not raised).
         Raises RewardWorkerDied when the worker ends before it answers."""
         with self._using("before the call"):
@@ -272,32 +327,3 @@ def _exception(reply: Reply) -> Exception:
         except Exception:  # noqa: BLE001 - a builtin whose constructor wants more (UnicodeDecodeError)
             pass
     return RewardError(f"{reply.error_type}: {reply.error}")
-
-
-def _on_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """`fn(*args)` on a daemon thread of its own, as a future of the running loop. Not a pool thread: one
-    blocked on a worker that is being killed must not hold up the next call, nor interpreter exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():  # timed out (cancelled) meanwhile
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-
-    def work() -> None:
-        value, exc = None, None
-        try:
-            value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, value, exc)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    threading.Thread(target=work, name="reward-worker-io", daemon=True).start()
-    return fut

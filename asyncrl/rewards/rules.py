@@ -9,7 +9,7 @@ fields, as in verl's parquet rows) and returning such a function.
 Every rule returns 1.0 or 0.0. Comparisons strip surrounding whitespace on both sides; the answer is
 converted with `str()`, so numeric answers in JSON (`"answer": 4`) work. An empty reference answer is
 matched by every completion under `prefix_match` and `contains` (that is what the string test says);
-keep answers non-empty.
+keep answers non-empty. The math verifiers `gsm8k`, `boxed` and `math_verify` live in verifiers.py.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ def _rule(name: str, test: Callable[[str, str], bool]) -> Callable[[str], Reward
 RULES.register("exact_match")(_rule("exact_match", lambda completion, answer: completion == answer))
 RULES.register("prefix_match")(_rule("prefix_match", lambda completion, answer: completion.startswith(answer)))
 RULES.register("contains")(_rule("contains", lambda completion, answer: answer in completion))
+
+# Math verifiers (verifiers.py), imported when a config names one: `math_verify` needs an optional package.
+RULES.register_lazy("gsm8k", "asyncrl.rewards.verifiers:gsm8k_rule")
+RULES.register_lazy("boxed", "asyncrl.rewards.verifiers:boxed_rule")
+RULES.register_lazy("math_verify", "asyncrl.rewards.verifiers:math_verify_rule")
 
 # A cost rule (Safe-RLHF, `reward.cost_fn`): 1.0 when the completion says more than the answer — a
 # verbosity constraint the reward (prefix_match) is indifferent to, so reward and cost pull apart.

@@ -1,12 +1,13 @@
-"""A reward worker process (`reward.isolation = "process"`): resolves `reward.fn` (and `reward.cost_fn`)
-from their spec strings and answers calls on its stdin/stdout, one at a time, until stdin closes.
+"""A reward worker process (`reward.isolation = "process"`): resolves the run's per-sample reward functions
+(`reward.fn` or each [[reward.functions]] entry, and `reward.cost_fn`) from their spec strings and answers
+calls on its stdin/stdout, one at a time, until stdin closes.
 
 Place in the dataflow: `ProcessRewards` (process.py) starts a few of these per Scorer, as
 `python -m asyncrl.rewards.worker SETTINGS_JSON`. Only spec strings and msgpack messages cross the pipe:
 nothing needs pickling, and nothing a worker sends can make its parent run code.
 
 Wire: every message is a 4-byte little-endian length and a msgpack body (at most `MAX_MESSAGE` bytes).
-The worker sends one `Hello`, then answers each `Request` with one `Reply`.
+The worker sends one `Hello`, then answers each `Request` (one function, one sample) with one `Reply`.
 
 The worker dies with its parent: PR_SET_PDEATHSIG (Linux) kills it when the thread that started it ends,
 and an idle worker also ends when its stdin closes.
@@ -30,10 +31,14 @@ _HEADER = struct.Struct("<I")
 T = TypeVar("T")
 
 
+class WorkerFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    fn: str                      # a built-in rule name or 'pkg.module:function'
+    path: str                    # the TOML key holding it (reward.fn, reward.functions[i].fn, reward.cost_fn)
+
+
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    reward_fn: str
+    functions: list[WorkerFunction]  # a Request names one by its index
     answer_key: str
-    cost_fn: str = ""            # empty: no Safe-RLHF cost function
     max_memory_mb: int = 0       # RLIMIT_AS of the worker; 0 = no limit
     parent_pid: int              # exits at once if the parent died before the death signal was armed
 
@@ -43,14 +48,16 @@ class Hello(msgspec.Struct, kw_only=True):
 
 
 class Request(msgspec.Struct, kw_only=True):
-    cost: bool                   # call the cost function instead of the reward function
+    fn: int                      # index into WorkerSettings.functions
     prompt: str
     completion: str
     row: dict[str, Any]          # the dataset row (JSON values)
+    finish_reason: str | None = None     # what the run knows of the sample (base.Call)
+    completion_tokens: int | None = None
 
 
 class Reply(msgspec.Struct, kw_only=True):
-    value: float = 0.0
+    value: float | dict[str, float] = 0.0  # a number, or named components
     error_type: str = ""         # empty: `value` is the result; else the exception's (qualified) type name
     error: str = ""              # str() of that exception
     error_args: list[Any] = []   # its args, each a plain value or its repr (to rebuild a builtin type as it was)
@@ -107,24 +114,28 @@ def _limit(max_memory_mb: int) -> None:
 
 def serve(settings: WorkerSettings, wire_in: IO[bytes], wire_out: IO[bytes]) -> None:
     """Resolve the functions, say hello, answer requests until `wire_in` ends."""
-    from asyncrl.rewards.loader import call_reward, resolve_cost, resolve_reward
+    from asyncrl.rewards.loader import call_reward, resolve_function
 
-    fns = {}
+    fns = []
+    path = ""
     try:
-        fns[False] = resolve_reward(settings.reward_fn, settings.answer_key)
-        if settings.cost_fn:
-            fns[True] = resolve_cost(settings.cost_fn, settings.answer_key)
+        for f in settings.functions:
+            path = f.path
+            fns.append(resolve_function(f.fn, settings.answer_key, f.path, isolation="process"))
     except ValueError as exc:
         send(wire_out, Hello(error=str(exc)))
         return
     except Exception as exc:  # noqa: BLE001 - the user's module raised while being imported
-        key = "reward.cost_fn" if False in fns else "reward.fn"
-        send(wire_out, Hello(error=f"{key}: importing it raised {error_type(exc)}: {exc}"))
+        send(wire_out, Hello(error=f"{path}: importing it raised {error_type(exc)}: {exc}"))
         return
     send(wire_out, Hello())
     while (req := receive(wire_in, Request)) is not None:
         try:
-            reply = Reply(value=call_reward(fns[req.cost], req.prompt, req.completion, req.row))
+            if not 0 <= req.fn < len(fns):
+                raise IndexError(f"no reward function #{req.fn} (this worker has {len(fns)})")
+            value = call_reward(fns[req.fn], req.prompt, req.completion, req.row, req.finish_reason,
+                                req.completion_tokens)
+            reply = Reply(value=value)
         except MemoryError as exc:
             send(wire_out, Reply(error_type="MemoryError", error=str(exc), last=True))
             return

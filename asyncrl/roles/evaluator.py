@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
 from asyncrl.prompts import Prompt
-from asyncrl.rewards.base import Rewards
+from asyncrl.rewards.base import Call, Rewards
 from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,9 @@ class Evaluator:
         for name, temp in (("greedy", 0.0), ("sampled", self.temperature)):
             params = SamplingParams(n=1, temperature=temp, max_new_tokens=self.max_new_tokens, seed=self.seed)
             groups = await self.engine.generate([p.ids for p in prompts], params)
-            results = await self.rewards.score([(prompt.text, self.decode(group[0].response_ids), row)
-                                                for row, prompt, group in zip(self.rows, prompts, groups)])
+            results = await self.rewards.score([
+                Call(prompt.text, self.decode(group[0].response_ids), row, group[0].finish_reason,
+                     len(group[0].response_ids)) for row, prompt, group in zip(self.rows, prompts, groups)])
             rewards, errors = [], 0
             for result in results:
                 if isinstance(result, BaseException):  # a failing or hung reward counts as 0 and is reported
@@ -57,7 +58,7 @@ class Evaluator:
                     rewards.append(0.0)
                     log.debug("eval reward failed: %s", result)
                 else:
-                    rewards.append(result)
+                    rewards.append(result.total)
             out[f"eval/{name}_reward"] = sum(rewards) / max(1, len(rewards))
             out[f"eval/{name}_errors"] = float(errors)
         out["eval/prompts"] = float(len(prompts))

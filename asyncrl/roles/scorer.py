@@ -1,12 +1,14 @@
 """Scorer role: takes whole groups off the rollout queue, computes rewards, assembles the groups and hands
 them to training — or returns their admission slots when they are filtered or failed.
 
-Place in the dataflow: rollout queue ──► **Scorer** (reward function) ──► train store ──► Trainer.
-The reward function runs behind `Rewards` (asyncrl/rewards/base.py): on worker threads of this process,
-or, with `reward.isolation = "process"`, in worker processes that a hung or crashing reward cannot take
-down with it. A reward call that raises, returns garbage, hangs past `reward.timeout_s` or dies with its
-worker fails its sample; the group it belongs to completes as a failed group (slots returned to the
-gate, counted) and the run goes on.
+Place in the dataflow: rollout queue ──► **Scorer** (reward functions, reward model) ──► train store ──► Trainer.
+The reward runs behind `Rewards` (asyncrl/rewards/base.py): weighted components — functions on worker
+threads or the event loop of this process, or, with `reward.isolation = "process"`, in worker processes that
+a hung or crashing reward cannot take down with it, and a reward model. Each call carries the sample's
+finish reason and token count. The total fills `Trajectory.reward`, the named components
+`Trajectory.reward_components`. A reward call that raises, returns garbage, hangs past `reward.timeout_s`
+or dies with its worker fails its sample; the group it belongs to completes as a failed group (slots
+returned to the gate, counted) and the run goes on.
 
 Algorithm extras (docs/algorithms.md), each off unless configured:
 - Safe-RLHF: the cost function is called like the reward function (same containment) and fills
@@ -32,7 +34,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.base import Rewards
+from asyncrl.rewards.base import Call, Rewards
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
@@ -130,8 +132,8 @@ class Scorer:
         self.recorder.record("wait_queue", t0, time.time())
 
     async def _score_all(self, trajs: list[Trajectory]) -> None:
-        """Rewards (and costs) of a batch: the user's function is called once per sample (`Rewards.score`);
-        a call that raises, returns garbage, hangs or dies with its worker fails its sample."""
+        """Rewards (and costs) of a batch, through `Rewards.score`; a call that raises, returns garbage, hangs
+        or dies with its worker fails its sample."""
         todo: list[tuple[Trajectory, str, dict[str, Any]]] = []  # (trajectory, completion, row)
         for traj in trajs:
             self.counts["scored"] += 1
@@ -154,14 +156,15 @@ class Scorer:
     async def _call(self, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
         if not items:
             return
-        results = await self.rewards.score([(t.prompt_text, c, r) for t, c, r in items], cost=what == "cost")
+        calls = [Call(t.prompt_text, c, r, t.finish_reason, len(t.response_ids)) for t, c, r in items]
+        results = await self.rewards.score(calls, cost=what == "cost")
         for (traj, _, _), result in zip(items, results):
             if isinstance(result, BaseException):  # user code: contain, count, fail the group
                 self._fail(traj, what, result)
             elif what == "reward":
-                traj.reward = result
+                traj.reward, traj.reward_components = result.total, dict(result.components)
             else:
-                traj.cost = result
+                traj.cost = result.total
 
     def _fail(self, traj: Trajectory, what: str, exc: BaseException) -> None:
         reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
@@ -177,7 +180,9 @@ class Scorer:
         first = group.trajectories[0]
         row = json.loads(first.row_json) if first.row_json else {}
         completion = self.decode(first.baseline_response_ids)
-        [value] = await self.rewards.score([(first.prompt_text, completion, row)])
+        # the greedy completion's finish reason is not known here: a function that names it gets no value for it
+        call = Call(first.prompt_text, completion, row, None, len(first.baseline_response_ids))
+        [value] = await self.rewards.score([call])
         if isinstance(value, BaseException):  # user code: the group cannot be trained without its baseline
             self._fail(first, "baseline", value)  # counted and logged once per group
             for t in group.trajectories[1:]:
@@ -185,7 +190,7 @@ class Scorer:
             return
         self.counts["baselines_scored"] += 1
         for t in group.trajectories:
-            t.baseline_reward = value
+            t.baseline_reward = value.total
 
     async def _fill_ref_logprobs(self, trajs: list[Trajectory]) -> None:
         """Reference logprobs of every scored trajectory, on a worker thread (the loop keeps serving)."""

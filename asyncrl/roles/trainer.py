@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncrl import checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
+from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.spans import SpanRecorder
@@ -73,6 +74,7 @@ class Trainer:
         metrics["trainer/gate_wait_s"] = out.gate_wait_s
         metrics["trainer/tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / max(out.train_s, 1e-9)
         metrics["reward/mean"] = metrics.get("trainer/reward_mean", 0.0)
+        metrics.update(component_means(t.reward_components for t in trajs))  # reward/<name> of each component
         # what was trained, for the run's ledger (the Controller takes it out of the row: ledger.jsonl)
         metrics[LEDGER_KEY] = [[g.group_id, g.trajectories[0].prompt_text[:200] if g.trajectories else ""]
                                for g in out.groups]

@@ -19,6 +19,7 @@ import pytest
 from asyncrl.build import build_rewards
 from asyncrl.config_schema import RewardConfig
 from asyncrl.messages import Group, Trajectory
+from asyncrl.rewards.base import Score
 from asyncrl.rewards.process import ProcessRewards, RewardError, RewardWorkerDied
 from asyncrl.roles.scorer import Scorer
 
@@ -56,7 +57,9 @@ def gone_soon(pids: list[int], timeout: float = 5.0) -> bool:
 
 
 def score(pool: ProcessRewards, completions: list[str], **kw) -> list:
-    return asyncio.run(pool.score([("q", c, {"answer": "a"}) for c in completions], **kw))
+    """Each call's total, or what failed it."""
+    out = asyncio.run(pool.score([("q", c, {"answer": "a"}) for c in completions], **kw))
+    return [r.total if isinstance(r, Score) else r for r in out]
 
 
 @pytest.fixture

@@ -88,7 +88,6 @@ def test_varargs_reward_is_accepted():
         ("reward_one_arg", "signature (text)"),
         ("reward_swapped", "signature (completion, prompt, **fields)"),
         ("reward_positional_only_extra", "signature"),
-        ("reward_async", "async function"),
         ("NOT_A_FUNCTION", "not callable (got int)"),
         ("no_such_function", "has no attribute"),
     ],

@@ -105,3 +105,70 @@ def reward_misbehaves(prompt, completion, **fields):
 
 class CustomRewardError(Exception):
     pass
+
+
+# -- reward function forms (docs/rewards.md): batched, TRL-style, async, components, the sample's extras ----
+
+
+def _batched(fn):
+    from asyncrl.rewards import batched
+
+    return batched(fn)
+
+
+@_batched
+def reward_batched(prompts, completions, answer):
+    """Marked batched: one call per batch; records the batch sizes it saw."""
+    reward_batched.sizes.append(len(completions))
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+reward_batched.sizes = []
+
+
+def trl_accuracy(completions, answer, **kwargs):
+    """TRL's reward_funcs shape (no decorator): completions and dataset columns as lists."""
+    trl_accuracy.kwargs = sorted(kwargs)
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def trl_wrong_length(completions, **kwargs):
+    return [1.0]
+
+
+async def reward_async_len(prompt, completion, delay=0.0):
+    """Awaited on the scorer's loop; counts how many calls are in flight at once."""
+    import asyncio
+
+    reward_async_len.active += 1
+    reward_async_len.peak = max(reward_async_len.peak, reward_async_len.active)
+    try:
+        await asyncio.sleep(float(delay))
+        if completion == "hang":
+            await asyncio.sleep(60)
+        return float(len(completion))
+    finally:
+        reward_async_len.active -= 1
+
+
+reward_async_len.active = 0
+reward_async_len.peak = 0
+
+
+def reward_parts(prompt, completion, answer):
+    """Two components at once: correctness and a format bonus."""
+    return {"correct": float(completion == answer), "short": 1.0 if len(completion) <= 2 else 0.0}
+
+
+def reward_sees_extras(prompt, completion, finish_reason, completion_tokens):
+    """-1 for a response cut at max_new_tokens, else its token count."""
+    return -1.0 if finish_reason == "length" else float(completion_tokens)
+
+
+def reward_extras_kwargs(prompt, completion, **fields):
+    reward_extras_kwargs.seen = dict(fields)
+    return 0.0
+
+
+def reward_one(prompt, completion, **fields):
+    return 1.0
