@@ -185,5 +185,7 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
             evaluator = Evaluator(engine=engine, rows=rows, encode=encoder.encode, decode=decode,
                                   rewards=build_rewards(cfg.reward, with_cost=False),
                                   max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"))
-    return Trainer(learner=learner, buffer=buffer, evaluator=evaluator)
+                                  temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
+                                  samples=cfg.logging.rollouts_every > 0)
+    return Trainer(learner=learner, buffer=buffer, evaluator=evaluator, decode=decode,
+                   rollouts_every=cfg.logging.rollouts_every)

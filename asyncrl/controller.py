@@ -47,6 +47,7 @@ from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
+from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
@@ -105,6 +106,8 @@ class Controller:
                               no_progress_timeout_s=cfg.run.no_progress_timeout_s,
                               role_timeout_s=cfg.run.role_timeout_s)
         self._watching: asyncio.Future | None = None
+        # samples of what the model writes (RUN_DIR/rollouts.jsonl, the console, W&B / TensorBoard)
+        self.rollouts = RolloutLog(self.run_dir, shown=cfg.logging.rollouts_shown)
         self.first_step = 0  # the step this run starts from: a resume's checkpoint step, else 0
         self.ready = asyncio.Event()  # set once restored and every generator holds the weights to start from
         self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
@@ -137,6 +140,7 @@ class Controller:
         try:
             first_step = self.first_step = await self._restore() if self.resume else self._fresh_run_dir()
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
+            self.rollouts.sinks = sinks
             if cfg.logging.trace:
                 self._trace = TraceWriter(self.run_dir / "trace.json", origin=t_start)
             await d.setup_weight_sync()
@@ -150,6 +154,7 @@ class Controller:
             if cfg.trainer.eval_every > 0 and not first_step:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
+                self.rollouts.write(0, first.pop(EVAL_SAMPLES_KEY, []))
                 _log_row(sinks, first)
                 self.rows.append(first)
             await self.steps.start()
@@ -199,11 +204,13 @@ class Controller:
         eval_due = self._eval_due(version)
         metrics, sent = await self.steps.step(step)
         self._write_ledger(version, metrics.pop(LEDGER_KEY, []))
+        self.rollouts.write(version, metrics.pop(ROLLOUTS_KEY, []))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
         row.update(dict(sent))
         if eval_due:
             row.update(await self._guard(self.d.trainer.evaluate()))
+            self.rollouts.write(version, row.pop(EVAL_SAMPLES_KEY, []))
         t_end = time.time()
         if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
@@ -276,7 +283,7 @@ class Controller:
         if latest_valid(self.run_dir / CHECKPOINTS) is not None:
             raise RuntimeError(f"{self.run_dir / CHECKPOINTS} holds an earlier run's checkpoints: continue it with "
                                f"asyncrl launch --resume {self.run_dir}, or choose another run.output_dir")
-        for name in ("metrics.jsonl", "ledger.jsonl"):
+        for name in ("metrics.jsonl", "ledger.jsonl", ROLLOUTS):
             (self.run_dir / name).unlink(missing_ok=True)
         return 0
 
@@ -297,6 +304,7 @@ class Controller:
         self._reducer = WindowReducer(extra["controller"]["totals"])
         self.rows.extend(_truncate_rows(self.run_dir / "metrics.jsonl", step))
         _truncate_rows(self.run_dir / "ledger.jsonl", step)
+        _truncate_rows(self.run_dir / ROLLOUTS, step)
         log.info("resuming from %s: version %d", found, step)
         return step
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from asyncrl.messages import SamplingParams
 from asyncrl.prompts import Prompt
 from asyncrl.rewards.base import Call, Rewards
+from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY
 from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ class Evaluator:
         max_new_tokens: int,
         temperature: float,
         seed: int = 0,
+        samples: bool = False,
     ) -> None:
+        self.samples = samples  # return the completions with the metrics (rollouts.jsonl)
         self.engine = engine
         self.rows = rows
         self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode), as the generators do
@@ -41,25 +44,34 @@ class Evaluator:
         self.temperature = temperature
         self.seed = seed
 
-    async def evaluate(self) -> dict[str, float]:
-        """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
+    async def evaluate(self) -> dict[str, Any]:
+        """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows; with
+        `samples`, the completions too (under EVAL_SAMPLES_KEY: the Controller writes them to rollouts.jsonl)."""
         prompts = [self.encode(r) for r in self.rows]
-        out: dict[str, float] = {}
+        out: dict[str, Any] = {}
+        samples: list[dict[str, Any]] = []
         for name, temp in (("greedy", 0.0), ("sampled", self.temperature)):
             params = SamplingParams(n=1, temperature=temp, max_new_tokens=self.max_new_tokens, seed=self.seed)
             groups = await self.engine.generate([p.ids for p in prompts], params)
-            results = await self.rewards.score([
-                Call(prompt.text, self.decode(group[0].response_ids), row, group[0].finish_reason,
-                     len(group[0].response_ids)) for row, prompt, group in zip(self.rows, prompts, groups)])
+            calls = [Call(prompt.text, self.decode(group[0].response_ids), row, group[0].finish_reason,
+                          len(group[0].response_ids)) for row, prompt, group in zip(self.rows, prompts, groups)]
+            results = await self.rewards.score(calls)
             rewards, errors = [], 0
-            for result in results:
+            for call, result in zip(calls, results):
                 if isinstance(result, BaseException):  # a failing or hung reward counts as 0 and is reported
                     errors += 1
                     rewards.append(0.0)
                     log.debug("eval reward failed: %s", result)
                 else:
                     rewards.append(result.total)
+                if self.samples:
+                    samples.append({"split": "eval", "mode": name, "prompt": call.prompt, "completion": call.completion,
+                                    "reward": rewards[-1], "components": {} if isinstance(result, BaseException)
+                                    else dict(result.components), "finish_reason": call.finish_reason,
+                                    "completion_tokens": call.completion_tokens})
             out[f"eval/{name}_reward"] = sum(rewards) / max(1, len(rewards))
             out[f"eval/{name}_errors"] = float(errors)
         out["eval/prompts"] = float(len(prompts))
+        if self.samples:
+            out[EVAL_SAMPLES_KEY] = samples
         return out

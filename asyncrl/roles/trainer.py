@@ -16,13 +16,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from asyncrl import checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
+from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.learner import Learner
 from transports.base import WeightSender
@@ -38,8 +39,12 @@ class Trainer:
         buffer: StepSource,
         evaluator: Evaluator | None = None,
         recorder: SpanRecorder | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        rollouts_every: int = 0,
     ) -> None:
         self.learner = learner
+        self.decode = decode  # token ids -> text, for the samples of rollouts.jsonl
+        self.rollouts_every = rollouts_every if decode is not None else 0
         self.buffer = buffer
         self.evaluator = evaluator
         self.recorder = recorder or SpanRecorder("trainer")
@@ -78,6 +83,8 @@ class Trainer:
         # what was trained, for the run's ledger (the Controller takes it out of the row: ledger.jsonl)
         metrics[LEDGER_KEY] = [[g.group_id, g.trajectories[0].prompt_text[:200] if g.trajectories else ""]
                                for g in out.groups]
+        if self.rollouts_every and (step + 1) % self.rollouts_every == 0 and self.decode is not None:
+            metrics[ROLLOUTS_KEY] = train_samples(trajs, self.decode)  # rollouts.jsonl (the Controller writes it)
         return metrics
 
     async def send_weights(self) -> dict[str, float]:

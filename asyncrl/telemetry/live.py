@@ -86,6 +86,9 @@ class LiveView:
         self._progress.update(self._task, completed=done)
         self._live.update(self._render(eta_seconds(done, self.total_steps, self._clock() - self._t0)))
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Shown above the panel as log lines (RolloutLog logs the first `logging.rollouts_shown`)."""
+
     def close(self) -> None:
         for h, stream in self._handlers:
             h.setStream(stream)

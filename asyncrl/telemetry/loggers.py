@@ -22,6 +22,7 @@ from asyncrl.telemetry.metrics import MetricsWriter
 
 class MetricSink(Protocol):
     def log(self, row: Mapping[str, Any]) -> None: ...
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None: ...  # asyncrl/telemetry/rollouts.py
     def close(self) -> None: ...
 
 
@@ -33,6 +34,9 @@ class JsonlSink:
 
     def log(self, row: Mapping[str, Any]) -> None:
         self.writer.write(row)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Samples go to rollouts.jsonl, not among the metrics."""
 
     def close(self) -> None:
         self.writer.close()
@@ -62,6 +66,15 @@ class TensorBoardSink:
                 self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """The step's samples as one markdown table under the TEXT tab ("samples/<split>")."""
+        for split in sorted({s["split"] for s in samples}):
+            lines = ["| prompt | completion | reward |", "|---|---|---|"]
+            lines += [f"| {_cell(s['prompt'])} | {_cell(s['completion'])} | {s['reward']:.4g} |"
+                      for s in samples if s["split"] == split]
+            self.writer.add_text(f"samples/{split}", "\n".join(lines), global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -87,8 +100,22 @@ class WandbSink:
         step = int(values.pop("step", 0))
         self.run.log(values, step=step)
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """A table per split ("samples/train", "samples/eval"): step, prompt, completion, reward, finish."""
+        for split in sorted({s["split"] for s in samples}):
+            table = self._wandb.Table(columns=["step", "prompt", "completion", "reward", "finish_reason"])
+            for s in samples:
+                if s["split"] == split:
+                    table.add_data(step, s["prompt"], s["completion"], s["reward"], s.get("finish_reason", ""))
+            self.run.log({f"samples/{split}": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
+
+
+def _cell(text: str, limit: int = 300) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ⏎ ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def live_enabled(setting: str | bool, stream: Any = None) -> bool:

@@ -25,7 +25,8 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("obs")
     path = root / "config.toml"
     path.write_text(TINY_TOML.format(model_dir=tiny_model_dir, run_dir=root / "run"))
-    cfg = load_config(path, ["trainer.total_steps=4", "run.save_checkpoint=false", "logging.live=false"])
+    cfg = load_config(path, ["trainer.total_steps=4", "run.save_checkpoint=false", "logging.live=false",
+                             "logging.rollouts_every=2"])
     run_local(cfg)
     return root / "run"
 
@@ -41,6 +42,21 @@ def test_run_writes_a_trace_with_every_role_and_span_kind(run_dir):
     versions = {e["args"]["version"] for e in events if e["ph"] == "X" and e["name"] == "train"}
     assert versions == {0, 1, 2, 3}
     assert any(e["ph"] == "C" and e["name"] == "buffer/rollout_depth" for e in events)
+
+
+def test_run_writes_rollouts_of_every_second_step_and_each_evaluation(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r["split"] == "train"]
+    assert sorted({r["step"] for r in train}) == [2, 4]
+    assert all(r["completion_tokens"] >= 1 and isinstance(r["completion"], str) and r["prompt"] for r in train)
+    evals = [r for r in lines if r["split"] == "eval"]
+    assert {r["mode"] for r in evals} == {"greedy", "sampled"} and 0 in {r["step"] for r in evals}
+    rows = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/greedy_reward" in r}
+    for step, row in rows.items():  # the eval samples' rewards are the ones the eval metrics average
+        greedy = [r["reward"] for r in evals if r["step"] == step and r["mode"] == "greedy"]
+        assert sum(greedy) / len(greedy) == pytest.approx(row["eval/greedy_reward"])
+    assert not any(key in row for row in read_metrics(run_dir / "metrics.jsonl")
+                   for key in ("rollouts/samples", "eval/samples"))  # taken out of the rows
 
 
 def test_run_metrics_answer_the_overlap_question(run_dir):

@@ -65,10 +65,14 @@ def test_tensorboard_sink_writes_scalars_by_step(tmp_path):
     for step in (1, 2):
         for s in sinks:
             s.log({"step": step, "reward/mean": 0.25 * step, "note": "text is skipped", "flag": True})
+    for s in sinks:
+        s.log_samples(2, [{"split": "train", "prompt": "2|2", "completion": "4\n", "reward": 1.0}])
     close_sinks(sinks)
+    assert "samples" not in (tmp_path / "metrics.jsonl").read_text()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert acc.Tags()["scalars"] == ["reward/mean"]
+    assert acc.Tags()["tensors"] == ["samples/train/text_summary"]  # the step's samples as a markdown table
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
 
 
@@ -83,7 +87,10 @@ def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
     for step in (1, 2):
         for s in sinks:
             s.log({"step": step, "reward/mean": 0.5 * step})
+        for s in sinks:
+            s.log_samples(step, [{"split": "eval", "prompt": "p", "completion": "c", "reward": 1.0}])
     close_sinks(sinks)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(run_dir.glob("files/media/table/samples/eval_*.table.json"))  # a W&B table per step
     (data,) = run_dir.glob("*.wandb")
     assert data.stat().st_size > 0
