@@ -3,7 +3,9 @@
 Place in the dataflow: building a run resolves `resolve_reward(cfg.reward.fn, cfg.reward.answer_key)` once
 (asyncrl/build.py); the Scorer then scores a batch of trajectories with `call_rewards_async` (one call after
 the other on a worker thread, each bounded by `reward.timeout_s`) and the Evaluator single completions with
-`call_reward_async`; both wrap `call_reward`. `asyncrl validate` calls `check_reward`.
+`call_reward_async`; both wrap `call_reward`. `asyncrl validate` calls `check_reward`. A call that hangs past
+its timeout cannot be killed: it keeps its daemon thread, counted by the caller's `HungCalls`, which bounds
+them (`MAX_HUNG_CALLS` a role): a reward that hangs now and then does not pile up threads over a long run.
 
 The calling convention of a reward function is
 
@@ -80,6 +82,41 @@ def _at(path: str, line: str) -> str:
     return path + ": " + line[len(prefix):] if line.startswith(prefix) else line
 
 
+MAX_HUNG_CALLS = 8  # reward calls past their timeout, still running on their threads, one role may hold
+
+
+class HungCalls:
+    """The reward calls of one role (a Scorer, an Evaluator) that ran past their timeout and still hold their
+    daemon thread: a hung call cannot be killed, so each would otherwise hold a thread (its stack, what the
+    call holds) for the rest of the run. With `limit` of them running, no new call starts: each fails at once
+    with one line naming the cause (its group fails and the run's watch reports it) until a hung call returns.
+    Thread-safe: the calls' threads report their own end."""
+
+    def __init__(self, limit: int = MAX_HUNG_CALLS) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Calls that timed out and have not returned yet."""
+        return self._running
+
+    def check(self, timeout_s: float) -> None:
+        """Raise RuntimeError when `limit` hung calls still run (no new call may start)."""
+        if self._running >= self.limit:
+            raise RuntimeError(f"{self._running} reward calls ran past reward.timeout_s ({timeout_s:g} s) and "
+                               f"still run; no new call starts until one returns — the reward function hangs")
+
+    def add(self) -> None:
+        with self._lock:
+            self._running += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+
 def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> float:
     """Call a resolved reward function on one sample and return its result as a finite float.
 
@@ -104,16 +141,20 @@ def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any])
 
 
 async def call_reward_async(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any],
-                            timeout_s: float) -> float:
-    """`call_reward` on a daemon thread of its own, bounded by `timeout_s` (asyncio.TimeoutError).
+                            timeout_s: float, *, hung: HungCalls) -> float:
+    """`call_reward` on a daemon thread of its own, bounded by `timeout_s` (asyncio.TimeoutError); a call
+    that times out is counted in `hung` until it returns (RuntimeError at once while `hung` is full).
 
     Not a thread pool: a call that hangs cannot be killed, and in a pool each hung call would hold a
     worker for good — after `max_workers` of them every later call times out waiting in the queue, every
     group fails and training starves; pool threads would also block interpreter exit. A hung daemon
     thread holds only itself.
     """
+    hung.check(timeout_s)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[float] = loop.create_future()
+    lock = threading.Lock()
+    state = {"returned": False, "abandoned": False}  # guarded by `lock`
 
     def settle(value: float | None, exc: BaseException | None) -> None:
         if fut.done():  # timed out (cancelled) meanwhile
@@ -129,35 +170,53 @@ async def call_reward_async(fn: RewardFn, prompt: str, completion: str, row: dic
             value = call_reward(fn, prompt, completion, row)
         except Exception as e:  # noqa: BLE001 - user code; the caller reports it
             exc = e
+        with lock:
+            state["returned"] = True
+            if state["abandoned"]:
+                hung.done()
         try:
             loop.call_soon_threadsafe(settle, value, exc)
         except RuntimeError:  # the loop closed while the call hung
             pass
 
     threading.Thread(target=work, name="reward", daemon=True).start()
-    return await asyncio.wait_for(fut, timeout_s)
+    try:
+        return await asyncio.wait_for(fut, timeout_s)
+    except asyncio.TimeoutError:
+        with lock:
+            if not state["returned"]:
+                state["abandoned"] = True
+                hung.add()
+        raise
 
 
 async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str, Any]]],
-                             timeout_s: float) -> list[float | BaseException]:
+                             timeout_s: float, *, hung: HungCalls) -> list[float | BaseException]:
     """`call_reward` on each (prompt, completion, row), one call after the other on one daemon thread, each
     call bounded by `timeout_s`. Returns, per call, its value or its exception (asyncio.TimeoutError for one
-    that hung).
+    that hung; RuntimeError for those not started because `hung` is full).
 
     The same guarantees as `call_reward_async` (one call at a time, except beside a call that already
-    timed out: a hung call holds only its own thread, and the calls after it go on on a fresh one), without
-    a thread start and a round trip through the event loop per call: the thread runs through the batch and
-    hands each result to the loop as it goes.
+    timed out: a hung call holds only its own thread, counted in `hung` until it returns, and the calls after
+    it go on on a fresh one), without a thread start and a round trip through the event loop per call: the
+    thread runs through the batch and hands each result to the loop as it goes.
     """
     loop = asyncio.get_running_loop()
     out: list[float | BaseException] = []
     lock = threading.Lock()
     while len(out) < len(calls):
+        try:
+            hung.check(timeout_s)
+        except RuntimeError as full:
+            out.extend(full for _ in range(len(calls) - len(out)))
+            break
         results: asyncio.Queue[tuple[float | None, BaseException | None]] = asyncio.Queue()
-        # the next call this thread will make; None once the thread is abandoned (a call of it hung)
+        # the next call this thread will make (None once the thread is abandoned: a call of it hung), and
+        # the last call it returned from; both guarded by `lock`
         claim: list[int | None] = [len(out)]
+        returned = [len(out) - 1]
 
-        def work(q: asyncio.Queue = results, claim: list[int | None] = claim) -> None:
+        def work(q: asyncio.Queue = results, claim: list[int | None] = claim, returned: list[int] = returned) -> None:
             while True:
                 with lock:  # claim the next call, unless abandoned meanwhile
                     j = claim[0]
@@ -169,6 +228,11 @@ async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str,
                     value = call_reward(fn, *calls[j])
                 except Exception as e:  # noqa: BLE001 - user code; the caller reports it
                     exc = e
+                with lock:
+                    returned[0] = j
+                    if claim[0] is None:  # abandoned inside call j, which has returned now: no longer hung
+                        hung.done()
+                        return
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, (value, exc))
                 except RuntimeError:  # the loop closed while a call hung
@@ -180,9 +244,10 @@ async def call_rewards_async(fn: RewardFn, calls: list[tuple[str, str, dict[str,
                 value, exc = await asyncio.wait_for(results.get(), timeout_s)
             except asyncio.TimeoutError as timeout:
                 with lock:
-                    if claim[0] == len(out) + 1:  # still inside call len(out): abandon the thread
+                    if claim[0] == len(out) + 1 and returned[0] < len(out):  # inside call len(out): abandon it
                         claim[0] = None
-                if claim[0] is not None:  # it just finished that call: its result is on the way
+                        hung.add()
+                if claim[0] is not None:  # it just returned from that call: its result is on the way
                     value, exc = await results.get()
                 else:
                     out.append(timeout)

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Callable
 
 from asyncrl.messages import SamplingParams
-from asyncrl.rewards.loader import call_reward_async
+from asyncrl.rewards.loader import HungCalls, call_reward_async
 from engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class Evaluator:
         self.temperature = temperature
         self.seed = seed
         self.reward_timeout_s = reward_timeout_s
+        self.hung = HungCalls()  # reward calls past the timeout still running on their threads (bounded)
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward of greedy and of sampled (rollout temperature) completions on the held-out rows."""
@@ -55,7 +56,7 @@ class Evaluator:
                 text = self.decode(group[0].response_ids)
                 try:
                     rewards.append(await call_reward_async(self.reward_fn, str(row[self.prompt_key]), text,
-                                                           row, self.reward_timeout_s))
+                                                           row, self.reward_timeout_s, hung=self.hung))
                 except Exception as exc:  # a failing or hung reward counts as 0 and is reported
                     errors += 1
                     rewards.append(0.0)

@@ -28,8 +28,8 @@ import time
 from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.loader import call_reward_async, call_rewards_async
-from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Total, Window, rss_mb
+from asyncrl.rewards.loader import HungCalls, call_reward_async, call_rewards_async
+from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
@@ -84,6 +84,7 @@ class Scorer:
         self.counts = {"scored": 0, "reward_errors": 0, "cost_errors": 0, "baselines_scored": 0,
                        "baseline_errors": 0}
         self._window = Window()
+        self.hung = HungCalls()  # reward calls past timeout_s still running on their threads (bounded)
 
     async def run(self) -> None:
         while not self._stopped.is_set():
@@ -152,7 +153,8 @@ class Scorer:
     async def _call(self, fn: Any, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
         if not items:
             return
-        results = await call_rewards_async(fn, [(t.prompt_text, c, r) for t, c, r in items], self.timeout_s)
+        results = await call_rewards_async(fn, [(t.prompt_text, c, r) for t, c, r in items], self.timeout_s,
+                                           hung=self.hung)
         for (traj, _, _), result in zip(items, results):
             if isinstance(result, BaseException):  # user code: contain, count, fail the group
                 self._fail(traj, what, result)  # type: ignore[arg-type]
@@ -176,7 +178,8 @@ class Scorer:
         row = json.loads(first.row_json) if first.row_json else {}
         completion = self.decode(first.baseline_response_ids)
         try:
-            value = await call_reward_async(self.reward_fn, first.prompt_text, completion, row, self.timeout_s)
+            value = await call_reward_async(self.reward_fn, first.prompt_text, completion, row, self.timeout_s,
+                                            hung=self.hung)
         except Exception as exc:  # user code: the group cannot be trained without its baseline
             self._fail(first, "baseline", exc)  # counted and logged once per group
             for t in group.trajectories[1:]:
@@ -203,10 +206,11 @@ class Scorer:
 
     def stats(self) -> RoleStats:
         """This scorer's window, since its previous `stats()` call: samples scored, reward calls that
-        failed, and its spans."""
+        failed, and its spans; reward calls hung now (past the timeout, still on their threads)."""
         take = self._window.take
         return RoleStats(metrics={
             "scorer/samples_per_s": Rate(take("scored", self.counts["scored"])),
             "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
+            "scorer/reward_calls_hung": Sum(float(self.hung.running)),
             "scorer/rss_mb": Max(rss_mb()),
         }, spans=self.recorder.drain())
