@@ -81,7 +81,11 @@ class Deployment(Protocol):
     async def restart(self, kind: str, index: int) -> None: ...  # supervision: a fresh actor for a dead one
 
 
-ROWS_KEPT = 1000  # metrics rows the Controller keeps in memory (Runtime.metrics); all are in metrics.jsonl
+# What the Controller keeps in memory per step is bounded (a run of hours must not grow the driver): the newest
+# ROWS_KEPT metrics rows (Runtime.metrics; every row streams to metrics.jsonl, which the summary reads at the end),
+# the spans that reach past the current window (busy shares of the next one; every span streams to trace.json),
+# and the names of the roles seen (one per actor).
+ROWS_KEPT = 100
 
 
 __all__ = ["Controller", "Deployment", "RoleFailed", "RunStopped"]
@@ -112,7 +116,8 @@ class Controller:
         self.ready = asyncio.Event()  # set once restored and every generator holds the weights to start from
         self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
                                      save_every=cfg.run.save_every)
-        self._spans: list[Span] = []
+        self._spans: list[Span] = []  # reported spans that end after the last window: they reach into the next
+        self._roles: set[str] = set()  # every role that reported a span: each gets a busy share in every row
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
@@ -123,9 +128,8 @@ class Controller:
                                   drain_after=lambda v: self._save_due(v) or bool(self._stopping),
                                   recover=self.supervisor.recover if deployment.restartable else None)
         self.supervisor.attach(self.steps)
-        # the newest rows only: every row is in metrics.jsonl, which the summary reads at the end (a run of
-        # hours must not grow the driver)
-        self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
+        self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)  # the newest only (see ROWS_KEPT)
+        self.rows_written = 0  # rows in metrics.jsonl (resumed: those up to the checkpoint, then this run's)
 
     async def run(self) -> list[dict[str, Any]]:
         cfg, d = self.cfg, self.d
@@ -155,15 +159,13 @@ class Controller:
                 first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
                 first.update(await self._guard(d.trainer.evaluate()))
                 self.rollouts.write(0, first.pop(EVAL_SAMPLES_KEY, []))
-                _log_row(sinks, first)
-                self.rows.append(first)
+                self._keep_row(sinks, first)
             await self.steps.start()
             t_prev = time.time()
             for step in range(first_step, cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
-                _log_row(sinks, row)
-                self.rows.append(row)
+                self._keep_row(sinks, row)
                 if self._save_due(step + 1) or (self._stopping and self.steps.drained(step + 1)):
                     path = await self._save(step + 1)
                     if self._stopping:
@@ -220,6 +222,12 @@ class Controller:
         self._window_end = t_end
         return row
 
+    def _keep_row(self, sinks: list[MetricSink], row: dict[str, Any]) -> None:
+        """Stream `row` to the sinks (metrics.jsonl among them); keep it among the newest ROWS_KEPT."""
+        _log_row(sinks, row)
+        self.rows.append(row)
+        self.rows_written += 1
+
     def _write_ledger(self, version: int, groups: list[list[Any]]) -> None:
         """RUN_DIR/ledger.jsonl: the groups (id, prompt) each train step trained, one line per step. With
         resume it shows every accepted group trained exactly once and no prompt skipped or repeated."""
@@ -270,7 +278,7 @@ class Controller:
         t0 = time.time()
         buffer_state = await self._guard(self.d.buffer.state())
         extra = {"buffer": msgspec.to_builtins(buffer_state),
-                 "controller": {"totals": dict(self._reducer.totals), "rows": len(self.rows)}}
+                 "controller": {"totals": dict(self._reducer.totals)}}
         path = await self._guard(self.d.trainer.save_state(
             str(self.run_dir / CHECKPOINTS), step=version, config_text=self._config_text(), extra=extra,
             keep_last=self.cfg.run.keep_last))
@@ -302,7 +310,9 @@ class Controller:
         await self._guard(self.d.trainer.load_state(str(found)))
         await self._guard(self.d.buffer.restore(msgspec.convert(extra["buffer"], BufferState)))
         self._reducer = WindowReducer(extra["controller"]["totals"])
-        self.rows.extend(_truncate_rows(self.run_dir / "metrics.jsonl", step))
+        kept = _truncate_rows(self.run_dir / "metrics.jsonl", step)
+        self.rows.extend(kept)
+        self.rows_written = len(kept)
         _truncate_rows(self.run_dir / "ledger.jsonl", step)
         _truncate_rows(self.run_dir / ROLLOUTS, step)
         log.info("resuming from %s: version %d", found, step)
@@ -324,10 +334,14 @@ class Controller:
             self._trace.add_spans(new_spans)
             self._trace.add_counters(t1, {k: out[k] for k in ("buffer/rollout_depth", "buffer/train_depth")
                                           if k in out})
-        # Keep spans that can still overlap the next window (a long generate started two windows ago).
-        self._spans = [s for s in [*self._spans, *new_spans] if s.end >= t0 - 60.0]
-        out.update(busy_shares(self._spans, (t0, t1)))
-        out["overlap_ratio"] = overlap_ratio(self._spans, (t0, t1))
+        # A role reports a span once it has ended, so only one that ends after t1 (drained just after the
+        # window closed) can overlap a later window: keep those alone. A long generate begun two windows ago
+        # arrives whole in the window it ends in and is clipped to it.
+        spans = [*self._spans, *new_spans]
+        self._roles.update(sp.role for sp in new_spans)
+        out.update(busy_shares(spans, (t0, t1), roles=self._roles))
+        out["overlap_ratio"] = overlap_ratio(spans, (t0, t1))
+        self._spans = [sp for sp in spans if sp.end > t1]
         out["controller/rss_mb"] = rss_mb()  # the driver's own: a long run must not grow here either
         return out
 

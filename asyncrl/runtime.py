@@ -264,7 +264,7 @@ class Runtime:
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The newest metrics rows (one per train step, up to the last 1000; all are in metrics.jsonl)."""
+        """The newest metrics rows (one per train step, the last `controller.ROWS_KEPT`; all are in metrics.jsonl)."""
         return list(self.controller.rows)
 
     def _published(self, version: int) -> None:

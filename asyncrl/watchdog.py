@@ -250,7 +250,9 @@ def describe_stack(frame: Any, depth: int = 3) -> str:
     function' (asyncrl's own files with their package path, others by file name); asyncio's own frames and
     whatever runs the loop are left out."""
     frames = []
-    for f in reversed(traceback.extract_stack(frame)):
+    # walk_stack goes innermost first; lookup_lines=False: names and line numbers only, so no source file is
+    # read into linecache (which keeps every file it reads: a long run stalling now and then would grow it)
+    for f in traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False):
         if f.filename.endswith(_LOOP):
             break
         if not any(p in f.filename for p in _PLUMBING):

@@ -287,7 +287,7 @@ def weight_swap(s: Settings, model, engine, vocab: int, label: str) -> None:
         return wall, {v for g in groups for c in g for v in c.versions}
 
     swap_s, versions = asyncio.run(run())
-    pauses = (engine_attr(engine, "swap_pauses_s") or [])[pauses0:]
+    pauses = list(engine_attr(engine, "swap_pauses_s") or [])[pauses0:]  # a deque (the last swaps)
     print(f"\nC. in-flight weight update, {label}: batch {s.swap_batch}, {s.new_tokens} new tokens, "
           f"{sum(t.numel() for t in staged.values()):,} parameters swapped mid-decode")
     print(f"mean decode step: {step_s * 1e3:.2f} ms ({step_how})")

@@ -114,7 +114,7 @@ def main():
     print(f"broadcast + swap (both receivers in the same broadcast): "
           f"native {statistics.median(r[0] for r in res)*1e3:.1f} ms, "
           f"vLLM {statistics.median(r[1] for r in res)*1e3:.1f} ms; "
-          f"vLLM swap pauses {[round(x*1e3,1) for x in vl.swap_pauses_s[-REPEATS:]]} ms")
+          f"vLLM swap pauses {[round(x*1e3,1) for x in list(vl.swap_pauses_s)[-REPEATS:]]} ms")
     for g in groups.values():
         g.close()
     asyncio.run(native.close())

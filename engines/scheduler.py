@@ -21,7 +21,9 @@ sampled from the prefill logits. A request's future resolves (on its own loop, `
 its sequences finished.
 
 Counters: `num_prefill_forwards`, `num_decode_forwards`, `tokens_generated`, the decode batch size and
-duration of each step (`decode_batch_sizes`, `step_times_s`, the last `history` steps), `swap_pauses_s`.
+duration of each step (`decode_batch_sizes`, `step_times_s`), the pause of each swap (`swap_pauses_s`), each
+record of the last `history` (so a long run does not grow them), and `swap_pause_s_sum` / `swap_pause_s_max`
+over every swap.
 `on_step(step)` is called after every decode step on this thread (a hook for tests and benchmarks).
 
 When the loop goes from idle to busy it waits until no request arrived for `admit_window_s` (at most ten
@@ -65,7 +67,7 @@ def _close_all_at_exit() -> None:
 class Scheduler:
     def __init__(
         self, backend, *, vocab_size: int, device: torch.device, seed: int, max_batch: int, max_prompt_len: int,
-        kv_on_update: str, admit_window_s: float, max_prefill_tokens: int, history: int = 65536,
+        kv_on_update: str, admit_window_s: float, max_prefill_tokens: int, history: int = 4096,
     ) -> None:
         self.backend = backend
         self.max_prompt_len = max_prompt_len
@@ -86,7 +88,9 @@ class Scheduler:
         self.decode_tokens_total = 0  # sum of decode batch sizes (exact mean beyond `history`)
         self.decode_batch_sizes: collections.deque[int] = collections.deque(maxlen=history)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=history)
-        self.swap_pauses_s: list[float] = []
+        self.swap_pauses_s: collections.deque[float] = collections.deque(maxlen=history)
+        self.swap_pause_s_sum = 0.0  # over every swap (the record above keeps the last `history`)
+        self.swap_pause_s_max = 0.0
         self.on_step: Callable[[int], None] | None = None
         self.idle_exit_s = 30.0
         self._cv = threading.Condition()
@@ -243,7 +247,10 @@ class Scheduler:
         for s in landed:
             s.done.set()
         if landed:
-            self.swap_pauses_s.append(time.perf_counter() - t0)
+            pause = time.perf_counter() - t0
+            self.swap_pauses_s.append(pause)
+            self.swap_pause_s_sum += pause
+            self.swap_pause_s_max = max(self.swap_pause_s_max, pause)
 
     def _recompute_kv(self) -> None:
         """Re-prefill prompt + all tokens but the last (which the next decode feeds) into each slot."""

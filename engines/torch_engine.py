@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -176,7 +176,8 @@ class TorchEngine:
         return self.scheduler.tokens_generated
 
     @property
-    def swap_pauses_s(self) -> list[float]:
+    def swap_pauses_s(self) -> Sequence[float]:
+        """The pauses of the last swaps (the scheduler's `history` of them)."""
         return self.scheduler.swap_pauses_s
 
     def stats(self) -> dict[str, float]:
@@ -189,8 +190,8 @@ class TorchEngine:
             "engine/tokens": float(s.tokens_generated),
             "engine/decode_batch/mean": s.decode_tokens_total / steps if steps else 0.0,
             "engine/step_s/mean": sum(times) / len(times) if times else 0.0,
-            "engine/swap_pause_s/max": max(s.swap_pauses_s, default=0.0),
-            "engine/swap_pause_s/sum": sum(s.swap_pauses_s),
+            "engine/swap_pause_s/max": s.swap_pause_s_max,
+            "engine/swap_pause_s/sum": s.swap_pause_s_sum,
         }
 
     # ---- public API -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ Semantics callers rely on (checked by tests/vllm_engine):
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_RESPONSE_MARGIN = 1024   # max_model_len = max_prompt_len + this, capped at the model's maximum
+SWAP_HISTORY = 1024              # swap pauses kept in `swap_pauses_s`
 DEFAULT_CPU_KV_CACHE_MB = 256    # vLLM on CPU otherwise reserves a fraction of *all* RAM for KV
 
 
@@ -142,7 +144,10 @@ class VLLMEngine:
         self._closed = False
         self._ids = itertools.count()
         self._warned_truncation = False
-        self.swap_pauses_s: list[float] = []
+        # the pauses of the last SWAP_HISTORY swaps (a long run does not grow them), and over every swap
+        self.swap_pauses_s: collections.deque[float] = collections.deque(maxlen=SWAP_HISTORY)
+        self.swap_pause_s_sum = 0.0
+        self.swap_pause_s_max = 0.0
         self.tokens_generated = 0
         self._update_lock: asyncio.Lock | None = None  # created on the engine loop (by _start)
         self._args = self._engine_args(seed, kv_cache_mb, gpu_memory_utilization, max_num_seqs, engine_args)
@@ -244,11 +249,10 @@ class VLLMEngine:
         await asyncio.to_thread(self._shutdown)
 
     def stats(self) -> dict[str, float]:
-        pauses = list(self.swap_pauses_s)
         return {
             "engine/tokens": float(self.tokens_generated),
-            "engine/swap_pause_s/max": max(pauses, default=0.0),
-            "engine/swap_pause_s/sum": sum(pauses),
+            "engine/swap_pause_s/max": self.swap_pause_s_max,
+            "engine/swap_pause_s/sum": self.swap_pause_s_sum,
         }
 
     # ---- CollectiveWeightEngine -------------------------------------------------------------------
@@ -297,8 +301,11 @@ class VLLMEngine:
                 self._version = version
             finally:
                 await self._llm.resume_generation()
-            self.swap_pauses_s.append(time.perf_counter() - start)
-        log.debug("VLLMEngine: version %d loaded, paused %.3fs", version, self.swap_pauses_s[-1])
+            pause = time.perf_counter() - start
+            self.swap_pauses_s.append(pause)
+            self.swap_pause_s_sum += pause
+            self.swap_pause_s_max = max(self.swap_pause_s_max, pause)
+        log.debug("VLLMEngine: version %d loaded, paused %.3fs", version, pause)
         return result if isinstance(result, dict) else {}
 
     async def _rpc_then_poll(self, method: str, args: tuple = ()) -> dict[str, float]:

@@ -17,7 +17,9 @@ Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), every member ta
        waits for that key before it enters any collective: up to the group's timeout, or, armed
        (`receive(armed=True)`, called while the trainer still trains), until the source starts or the
        group is closed. So receivers need not be called at the moment of the send, and they join it
-       without a round trip through the driver;
+       without a round trip through the driver. Each receiver past the wait adds 1 to the key's count;
+       the last of the `world_size - 1` deletes the key and its count, so the store (on the trainer)
+       holds no key per broadcast however long the run;
     1. rank 0 broadcasts an int64 header [version, n_buckets, total_bytes, meta_crc]; receivers
        learn the version and check that they hold the same `WeightsMeta` as the source;
     2. one broadcast per bucket: the source packs the bucket into one flat buffer, receivers
@@ -258,15 +260,14 @@ class WeightSyncGroup:
                     raise ValueError("the weight-sync source (rank 0) needs tensors and a version")
                 check_matches(tensors, meta)
                 n, self._broadcasts = self._broadcasts, self._broadcasts + 1
-                # The key stays (a few bytes per broadcast): a receiver may still be on its way out of
-                # the wait when the source's sends are done, and a deleted key would strand it.
-                self._announce_set(n)
+                self._announce_set(n)  # the last receiver to see it deletes it (`_announce_seen`)
                 self._send(tensors, meta, version, released)
                 return None, version, sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
             if self._broken is not None:
                 raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
             n, self._broadcasts = self._broadcasts, self._broadcasts + 1
             self._announce_wait(n, armed)
+            self._announce_seen(n)
             start = time.perf_counter()  # the transfer, not the armed wait before it
             received_version, staged = self._receive(meta)
             stats = sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
@@ -305,6 +306,19 @@ class WeightSyncGroup:
                 if not is_timeout(exc):
                     self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
                     raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
+
+    def _announce_seen(self, n: int) -> None:
+        """Count this receiver past the wait for broadcast n; the last of them deletes the key and its count.
+        No member waits for n again (each counts its broadcasts once), so nothing is stranded."""
+        if self._announce is None:
+            return
+        try:
+            if self._announce.add(f"{n}/seen", 1) == self.world_size - 1:
+                self._announce.delete_key(str(n))
+                self._announce.delete_key(f"{n}/seen")
+        except Exception as exc:
+            self._broken = f"counting broadcast {n} failed on rank {self.rank}"
+            raise RuntimeError(f"weight sync: counting broadcast {n} failed: {exc}") from exc
 
     def _header(self, version: int, meta: WeightsMeta) -> Tensor:
         values = [version, len(meta.buckets), meta.total_bytes, meta_crc(meta)]

@@ -61,6 +61,7 @@ class Component(Protocol):
 
     name: str       # "" = unnamed: a number it returns is not recorded as a component
     weight: float
+    hung_calls: int  # calls past the timeout still running where they cannot be stopped (threads); bounded
 
     async def values(self, calls: list[Call]) -> list[Value | Score | BaseException]:
         """Per call, in order: its value (a `Score` when the component already combined several weighted
@@ -74,6 +75,7 @@ class Component(Protocol):
 
 class Rewards(Protocol):
     has_cost: bool  # a Safe-RLHF cost function is configured: `score(..., cost=True)` calls it
+    hung_calls: int  # its components' calls past the timeout still running on threads (metric, bounded)
 
     async def score(self, calls: Sequence[Call | tuple], *, cost: bool = False) -> list[Score | BaseException]:
         """The reward (with `cost`: the cost) of each call, in order: its Score or what failed it. One batch

@@ -91,6 +91,10 @@ class RewardSet:
                 out.append(exc)
         return out
 
+    @property
+    def hung_calls(self) -> int:
+        return sum(p.hung_calls for p in [*self.components, *([self.cost] if self.cost is not None else [])])
+
     def close(self) -> None:
         self._closed = True
         for part in [*self.components, *([self.cost] if self.cost is not None else [])]:

@@ -53,6 +53,7 @@ _EXTRAS = ("finish_reason", "completion_tokens")
 _RESERVED = ("prompt", "completion", *_EXTRAS)
 _BATCH_RESERVED = ("prompts", "completions", *_RESERVED)
 _BATCHED_MARK = "__asyncrl_batched__"
+MAX_HUNG_CALLS = 8  # reward calls past their timeout, still running on their threads, one role may hold
 
 
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -224,6 +225,38 @@ def check_batch(fn: Any, result: Any, n: int) -> list[Value | BaseException]:
     return out
 
 
+class HungCalls:
+    """The reward calls of one role (a Scorer, an Evaluator) that ran past their timeout and still hold their
+    daemon thread: a hung call cannot be killed, so each would otherwise hold a thread (its stack, what the
+    call holds) for the rest of the run. With `limit` of them running, no new call starts: each fails at once
+    with one line naming the cause (its group fails and the run's watch reports it) until a hung call returns.
+    Thread-safe: the calls' threads report their own end."""
+
+    def __init__(self, limit: int = MAX_HUNG_CALLS) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Calls that timed out and have not returned yet."""
+        return self._running
+
+    def check(self, timeout_s: float) -> None:
+        """Raise RuntimeError when `limit` hung calls still run (no new call may start)."""
+        if self._running >= self.limit:
+            raise RuntimeError(f"{self._running} reward calls ran past reward.timeout_s ({timeout_s:g} s) and "
+                               f"still run; no new call starts until one returns — the reward function hangs")
+
+    def add(self) -> None:
+        with self._lock:
+            self._running += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+
 def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any],
                 finish_reason: str | None = None, completion_tokens: int | None = None) -> Value:
     """Call a resolved per-sample sync function on one sample and check its result (`check_value`);
@@ -242,27 +275,35 @@ def call_batch(fn: RewardFn, calls: Sequence[Call]) -> list[Value | BaseExceptio
     return check_batch(fn, fn(**batch_columns(calls)), len(calls))
 
 
-async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple],
-                             timeout_s: float) -> list[Value | BaseException]:
-    """`call_reward` on each call, one after the other on one daemon thread, each bounded by `timeout_s`.
-    Returns, per call, its value or its exception (asyncio.TimeoutError for one that hung).
+async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeout_s: float, *,
+                             hung: HungCalls) -> list[Value | BaseException]:
+    """`call_reward` on each (prompt, completion, row), one call after the other on one daemon thread, each
+    call bounded by `timeout_s`. Returns, per call, its value or its exception (asyncio.TimeoutError for one
+    that hung; RuntimeError for those not started because `hung` is full).
 
     One call at a time, except beside a call that already timed out: a hung call cannot be killed, so it
-    holds only its own thread, and the calls after it go on on a fresh one. Not a thread pool: in a pool each
-    hung call would hold a worker for good — after `max_workers` of them every later call times out waiting
-    in the queue, every group fails and training starves; pool threads would also block interpreter exit.
-    The thread runs through the batch and hands each result to the loop as it goes (no thread start and no
-    round trip through the event loop per call).
+    holds only its own thread, counted in `hung` until it returns, and the calls after it go on on a fresh
+    one. Not a thread pool: in a pool each hung call would hold a worker for good — after `max_workers` of
+    them every later call times out waiting in the queue, every group fails and training starves; pool
+    threads would also block interpreter exit. The thread runs through the batch and hands each result to
+    the loop as it goes (no thread start and no round trip through the event loop per call).
     """
     loop = asyncio.get_running_loop()
     out: list[Value | BaseException] = []
     lock = threading.Lock()
     while len(out) < len(calls):
+        try:
+            hung.check(timeout_s)
+        except RuntimeError as full:
+            out.extend(full for _ in range(len(calls) - len(out)))
+            break
         results: asyncio.Queue[tuple[Value | None, BaseException | None]] = asyncio.Queue()
-        # the next call this thread will make; None once the thread is abandoned (a call of it hung)
+        # the next call this thread will make (None once the thread is abandoned: a call of it hung), and
+        # the last call it returned from; both guarded by `lock`
         claim: list[int | None] = [len(out)]
+        returned = [len(out) - 1]
 
-        def work(q: asyncio.Queue = results, claim: list[int | None] = claim) -> None:
+        def work(q: asyncio.Queue = results, claim: list[int | None] = claim, returned: list[int] = returned) -> None:
             while True:
                 with lock:  # claim the next call, unless abandoned meanwhile
                     j = claim[0]
@@ -274,6 +315,11 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple],
                     value = call_reward(fn, *calls[j])
                 except Exception as e:  # noqa: BLE001 - user code; the caller reports it
                     exc = e
+                with lock:
+                    returned[0] = j
+                    if claim[0] is None:  # abandoned inside call j, which has returned now: no longer hung
+                        hung.done()
+                        return
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, (value, exc))
                 except RuntimeError:  # the loop closed while a call hung
@@ -285,9 +331,10 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple],
                 value, exc = await asyncio.wait_for(results.get(), timeout_s)
             except asyncio.TimeoutError as timeout:
                 with lock:
-                    if claim[0] == len(out) + 1:  # still inside call len(out): abandon the thread
+                    if claim[0] == len(out) + 1 and returned[0] < len(out):  # inside call len(out): abandon it
                         claim[0] = None
-                if claim[0] is not None:  # it just finished that call: its result is on the way
+                        hung.add()
+                if claim[0] is not None:  # it just returned from that call: its result is on the way
                     value, exc = await results.get()
                 else:
                     out.append(timeout)
@@ -308,13 +355,18 @@ class FunctionComponent:
         self.max_concurrency = max_concurrency  # async per-sample calls in flight at once
         self.batched = is_batched(fn)
         self.is_async = is_async(fn)
+        self.hung = HungCalls()  # its calls past timeout_s still running on their threads (bounded)
+
+    @property
+    def hung_calls(self) -> int:
+        return self.hung.running
 
     async def values(self, calls: list[Call]) -> list[Value | BaseException]:
         if self.batched:
             return await self._batch(calls)
         if self.is_async:
             return await self._concurrently(calls)
-        return await call_rewards_async(self.fn, calls, self.timeout_s)
+        return await call_rewards_async(self.fn, calls, self.timeout_s, hung=self.hung)
 
     async def _batch(self, calls: list[Call]) -> list[Value | BaseException]:
         """One call for the batch; what fails it (a raise, a hang, a result of the wrong length) fails every

@@ -108,6 +108,8 @@ class RewardModel:
             out += logits.tolist()
         return out
 
+    hung_calls = 0  # a call past the timeout is not left running (killed, or bounded by the batch)
+
     async def values(self, calls: list[Call]) -> list[Value | BaseException]:
         try:
             texts = [self.text(c) for c in calls]

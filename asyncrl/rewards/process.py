@@ -95,6 +95,8 @@ class PoolFunctions:
         self.name = ""  # its values are Scores: they carry their components' names
         self.weight = 1.0
 
+    hung_calls = 0  # a call past the timeout is not left running (killed, or bounded by the batch)
+
     async def values(self, calls: list[Call]) -> list[Value | Score | BaseException]:
         n = len(calls)
         results = await self.pool.run([(index, call) for _, _, index in self.functions for call in calls])

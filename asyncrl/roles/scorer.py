@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.base import Call, Rewards
-from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Total, Window, rss_mb
+from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
@@ -209,10 +209,11 @@ class Scorer:
 
     def stats(self) -> RoleStats:
         """This scorer's window, since its previous `stats()` call: samples scored, reward calls that
-        failed, and its spans."""
+        failed, and its spans; reward calls hung now (past the timeout, still on their threads)."""
         take = self._window.take
         return RoleStats(metrics={
             "scorer/samples_per_s": Rate(take("scored", self.counts["scored"])),
             "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
+            "scorer/reward_calls_hung": Sum(float(self.rewards.hung_calls)),
             "scorer/rss_mb": Max(rss_mb()),
         }, spans=self.recorder.drain())

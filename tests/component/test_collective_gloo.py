@@ -92,6 +92,24 @@ def test_three_ranks_receive_bit_identical_weights_and_the_group_is_reusable():
             g.close()
 
 
+def test_a_long_run_of_broadcasts_leaves_no_announcement_keys_in_the_store():
+    groups = _form_group(3, timeout_s=10.0)
+    try:
+        store = groups[0]._store  # the master (on the trainer in a run)
+        assert store is not None
+        keys_before = store.num_keys()
+        meta = plan_buckets(_state(0), bucket_bytes=512)
+        sender = CollectiveSender(groups[0], meta)
+        receivers = [CollectiveReceiver(g, meta) for g in groups[1:]]
+        state = _state(0)
+        for version in range(5):
+            _together(lambda: sender.send(state, version), *(r.receive for r in receivers))
+        assert store.num_keys() == keys_before  # each key deleted by the last receiver to see it
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_receiver_times_out_when_the_source_never_sends():
     groups = _form_group(2, timeout_s=2.0)
     try:

@@ -195,8 +195,8 @@ def test_scorer_assembles_a_group_whose_members_arrive_in_separate_batches():
 
 
 def _counts(stats: Any) -> dict[str, float]:
-    """A report's values without the memory gauge."""
-    return {k: v for k, v in stats.values().items() if not k.endswith("/rss_mb")}
+    """A report's values without the gauges (memory, hung reward calls)."""
+    return {k: v for k, v in stats.values().items() if not k.endswith(("/rss_mb", "/reward_calls_hung"))}
 
 
 def test_scorer_stats_report_the_window_since_the_previous_read():
@@ -205,6 +205,7 @@ def test_scorer_stats_report_the_window_since_the_previous_read():
     run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "boom")]))
     first = scorer.stats()
     assert first.values().pop("scorer/rss_mb") > 0  # the process's resident memory, a gauge
+    assert first.values().pop("scorer/reward_calls_hung") == 0  # none timed out
     assert _counts(first) == {"scorer/samples_per_s": 2, "scorer/reward_errors": 1}
     assert isinstance(first.metrics["scorer/samples_per_s"], Rate)  # the Controller divides by the window
     assert isinstance(first.metrics["scorer/reward_errors"], Total)  # ... and adds the windows up

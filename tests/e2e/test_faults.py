@@ -165,7 +165,7 @@ def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_do
     async def main() -> tuple[BaseException | None, float]:
         task = asyncio.create_task(controller.run())
         t0 = time.monotonic()
-        while len(controller.rows) < 2:
+        while controller.rows_written < 2:
             assert not task.done(), f"run ended before the kill: {task.exception()!r}"
             assert time.monotonic() - t0 < 120, "no two steps within 120 s"
             await asyncio.sleep(0.1)
@@ -183,7 +183,7 @@ def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_do
     assert exc is not None, "run finished 200 steps although its only generator was killed"
     assert isinstance(exc, (RoleFailed, ray.exceptions.RayActorError)), repr(exc)
     assert elapsed < 30, f"took {elapsed:.1f}s to fail"
-    assert len(controller.rows) < 200
+    assert controller.rows_written < 200
     for actor in deployment.actors:  # shutdown killed every actor of the run
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ready.remote(), timeout=30)

@@ -152,3 +152,19 @@ def test_overlap_benchmark_quick_mode_ends_with_its_json_line(capsys, tmp_path):
         run_cfg = load_config(tmp_path / name / "config.toml")
         assert run_cfg.rollout.kv_on_update == "keep" and run_cfg.rollout.weight_update == "between_requests"
         assert run_cfg.staleness.max_staleness == k
+
+
+@pytest.mark.slow
+def test_soak_benchmark_prints_every_roles_slope_and_ends_with_its_json_line(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("soak_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--local", "--steps", "12"])
+    out = capsys.readouterr().out
+    assert all(f"  {key}" in out for key in module.KEYS)  # each role's series, with its slope
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == result and last["benchmark"] == "soak" and last["target"] == 1.0

@@ -38,7 +38,7 @@ def _run_and_kill(cfg, pick_actor, after_rows: int = 2):
     async def main():
         task = asyncio.create_task(controller.run())
         t0 = time.monotonic()
-        while len(controller.rows) < after_rows:
+        while controller.rows_written < after_rows:
             assert not task.done(), f"run ended before the kill: {task.exception()!r}"
             assert time.monotonic() - t0 < 150, f"no {after_rows} steps within 150 s"
             await asyncio.sleep(0.05)

@@ -9,6 +9,7 @@ blocks there holds the loop at an exact step boundary while the test submits, sw
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 
@@ -239,6 +240,20 @@ def test_load_weights_on_an_idle_engine_applies_at_once(model_dir):
     assert len(engine.swap_pauses_s) == 1 and engine.num_forwards == 0
     (c,) = run(engine, [PROMPTS[0]], greedy(3))[0]
     assert c.versions == [4, 4, 4]
+
+
+def test_the_engine_keeps_the_last_swap_pauses_and_sums_every_one(model_dir):
+    engine = TorchEngine(str(model_dir))
+    s = engine.scheduler
+    assert all(r.maxlen for r in (s.decode_batch_sizes, s.step_times_s, s.swap_pauses_s))  # a long run: bounded
+    s.swap_pauses_s = collections.deque(maxlen=2)  # the record's bound (`history`), made small
+    norm = engine.model.model.norm.weight
+    for version in (1, 2, 3):
+        engine.load_weights({"model.norm.weight": torch.full_like(norm, float(version))}, version=version)
+    stats = engine.stats()
+    assert len(engine.swap_pauses_s) == 2
+    assert stats["engine/swap_pause_s/sum"] > sum(engine.swap_pauses_s) > 0  # the first pause too
+    assert stats["engine/swap_pause_s/max"] >= max(engine.swap_pauses_s)
 
 
 def test_interrupt_returns_partials_that_carry_over(ref_model):

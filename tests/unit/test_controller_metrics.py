@@ -76,3 +76,25 @@ def test_controller_adds_totals_up_over_windows_and_rates_use_each_windows_lengt
     assert (first["scorer/reward_errors"], second["scorer/reward_errors"]) == (1, 1)
     assert second["buffer/rollout_depth"] == 0  # a gauge: as it is now
     assert first["generator/busy_share"] == second["generator/busy_share"] == 1.0
+
+
+def test_controller_keeps_only_the_spans_that_reach_past_the_window(tmp_path):
+    # window [0, 1]: generator 0's span ends inside it; the trainer's (drained just after t1) reaches into [1, 2]
+    gens = [FakeRole(generator(0, 1, 0.0, (0.0, 0.5)), RoleStats())]
+    trainer = FakeRole(RoleStats(spans=[Span(role="trainer", kind="train", start=0.5, end=1.5)]), RoleStats())
+    c = controller(tmp_path, gens, [], trainer, FakeRole(buffer(0, 0), buffer(0, 0)))
+    first = asyncio.run(c._role_metrics(0.0, 1.0))
+    assert [(s.role, s.end) for s in c._spans] == [("trainer", 1.5)]  # nothing else can overlap a later window
+    second = asyncio.run(c._role_metrics(1.0, 2.0))
+    assert (first["trainer/busy_share"], second["trainer/busy_share"]) == (0.5, 0.5)  # the kept span, clipped
+    assert second["generator/0/busy_share"] == 0.0  # a role seen before, silent now: idle, not missing
+    assert c._spans == []
+
+
+def test_controller_keeps_the_newest_rows_and_counts_them_all(tmp_path):
+    from asyncrl.controller import ROWS_KEPT
+
+    c = controller(tmp_path, [], [], FakeRole(), FakeRole())
+    for step in range(ROWS_KEPT + 5):
+        c._keep_row([], {"step": step + 1})
+    assert len(c.rows) == ROWS_KEPT and c.rows[0]["step"] == 6 and c.rows_written == ROWS_KEPT + 5

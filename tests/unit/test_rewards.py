@@ -132,7 +132,7 @@ def test_call_rewards_async_calls_one_at_a_time_contains_errors_and_moves_past_a
     import threading
     import time
 
-    from asyncrl.rewards.loader import call_rewards_async
+    from asyncrl.rewards.loader import HungCalls, call_rewards_async
 
     active, overlaps, calls = set(), [], []
     guard = threading.Lock()
@@ -156,8 +156,10 @@ def test_call_rewards_async_calls_one_at_a_time_contains_errors_and_moves_past_a
 
     items = ["a", "bb", "boom", "hang", "ccc", "str", "dddd"]
     t0 = time.perf_counter()
-    out = asyncio.run(call_rewards_async(fn, [("p", c, {}) for c in items], timeout_s=0.3))
+    hung = HungCalls()
+    out = asyncio.run(call_rewards_async(fn, [("p", c, {}) for c in items], timeout_s=0.3, hung=hung))
     elapsed = time.perf_counter() - t0
+    assert hung.running == 1  # the "hang" call, still on its thread
     release.set()
     assert out[:2] == [1.0, 2.0] and out[4] == 3.0 and out[6] == 4.0
     assert isinstance(out[2], RuntimeError) and isinstance(out[3], asyncio.TimeoutError)
@@ -166,3 +168,37 @@ def test_call_rewards_async_calls_one_at_a_time_contains_errors_and_moves_past_a
     # one call at a time, except beside a call that already timed out (a hung thread cannot be stopped)
     assert overlaps and all("hang" in o for o in overlaps)
     assert calls == items  # each call made exactly once, in order
+
+
+def test_hung_reward_calls_are_bounded_and_counted_until_they_return():
+    import asyncio
+    import threading
+    import time
+
+    from asyncrl.rewards.loader import HungCalls, ThreadRewards, call_rewards_async
+
+    release = threading.Event()
+
+    def fn(prompt, completion, **fields):
+        if completion == "hang":
+            release.wait(10)
+        return 1.0
+
+    hung = HungCalls(limit=2)
+
+    async def batch(items):
+        return await call_rewards_async(fn, [("p", c, {}) for c in items], timeout_s=0.2, hung=hung)
+
+    out = asyncio.run(batch(["hang", "a", "hang", "b"]))
+    assert isinstance(out[0], asyncio.TimeoutError) and out[1] == 1.0 and isinstance(out[2], asyncio.TimeoutError)
+    assert isinstance(out[3], RuntimeError) and "reward.timeout_s" in str(out[3])  # 2 hung: no third thread
+    assert hung.running == 2
+    rewards = ThreadRewards(fn, timeout_s=0.2)  # the roles' view: the count of its components' hung calls
+    [failed] = asyncio.run(rewards.score([("p", "hang", {})]))
+    assert isinstance(failed, asyncio.TimeoutError) and rewards.hung_calls == 1
+    release.set()  # the hung calls return: their threads end, and calls start again
+    deadline = time.monotonic() + 5
+    while (hung.running or rewards.hung_calls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hung.running == rewards.hung_calls == 0
+    assert asyncio.run(batch(["a"])) == [1.0]
