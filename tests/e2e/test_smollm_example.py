@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -44,8 +46,10 @@ NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def smollm_dir(tmp_path_factory) -> Path:
-    return prepare.convert(tmp_path_factory.mktemp("smollm") / "smollm2-135m-instruct")
+def smollm_dir(tmp_path_factory) -> Iterator[Path]:
+    path = prepare.convert(tmp_path_factory.mktemp("smollm") / "smollm2-135m-instruct")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)  # 538 MB; pytest keeps the last few sessions' tmp folders
 
 
 @pytest.fixture(scope="module")
