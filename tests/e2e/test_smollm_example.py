@@ -119,6 +119,10 @@ def test_native_engine_greedy_equals_hf_generate_and_logprobs_equal_a_teacher_fo
 
 
 def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smollm_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from asyncrl.config_schema import DataConfig
+    from asyncrl.prompts import PromptEncoder
     from examples.smollm_arith.reward import score
 
     train, held_out = prepare.write_data(smollm_dir, tmp_path)
@@ -127,14 +131,17 @@ def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smol
     assert len(eval_rows) == prepare.EVAL_SIZE and len(train_rows) == 242 - prepare.EVAL_SIZE
     assert not {r["question"] for r in train_rows} & {r["question"] for r in eval_rows}
     row = eval_rows[0]
-    assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith("<|im_start|>assistant\n")
-    assert f"<|im_start|>user\n{row['question']}<|im_end|>" in row["prompt"]
+    assert row["prompt"] == [{"role": "user", "content": row["question"]}]  # TRL's conversational form
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(smollm_dir)), DataConfig(path=str(train)))
+    text = encoder.render(row)[0]  # what the model is prompted with: its own chat template, default system prompt
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert f"<|im_start|>user\n{row['question']}<|im_end|>" in text
     fields = {"answer": row["answer"], "metadata": row["metadata"]}
     expr = row["metadata"]["expression"]
-    assert score(row["prompt"], row["answer"], **fields) == 1.0
-    assert score(row["prompt"], f"{expr} = {row['answer']}", **fields) == 1.0
-    assert score(row["prompt"], "To calculate this, we need to", **fields) == 0.0
-    assert score(row["prompt"], f"{int(row['answer']) + 1}", **fields) == 0.0
+    assert score(row["question"], row["answer"], **fields) == 1.0
+    assert score(row["question"], f"{expr} = {row['answer']}", **fields) == 1.0
+    assert score(row["question"], "To calculate this, we need to", **fields) == 0.0
+    assert score(row["question"], f"{int(row['answer']) + 1}", **fields) == 0.0
 
 
 def test_two_steps_of_the_example_config_run_end_to_end(smollm_dir, tmp_path):
