@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -204,16 +204,26 @@ def ensure_model(model_cfg: ModelSpec) -> Path:
             f"model.path {str(path)!r} exists but holds no config.json; refusing to build a tiny model "
             "into a non-empty folder — empty it or choose another path"
         )
+    build = model_cfg.build_tiny
+    return write_model_folder(path, lambda tmp: build_tiny_model(tmp, build))
+
+
+def write_model_folder(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a temporary folder beside `path`, which is then renamed into place: an interrupted
+    write leaves no half-written model behind, and of processes racing to write the same folder the first
+    rename wins and the others discard theirs. Returns `path`."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     try:
-        build_tiny_model(tmp, model_cfg.build_tiny)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary one
+        write(tmp)
         try:
             os.replace(tmp, path)  # atomic; replaces an empty folder, fails on a non-empty one
         except OSError:
             if not (path / "config.json").exists():
                 raise
-            log.info("another process built %s first; using it", path)
+            log.info("another process wrote %s first; using it", path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -27,12 +27,12 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from engines.hf import write_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,8 @@ def convert(out: str | Path, gguf: str | Path | None = None) -> Path:
 
     hf_logging.disable_progress_bar()
     gguf = Path(gguf) if gguf is not None else gguf_path()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # The tensors are already dequantised; what is left of GGUF is the config entry and the quantizer
@@ -89,19 +87,11 @@ def convert(out: str | Path, gguf: str | Path | None = None) -> Path:
         del model.config.quantization_config
         model.hf_quantizer = None
         model.config._name_or_path = "SmolLM2-135M-Instruct"
-        tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary one
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer_config(tmp / "tokenizer_config.json", model.config.max_position_embeddings)
-        try:
-            os.replace(tmp, out)  # atomic; replaces an empty folder, fails on a non-empty one
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-            log.info("another process wrote %s first; using it", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return write_model_folder(out, write)
 
 
 def _portable_tokenizer_config(path: Path, max_len: int) -> None:

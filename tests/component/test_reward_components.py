@@ -5,19 +5,20 @@ the named components beside it; the reward functions see the sample's finish rea
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from asyncrl.config_schema import RewardConfig, RewardFunctionConfig
-from asyncrl.messages import Group, Trajectory
+from asyncrl.messages import Trajectory
 from asyncrl.rewards.base import Score
 from asyncrl.rewards.combine import RewardSet
 from asyncrl.rewards.loader import FunctionComponent, resolve_reward
 from asyncrl.rewards.setup import rewards_from_config
 from asyncrl.roles.scorer import Scorer
+from tests.component import score_fakes
+from tests.component.score_fakes import FakeBuffer
 
 FIX = "asyncrl_unit_fixtures"
 
@@ -27,28 +28,8 @@ def fixtures_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "unit" / "data"))
 
 
-class FakeBuffer:
-    def __init__(self, batches: list[list[Trajectory]]) -> None:
-        self.batches = batches
-        self.accepted: list[Group] = []
-        self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
-
-    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder=None) -> list[Trajectory]:
-        return self.batches.pop(0) if self.batches else []
-
-    async def accept_groups(self, groups: list[Group]) -> None:
-        self.accepted.extend(groups)
-
-    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
-        self.released[reason].extend(group_ids)
-
-
 def traj(group_id: int, j: int, text: str, finish_reason: str = "stop") -> Trajectory:
-    ids = [ord(c) for c in text]
-    return Trajectory(seq_id=group_id * 2 + j, group_id=group_id, group_size=2, prompt_ids=[1], response_ids=ids,
-                      loss_mask=[True] * len(ids), behavior_logprobs=[0.0] * len(ids), versions=[0] * len(ids),
-                      min_version=0, max_version=0, finish_reason=finish_reason, truncated=finish_reason == "length",
-                      prompt_text=f"p{group_id}", row_json=json.dumps({"answer": "ab"}).encode())
+    return score_fakes.traj(group_id, j, text, finish_reason, answer='ab')
 
 
 def test_the_scorer_fills_the_weighted_reward_and_its_components_from_what_each_sample_was():

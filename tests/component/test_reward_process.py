@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -18,10 +17,12 @@ import pytest
 
 from asyncrl.build import build_rewards
 from asyncrl.config_schema import RewardConfig
-from asyncrl.messages import Group, Trajectory
+from asyncrl.messages import Trajectory
 from asyncrl.rewards.base import Score
 from asyncrl.rewards.process import ProcessRewards, RewardError, RewardWorkerDied
 from asyncrl.roles.scorer import Scorer
+from tests.component import score_fakes
+from tests.component.score_fakes import FakeBuffer
 
 DATA = Path(__file__).resolve().parents[1] / "unit" / "data"
 MISBEHAVES = "asyncrl_unit_fixtures:reward_misbehaves"
@@ -165,30 +166,8 @@ def test_workers_die_with_the_process_that_started_them():
 # -- the Scorer with reward.isolation = "process", end to end ------------------------------------------
 
 
-class FakeBuffer:
-    def __init__(self, batches: list[list[Trajectory]]) -> None:
-        self.batches = batches
-        self.accepted: list[Group] = []
-        self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
-
-    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder=None) -> list[Trajectory]:
-        if self.batches:
-            return self.batches.pop(0)
-        await asyncio.sleep(0.01)
-        return []
-
-    async def accept_groups(self, groups: list[Group]) -> None:
-        self.accepted.extend(groups)
-
-    async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
-        self.released[reason].extend(group_ids)
-
-
-def traj(group_id: int, j: int, text: str) -> Trajectory:
-    return Trajectory(seq_id=group_id * 2 + j, group_id=group_id, group_size=2, prompt_ids=[1],
-                      response_ids=[ord(c) for c in text], loss_mask=[True] * len(text),
-                      behavior_logprobs=[0.0] * len(text), versions=[0] * len(text), min_version=0, max_version=0,
-                      finish_reason="stop", prompt_text=f"p{group_id}", row_json=json.dumps({"answer": "a"}).encode())
+def traj(group_id: int, j: int, text: str, finish_reason: str = "stop") -> Trajectory:
+    return score_fakes.traj(group_id, j, text, finish_reason, answer='a')
 
 
 def test_scorer_with_process_isolation_scores_batches_and_a_dying_or_hung_reward_fails_only_its_group():
