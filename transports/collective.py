@@ -69,7 +69,13 @@ if TYPE_CHECKING:  # the C++ base of ProcessGroupGloo/NCCL (not torch.distribute
 logger = logging.getLogger(__name__)
 
 SOURCE_RANK = 0  # the Trainer
-ANNOUNCE_POLL = timedelta(seconds=1.0)  # an armed receiver re-checks this often whether its group was closed
+# A receiver polls the store for the announcement with `check` (a query that never times out), sleeping
+# ANNOUNCE_POLL_MIN_S, doubling up to ANNOUNCE_POLL_MAX_S, between checks: the wait notices a closed group
+# at once, adds at most ANNOUNCE_POLL_MAX_S to a sync, and logs nothing. A `wait` with a short timeout would
+# do the same, but libtorch logs two "[c10d] waitForInput ... timed out" warnings for every timeout: with
+# train steps of seconds (a real model), an armed receiver's console would fill with them.
+ANNOUNCE_POLL_MIN_S = 0.0005
+ANNOUNCE_POLL_MAX_S = 0.01
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -290,6 +296,7 @@ class WeightSyncGroup:
         if self._announce is None:
             return
         deadline = None if armed else time.monotonic() + self.timeout_s
+        sleep_s = ANNOUNCE_POLL_MIN_S
         while True:
             if self._pg is None:
                 raise RuntimeError("weight-sync group is closed")
@@ -297,15 +304,14 @@ class WeightSyncGroup:
                 self._broken = f"header failed on rank {self.rank}"  # this member counted a broadcast that never came
                 raise TimeoutError(f"weight sync: header not completed within {self.timeout_s}s on rank "
                                    f"{self.rank} (the source never announced its broadcast)")
-            poll = ANNOUNCE_POLL if deadline is None else min(ANNOUNCE_POLL, timedelta(seconds=max(
-                0.001, deadline - time.monotonic())))
             try:
-                self._announce.wait([str(n)], poll)
-                return
+                if self._announce.check([str(n)]):
+                    return
             except Exception as exc:
-                if not is_timeout(exc):
-                    self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
-                    raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
+                self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
+                raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, ANNOUNCE_POLL_MAX_S)
 
     def _announce_seen(self, n: int) -> None:
         """Count this receiver past the wait for broadcast n; the last of them deletes the key and its count.
@@ -363,7 +369,7 @@ class WeightSyncGroup:
 
     def close(self) -> None:
         """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
-        pg, self._pg = self._pg, None  # an armed receiver sees this within ANNOUNCE_POLL and raises
+        pg, self._pg = self._pg, None  # an armed receiver sees this within ANNOUNCE_POLL_MAX_S and raises
         close_process_group(pg, f"weight-sync group rank {self.rank}")
         self._store = None
 

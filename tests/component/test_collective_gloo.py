@@ -149,6 +149,30 @@ def test_an_armed_receiver_waits_past_the_group_timeout_and_joins_when_the_sourc
             g.close()
 
 
+def test_an_armed_receiver_waiting_seconds_logs_no_c10d_timeout_warnings(capfd):
+    # a store `wait` that times out makes libtorch log "[c10d] waitForInput ... timed out" twice; a receiver
+    # armed through a train step of seconds (a real model) must not fill the console with them
+    groups = _form_group(2, timeout_s=30.0)
+    try:
+        state = _state(5)
+        meta = plan_buckets(state, 1 << 20)
+        sender, receiver = CollectiveSender(groups[0], meta), CollectiveReceiver(groups[1], meta)
+        capfd.readouterr()
+        with ThreadPoolExecutor(2) as pool:
+            armed = pool.submit(receiver.receive, armed=True)
+            time.sleep(2.5)
+            t0 = time.monotonic()
+            pool.submit(sender.send, state, 1).result(timeout=10)
+            _, version, _ = armed.result(timeout=10)
+            seen_s = time.monotonic() - t0
+        assert version == 1 and seen_s < 1.0
+        err = capfd.readouterr().err
+        assert "waitForInput" not in err and "timed out" not in err, err[-2000:]
+    finally:
+        for g in groups:
+            g.close()
+
+
 @pytest.mark.parametrize("bucket_bytes", [512, 1 << 20])  # several buckets; one bucket
 def test_the_source_releases_the_weights_once_packed_and_sends_what_they_were(bucket_bytes):
     groups = _form_group(2, timeout_s=10.0)
