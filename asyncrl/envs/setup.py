@@ -15,6 +15,7 @@ from asyncrl.envs.base import resolve_env, turn_stops
 from asyncrl.envs.runner import EpisodeLimits, EpisodeRunner
 from asyncrl.envs.transcript import HFCodec, resolve_format
 from asyncrl.messages import SamplingParams
+from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY
 from engines.base import RolloutEngine
 
 
@@ -46,23 +47,36 @@ def episode_runner(
 
 
 class EnvEvaluator:
-    """Mean episode reward of greedy and of sampled episodes over fixed held-out rows."""
+    """Mean episode reward of greedy and of sampled episodes over fixed held-out rows; with `samples`, each
+    episode too (its prompt, and everything after it decoded: model turns and observations), under
+    EVAL_SAMPLES_KEY for rollouts.jsonl."""
 
-    def __init__(self, *, greedy: EpisodeRunner, sampled: EpisodeRunner, rows: list[dict[str, Any]]) -> None:
+    def __init__(self, *, greedy: EpisodeRunner, sampled: EpisodeRunner, rows: list[dict[str, Any]],
+                 samples: bool = False) -> None:
         self.runners = {"greedy": greedy, "sampled": sampled}
         self.rows = rows
+        self.samples = samples
 
-    async def evaluate(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+    async def evaluate(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        samples: list[dict[str, Any]] = []
         for name, runner in self.runners.items():
             episodes = await asyncio.gather(*[runner.run_episode(row) for row in self.rows])
             out[f"eval/{name}_reward"] = sum(ep.reward for ep in episodes) / max(1, len(episodes))
             out[f"eval/{name}_errors"] = float(sum(bool(ep.env_error or ep.error) for ep in episodes))
             out[f"eval/{name}_turns"] = sum(ep.transcript.turns for ep in episodes) / max(1, len(episodes))
+            if self.samples:
+                samples += [{"split": "eval", "mode": name, "prompt": ep.prompt_text,
+                             "completion": runner.codec.decode(ep.transcript.response_ids), "reward": ep.reward,
+                             "components": {}, "finish_reason": ep.finish_reason, "turns": ep.transcript.turns,
+                             "completion_tokens": len(ep.transcript.response_ids)} for ep in episodes]
         out["eval/prompts"] = float(len(self.rows))
+        if self.samples:
+            out[EVAL_SAMPLES_KEY] = samples
         return out
 
 
 def env_evaluator(cfg: Config, engine: RolloutEngine, tokenizer: Any, rows: list[dict[str, Any]]) -> EnvEvaluator:
     return EnvEvaluator(greedy=episode_runner(cfg, engine, tokenizer, temperature=0.0),
-                        sampled=episode_runner(cfg, engine, tokenizer), rows=rows)
+                        sampled=episode_runner(cfg, engine, tokenizer), rows=rows,
+                        samples=cfg.logging.rollouts_every > 0)

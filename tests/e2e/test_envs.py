@@ -4,6 +4,7 @@ built-in and a user environment (by import path, one of them faulty) train in-pr
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import textwrap
 import threading
@@ -160,6 +161,11 @@ def test_guess_env_trains_in_process_and_reports_env_metrics(env_model_dir, tmp_
     assert sum(r["env/episodes"] for r in train) <= train[-1]["env/episodes_total"]
     assert all(r["env/errors"] == 0 and 1 <= r["env/turns_mean"] <= 3 for r in train if r["env/episodes"])
     assert "eval/greedy_reward" in train[-1] and "eval/greedy_turns" in train[-1]
+    samples = [json.loads(line) for line in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_text().splitlines()]
+    evals = [x for x in samples if x["split"] == "eval" and x["step"] == 3]  # the held-out episodes, whole
+    assert {x["mode"] for x in evals} == {"greedy", "sampled"} and all(1 <= x["turns"] <= 3 for x in evals)
+    greedy = [x["reward"] for x in evals if x["mode"] == "greedy"]
+    assert sum(greedy) / len(greedy) == pytest.approx(train[-1]["eval/greedy_reward"])
     for key in sorted(documented_metric_keys("Environments")):  # docs/metrics.md, "Environments"
         assert all(key in r for r in train), key
 
