@@ -540,15 +540,10 @@ class LoggingConfig(Section):
            "'asyncrl[loggers]')"),
     ] = False
     wandb_project: Annotated[str, _d("W&B project name of the offline run", min_length=1)] = "asyncrl"
-    rollouts_every: Annotated[
-        int,
-        _d("every N train steps, write the step's trained samples (prompt, completion, reward and its components, "
-           "versions, finish reason) to <run_dir>/rollouts.jsonl; held-out completions are written at each "
-           "evaluation; 0 = neither", ge=0),
-    ] = 10
-    rollouts_shown: Annotated[
-        int, _d("of those samples, how many the console shows (and the live view above its panel)", ge=0),
-    ] = 2
+    rollouts_every: Annotated[int, _d("every N train steps, write the step's trained samples (prompt, completion, "
+                                      "reward and its components, versions, finish reason) to <run_dir>/rollouts."
+                                      "jsonl, and at each evaluation its held-out completions; 0 = neither", ge=0)] = 10
+    rollouts_shown: Annotated[int, _d("of those samples, how many the console shows", ge=0)] = 2
 
 
 class EnvConfig(Section):
