@@ -104,15 +104,17 @@ def plan_buckets(named: NamedTensors, bucket_bytes: int) -> WeightsMeta:
     return WeightsMeta(tensors=tensors, buckets=buckets, total_bytes=total)
 
 
-def pack_bucket(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate same-dtype tensors into one contiguous 1-D tensor (a new buffer, on their device)."""
+def pack_bucket(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+    """Concatenate same-dtype tensors into one contiguous 1-D tensor: a new buffer on their device, or `out`
+    (1-D, their dtype and total size) when given."""
     if not tensors:
         raise ValueError("pack_bucket needs at least one tensor")
     dtype = tensors[0].dtype
     for t in tensors:
         if t.dtype != dtype:
             raise ValueError(f"pack_bucket: a bucket mixes dtypes ({dtype} and {t.dtype})")
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    flat = [t.detach().reshape(-1) for t in tensors]
+    return torch.cat(flat) if out is None else torch.cat(flat, out=out)
 
 
 def unpack_bucket(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:

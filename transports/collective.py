@@ -217,6 +217,9 @@ class WeightSyncGroup:
         # a re-formed group (a fresh name, its broadcast count from 0) never sees an older group's keys
         self._announce = dist.PrefixStore(f"asyncrl/{group_name}/announce", store) if store is not None else None
         self._broadcasts = 0  # broadcast_weights calls so far; every member counts the same
+        # the source packs bucket i into one of these and bucket i+1 into the other while i is on the wire; kept
+        # across syncs (2 x the largest bucket): a fresh large buffer per bucket is fresh pages to fault in each time
+        self._pack_buffers: list[Tensor] = []
 
     @property
     def is_source(self) -> bool:
@@ -224,22 +227,35 @@ class WeightSyncGroup:
 
     def _broadcast(self, tensor: Tensor, what: str) -> None:
         """Broadcast `tensor` (uint8 view) from the source; any failure marks the group broken."""
+        self._finish(self._start(tensor, what), what)
+
+    def _start(self, tensor: Tensor, what: str) -> Any:
+        """Post the broadcast of `tensor` (uint8 view) and return its work (None for no bytes); `_finish` waits.
+        The transfer runs on the backend's own thread meanwhile, so the caller can prepare the next bucket."""
         if self._pg is None:
             raise RuntimeError("weight-sync group is closed")
         if self._broken is not None:
             raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
         if tensor.numel() == 0:
+            return None
+        try:
+            return self._pg.broadcast(tensor.view(torch.uint8), SOURCE_RANK, self._timeout)
+        except Exception as exc:
+            raise self._failed(what, exc) from exc
+
+    def _finish(self, work: Any, what: str) -> None:
+        if work is None:
             return
         try:
-            work = self._pg.broadcast(tensor.view(torch.uint8), SOURCE_RANK, self._timeout)
             work.wait(self._timeout)
         except Exception as exc:
-            self._broken = f"{what} failed on rank {self.rank}"
-            if is_timeout(exc):
-                raise TimeoutError(
-                    f"weight sync: {what} not completed within {self.timeout_s}s on rank {self.rank}"
-                ) from exc
-            raise RuntimeError(f"weight sync: {what} failed on rank {self.rank}: {exc}") from exc
+            raise self._failed(what, exc) from exc
+
+    def _failed(self, what: str, exc: BaseException) -> Exception:
+        self._broken = f"{what} failed on rank {self.rank}"
+        if is_timeout(exc):
+            return TimeoutError(f"weight sync: {what} not completed within {self.timeout_s}s on rank {self.rank}")
+        return RuntimeError(f"weight sync: {what} failed on rank {self.rank}: {exc}")
 
     def barrier(self) -> None:
         """A 1-byte broadcast every member must join (used to connect lazy NCCL communicators)."""
@@ -333,18 +349,37 @@ class WeightSyncGroup:
     def _send(self, tensors: Mapping[str, Tensor], meta: WeightsMeta, version: int,
               released: Callable[[], None] | None = None) -> None:
         def pack(index: int) -> Tensor:
-            flat = pack_bucket([tensors[meta.tensors[i].name] for i in meta.buckets[index]]).to(self.device)
+            parts = [tensors[meta.tensors[i].name] for i in meta.buckets[index]]
+            flat = pack_bucket(parts, out=self._pack_buffer(index % 2, parts)).to(self.device)
             if released is not None and index == len(meta.buckets) - 1:
                 released()  # pack_bucket copies (on CUDA the copy is queued before any later kernel)
             return flat
 
         if released is not None and not meta.buckets:
             released()
-        first = pack(0) if meta.buckets else None  # before the header: one bucket is released at once
+        n = len(meta.buckets)
+        flat = pack(0) if n else None  # before the header: one bucket is released at once
         self._broadcast(self._header(version, meta), "header")
-        for index in range(len(meta.buckets)):
-            flat = first if index == 0 and first is not None else pack(index)
-            self._broadcast(flat, f"bucket {index + 1}/{len(meta.buckets)}")
+        for index in range(n):
+            what = f"bucket {index + 1}/{n}"
+            work = self._start(flat, what)  # type: ignore[arg-type]
+            try:  # the next bucket is packed while this one is on the wire
+                following = pack(index + 1) if index + 1 < n else None
+            finally:
+                self._finish(work, what)
+            flat = following
+
+    def _pack_buffer(self, slot: int, parts: list[Tensor]) -> Tensor:
+        """A 1-D view of pack buffer `slot` sized and typed for `parts` (the buffer grows to the largest bucket)."""
+        numel = sum(t.numel() for t in parts)
+        dtype, device = parts[0].dtype, parts[0].device
+        nbytes = numel * parts[0].element_size()
+        while len(self._pack_buffers) <= slot:
+            self._pack_buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        buf = self._pack_buffers[slot]
+        if buf.numel() < nbytes or buf.device != device:
+            buf = self._pack_buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype)
 
     def _receive(self, meta: WeightsMeta) -> tuple[int, dict[str, Tensor]]:
         header = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -360,12 +395,26 @@ class WeightSyncGroup:
                 "trainer's WeightsMeta"
             )
         staged: dict[str, Tensor] = {}
+        flat = self._staging(meta, 0) if n_buckets else None
         for index in range(n_buckets):
-            flat = empty_bucket(meta, index, self.device)
-            self._broadcast(flat, f"bucket {index + 1}/{n_buckets}")
+            what = f"bucket {index + 1}/{n_buckets}"
+            work = self._start(flat, what)  # type: ignore[arg-type]
+            try:  # the next bucket's staging buffer is made while this one arrives
+                following = self._staging(meta, index + 1) if index + 1 < n_buckets else None
+            finally:
+                self._finish(work, what)
             metas = bucket_metas(meta, index)
-            staged.update(zip((m.name for m in metas), unpack_bucket(flat, metas)))
+            staged.update(zip((m.name for m in metas), unpack_bucket(flat, metas)))  # type: ignore[arg-type]
+            flat = following
         return version, staged
+
+    def _staging(self, meta: WeightsMeta, index: int) -> Tensor:
+        """A fresh staging buffer for bucket `index`; on the CPU its pages are touched here (a new large
+        allocation is fresh pages), not inside the broadcast that fills it."""
+        flat = empty_bucket(meta, index, self.device)
+        if flat.device.type == "cpu":
+            flat.zero_()
+        return flat
 
     def close(self) -> None:
         """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
