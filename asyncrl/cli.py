@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import ConfigError, config_to_toml, derived, load_config
+from asyncrl.telemetry.runlog import FORMAT as LOG_FORMAT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,8 +146,7 @@ def _config_errors(err: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
     if args.command == "plot":
         from asyncrl.telemetry.plot import plot_run
 

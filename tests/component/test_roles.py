@@ -13,13 +13,14 @@ from typing import Any, Callable, Mapping
 import pytest
 import torch
 
-from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
+from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
 from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
 from engines.base import RolloutEngine
+from tests.component import score_fakes
 
 torch.set_num_threads(1)
 
@@ -28,13 +29,11 @@ def run(coro: Any, timeout: float = 5.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-class FakeBuffer:
+class FakeBuffer(score_fakes.FakeBuffer):
     """The async methods a Generator and a Scorer call on the ReplayBuffer; records every call."""
 
     def __init__(self, batches: list[list[Trajectory]] | None = None, admit_ids: int = 1_000) -> None:
-        self.batches = list(batches or [])
-        self.accepted: list[Group] = []
-        self.released: dict[str, list[int]] = {"filtered": [], "failed": []}
+        super().__init__(list(batches or []))
         self.details: list[str] = []  # why, per release_groups call
         self.admits: list[tuple[int, int]] = []  # (max_groups, version) per call
         self.rollouts: list[Trajectory] = []
@@ -54,17 +53,8 @@ class FakeBuffer:
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         self.rollouts.extend(trajs)
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder=None) -> list[Trajectory]:
-        if self.batches:
-            return self.batches.pop(0)
-        await asyncio.sleep(0.01)
-        return []
-
-    async def accept_groups(self, groups: list[Group]) -> None:
-        self.accepted.extend(groups)
-
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
-        self.released[reason].extend(group_ids)
+        await super().release_groups(group_ids, reason, detail)
         self.details.append(detail)
 
     async def note_held(self, version: int) -> None:
