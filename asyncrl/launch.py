@@ -75,6 +75,7 @@ class RayDeployment:
         in_buffer = cfg.cluster.scorer_placement == "buffer"
         self.scorer_actors = [] if in_buffer else [actor("scorer").remote("scorer", cfg, i, self.buffer_actor)
                                                 for i in range(cfg.reward.num_scorers)]
+        self._replaced: dict[str, str] = {}  # the actor id of every restarted incarnation -> its role
         self._incarnations: dict[str, int] = {}  # role -> how often it was restarted (its holder name at the buffer)
         self._store_address: tuple[str, int] | None = None  # the trainer's rendezvous store, opened once
         self.buffer = RayProxy(self.buffer_actor)
@@ -144,7 +145,8 @@ class RayDeployment:
         roles = {"buffer": self.buffer_actor, "trainer": self.trainer_actor,
                  **{f"generator/{i}": a for i, a in enumerate(self.generator_actors)},
                  **{f"scorer/{i}": a for i, a in enumerate(self.scorer_actors)}}
-        return next((role for role, a in roles.items() if a._actor_id.hex() == actor_id), None)
+        current = next((role for role, a in roles.items() if a._actor_id.hex() == actor_id), None)
+        return current or self._replaced.get(actor_id or "")  # a call still made to the dead incarnation
 
     def holder_of(self, role: str) -> str:
         """The name under which the current actor of `role` ("generator/0") holds groups at the buffer."""
@@ -168,9 +170,10 @@ class RayDeployment:
             log.debug("kill failed: %s", exc)
         role = f"{kind}/{index}"
         self._incarnations[role] = self._incarnations.get(role, 0) + 1
+        self._replaced[actors[index]._actor_id.hex()] = role
         new = self._actor(kind).remote(kind, self.cfg, index, self.buffer_actor, self._incarnations[role])
+        actors[index] = new  # before it is ready: its death while starting names the role (dead_role)
         await asyncio.wait_for(new.ready.remote(), READY_TIMEOUT_S)
-        actors[index] = new
         (self.generators if kind == "generator" else self.scorers)[index].rebind(new)
 
     async def save_checkpoint(self, path: str) -> None:

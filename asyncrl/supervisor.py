@@ -15,6 +15,8 @@ Place in the dataflow: inside the Controller's process, beside the step pipeline
  its own actor died                   trainer, buffer, a vLLM/SGLang   RoleFailed with the resume command and
                                       generator, or restarts off       the newest checkpoint: `run_with_ray`
                                                                        resumes from it (run.max_resumes)
+ dies while it restarts (the new      generator or scorer, restarts     one more death: restarted again
+ incarnation, or a group member)      left
  anything else, or no restarts left   —                                RoleFailed (the run stops)
 ```
 
@@ -94,7 +96,7 @@ class Supervisor:
         self._loops: dict[asyncio.Future, str] = {}  # a role's run() -> its name ("generator/0")
         self._restarting: dict[asyncio.Future, str] = {}  # a restart in progress -> the role it restarts
         self._generators_back: list[int] = []  # restarted generators waiting for the re-formed group
-        self._generators_down = 0  # generators dead and not restarted yet: the last restart re-forms the group
+        self._generators_down: set[int] = set()  # generators dead, not restarted yet: the last one back re-forms
         self._groups = 0  # weight groups re-formed so far
         self.steps: Any = None  # the StepPipeline (its sync_lock and group name), set by `attach`
 
@@ -126,28 +128,52 @@ class Supervisor:
             return  # reported already
         if fut in self._restarting:
             role = self._restarting.pop(fut)
-            if fut.cancelled() or fut.exception() is not None:
-                exc = None if fut.cancelled() else fut.exception()
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is None and not fut.cancelled():
+                return
+            if exc is not None:
+                self.fatal(exc)  # the trainer or the buffer died while the group was re-formed
+            # A generator or scorer that died during a restart (the new incarnation, or a member of the group
+            # being re-formed) is one more death: restarted again while restarts are left.
+            dead = self.d.dead_role(exc) if exc is not None and is_actor_death(exc) else None
+            if dead is None or dead.split("/")[0] not in self.d.restartable:
                 raise RoleFailed(f"restarting {role} failed: {first_line(exc)}") from exc
+            if role.startswith("generator/"):  # its restart ended: down again only if it is `dead`
+                self._generators_down.discard(int(role.split("/")[1]))
+            self._died(dead, exc)
             return
         role = self._loops.pop(fut)
         exc = None if fut.cancelled() else fut.exception()
         if exc is not None:  # a loop whose buffer died reports the buffer's death (Ray wraps it in its error)
             self.fatal(exc)
-        kind, index = role.split("/")
+        kind = role.split("/")[0]
         own_death = exc is not None and is_actor_death(exc) and self.d.dead_role(exc) == role
         if own_death and kind not in self.d.restartable:  # (a vLLM/SGLang generator, or restarts off)
             raise self.death(role, exc) from exc
         if not own_death:
             raise RoleFailed(f"{role} stopped unexpectedly: {first_line(exc)}") from exc
+        assert exc is not None
+        if kind == "generator" and int(role.split("/")[1]) in self._generators_back:
+            return  # the loop of an incarnation restarted meanwhile (a failed re-forming reported its death)
+        self._died(role, exc)
+
+    def _died(self, role: str, exc: BaseException) -> None:
+        """`role`'s actor died: restart it, unless a restart of it is already on its way (its loop and a failed
+        re-forming both report one death), or raise RoleFailed when no restarts are left."""
+        kind, index = role.split("/")[0], int(role.split("/")[1])
+        if role in self._restarting.values() or (kind == "generator" and index in self._generators_down):
+            return
         if self.restarts >= self.max_restarts:
             raise RoleFailed(f"{role} died and cluster.max_restarts = {self.max_restarts} restarts were used: "
                              f"{first_line(exc)}") from exc
         self.restarts += 1
-        self._generators_down += kind == "generator"
+        if kind == "generator":
+            self._generators_down.add(index)
+            if index in self._generators_back:  # restarted, then died before the group was re-formed
+                self._generators_back.remove(index)
         log.warning("%s died (%s): restarting it (restart %d of at most %d)", role, first_line(exc),
                     self.restarts, self.max_restarts)
-        self._restarting[asyncio.ensure_future(self._restart(kind, int(index)))] = role
+        self._restarting[asyncio.ensure_future(self._restart(kind, index))] = role
 
     async def _restart(self, kind: str, index: int) -> None:
         role = f"{kind}/{index}"
@@ -160,8 +186,8 @@ class Supervisor:
             self._start(role, self.d.scorers[index])
             return
         self._generators_back.append(index)  # its loop starts once it holds the current weights
-        self._generators_down -= 1
-        if self._generators_down == 0:  # the last one back: every member can join
+        self._generators_down.discard(index)
+        if not self._generators_down:  # the last one back: every member can join
             await self._regroup()
 
     async def _regroup(self) -> None:

@@ -164,6 +164,7 @@ class LoopMonitor:
         self._armed_at = float("-inf")  # when faulthandler was last armed
         self._loop_thread: int | None = None
         self._worst = Heartbeat(stalled_s=0.0)  # the longest stall since the previous heartbeat
+        self._stall, self._stall_where = float("nan"), ""  # the stall noted last (its start) and where it was
         self._logged = False  # the current stall was logged
         self._stop = threading.Event()
         self._beating: asyncio.TimerHandle | None = None
@@ -209,9 +210,14 @@ class LoopMonitor:
                           late, self.timeout_s, beat.where, "; ".join(beat.activities))
 
     def _note(self, late: float) -> Heartbeat:
-        """Record a stall of `late` seconds going on now (where the loop is, what the roles began)."""
+        """Record a stall of `late` seconds going on now (where the loop is, what the roles began). A sample
+        taken as the loop leaves the blocking call finds no frame of its own: it keeps the one this stall had."""
+        stall = self._beat_at  # the stall's start: the last beat before it
         beat = Heartbeat(stalled_s=late, where=self._where(), activities=self._activities())
         with self._lock:
+            if not beat.where and stall == self._stall:
+                beat.where = self._stall_where
+            self._stall, self._stall_where = stall, beat.where
             if late > self._worst.stalled_s:
                 self._worst = beat
         return beat

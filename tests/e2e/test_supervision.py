@@ -94,6 +94,40 @@ def test_a_scorer_killed_with_sigkill_is_restarted_and_its_groups_are_released(r
     _check_every_step_trained_distinct_groups(run_dir, cfg.trainer.prompts_per_step)
 
 
+@pytest.mark.timeout(420)
+def test_a_generator_killed_again_while_it_restarts_is_restarted_again(ray_cluster, make_config, tmp_path):
+    # The second kill lands on the new incarnation as it starts (or as the weight group is re-formed around
+    # it): one more death, restarted while cluster.max_restarts allows, not the end of the run.
+    from asyncrl.controller import Controller
+    from asyncrl.launch import RayDeployment
+
+    run_dir = tmp_path / "twice"
+    cfg = make_config(f"trainer.total_steps={STEPS}", "trainer.eval_every=0", "run.save_checkpoint=false",
+                      "cluster.max_restarts=2", "weight_sync.timeout_s=30", "logging.live=false",
+                      f'run.output_dir="{run_dir}"')
+    deployment = RayDeployment(cfg)
+    deployment.wait_ready()
+    controller = Controller(cfg, deployment)
+
+    async def main():
+        task = asyncio.create_task(controller.run())
+        while controller.rows_written < 2:
+            assert not task.done(), f"run ended before the kill: {task.exception()!r}"
+            await asyncio.sleep(0.05)
+        first = deployment.generator_actors[0]
+        os.kill(await first.pid.remote(), signal.SIGKILL)
+        while deployment.generator_actors[0] is first:  # the restart has created the new incarnation
+            await asyncio.sleep(0.01)
+        os.kill(await deployment.generator_actors[0].pid.remote(), signal.SIGKILL)
+        return await asyncio.wait_for(task, 150)
+
+    rows = asyncio.run(main())
+    train = [r for r in rows if "trainer/samples" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert train[-1]["supervisor/restarts"] == 2
+    _check_every_step_trained_distinct_groups(run_dir, cfg.trainer.prompts_per_step)
+
+
 @pytest.mark.timeout(300)
 def test_a_trainer_killed_with_sigkill_ends_the_run_naming_it_and_the_resume_command(ray_cluster, make_config,
                                                                                      tmp_path):

@@ -143,6 +143,23 @@ def test_a_loop_monitor_sees_a_blocked_loop_and_says_where_it_is_blocked_and_wha
     assert line.startswith("generator 0: generate (env episodes), begun ")
 
 
+def test_a_stall_sampled_as_the_loop_leaves_the_blocking_call_keeps_where_it_was_blocked():
+    # The monitor's thread measures how late the beat is, then reads the loop thread's frames: when the
+    # blocking call returns in between, the longest sample of the stall finds no frame of its own.
+    monitor = LoopMonitor(asyncio.new_event_loop(), {}, timeout_s=1.0)
+    wheres = iter(["my_env.py:9 in step", "", ""])
+    monitor._where = lambda: next(wheres)
+    monitor._beat_at = time.monotonic()  # (heartbeat() finds the loop on time again)
+    monitor._note(0.5)
+    monitor._note(2.8)
+    beat = monitor.heartbeat()
+    assert (beat.stalled_s, beat.where) == (2.8, "my_env.py:9 in step")
+    monitor._beat_at = time.monotonic() + 1e-3  # a later stall that never had a frame does not borrow the earlier one's
+    monitor._note(0.3)
+    assert monitor.heartbeat().where == ""
+    monitor.loop.close()
+
+
 def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_not_answer():
     beat = Heartbeat(stalled_s=31.0, where="my_env.py:9 in step <- asyncrl/envs/runner.py:128 in _play",
                      activities=["generator 0: generate (env episodes), begun 31.0 s before"])
