@@ -41,8 +41,14 @@ class ModelConfig(Section):
     build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],
-        _d("parameter dtype for engine and trainer"),
+        _d("parameter dtype of the trainer's model (with trainer.mixed_precision = 'bf16' its master weights "
+           "are float32 whatever this says) and of the engines unless rollout.dtype is set"),
     ] = "float32"
+    gradient_checkpointing: Annotated[
+        bool,
+        _d("recompute each layer's activations in the backward pass instead of keeping them: less memory for "
+           "long sequences, about a third more compute per train step (trainer, critic)"),
+    ] = False
 
 
 class DataConfig(Section):
@@ -108,6 +114,11 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Annotated[str, _d("rollout engine name: 'torch' (native), 'vllm' or 'sglang'", min_length=1)] = "torch"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _d("parameter dtype of the rollout engines; auto = model.dtype. The weight sync converts the trainer's "
+           "weights to it once, bucket by bucket"),
+    ] = "auto"
     num_generators: Annotated[int, _d("generator actors", ge=1)] = 1
     concurrency: Annotated[int, _d("groups a generator keeps in flight (batched together)", ge=1)] = 16
     group_size: Annotated[int, _d("samples per prompt (GRPO group)", ge=1)] = 8
@@ -194,6 +205,11 @@ class TrainerConfig(Section):
     ] = 3
     eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 disables", ge=0)] = 10
     eval_prompts: Annotated[int, _d("number of held-out prompts per evaluation", ge=1)] = 64
+    mixed_precision: Annotated[
+        Literal["no", "bf16"],
+        _d("bf16: float32 master weights and optimizer state, forward and backward under bfloat16 autocast "
+           "(policy and critic); no: everything in model.dtype"),
+    ] = "no"
 
 
 class BufferConfig(Section):
@@ -207,8 +223,9 @@ class BufferConfig(Section):
 
 class WeightSyncConfig(Section):
     backend: Annotated[
-        Literal["auto", "gloo", "nccl"],
-        _d("collective backend: auto = nccl with CUDA else gloo"),
+        Literal["auto", "gloo", "nccl", "ipc"],
+        _d("how weights reach the generators: gloo (CPU broadcast), nccl (GPU broadcast), ipc (colocated roles "
+           "on one device: shared memory, CUDA IPC on a GPU); auto follows the roles' devices and placement"),
     ] = "auto"
     bucket_mb: Annotated[float, _d("size of one broadcast bucket in MiB", gt=0)] = 64.0
     timeout_s: Annotated[float, _d("timeout of every collective call", gt=0)] = 120.0
@@ -257,6 +274,28 @@ class ClusterConfig(Section):
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
     torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
+    placement: Annotated[
+        Literal["disaggregated", "colocated"],
+        _d("disaggregated: trainer and generators on devices of their own, weights broadcast (gloo or NCCL); "
+           "colocated: trainer and generators share one device, the engines release their KV cache while the "
+           "trainer trains and take the weights without a broadcast (in process: the same tensors; across "
+           "processes on a GPU: CUDA IPC)"),
+    ] = "disaggregated"
+    trainer_gpus: Annotated[
+        float,
+        _d("GPUs the trainer asks Ray for (fractions share one GPU); > 0 puts the trainer (and its critic and "
+           "reference) on CUDA, 0 = CPU", ge=0),
+    ] = 0.0
+    generator_gpus: Annotated[
+        float,
+        _d("GPUs each generator asks Ray for (fractions share one GPU); > 0 puts its engine on CUDA, 0 = CPU",
+           ge=0),
+    ] = 0.0
+    scorer_gpus: Annotated[
+        float,
+        _d("GPUs each scorer actor asks for (a reward model, a reference on the scorer); > 0 = CUDA, 0 = CPU",
+           ge=0),
+    ] = 0.0
     max_restarts: Annotated[
         int,
         _d("Ray runs: a generator or scorer actor that dies is restarted, at most this many times in the run "

@@ -103,7 +103,7 @@ CASES = [
     ("group_size_0", {"rollout.group_size": 0},
      "rollout.group_size: expected an integer >= 1, got 0 — samples per prompt"),
     ("bad_backend_literal", {"weight_sync.backend": "mpi"},
-     "weight_sync.backend: expected one of 'auto', 'gloo', 'nccl', got 'mpi'"),
+     "weight_sync.backend: expected one of 'auto', 'gloo', 'nccl', 'ipc', got 'mpi'"),
     ("literal_or_bool", {"logging.live": "yes"}, "logging.live: expected one of 'auto', true, false, got 'yes'"),
     ("list_element_type", {"trainer.betas": [0.9, "x"]}, "trainer.betas[1]: expected a number, got 'x'"),
     ("betas_out_of_range", {"trainer.betas": [0.9, 1.0]},
