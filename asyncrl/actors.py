@@ -22,6 +22,7 @@ import ray
 from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, pin_cpus, set_torch_threads
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
+from asyncrl.placement import require_device
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
@@ -94,6 +95,7 @@ class RoleActor:
         set_torch_threads(cfg.cluster.torch_threads)
         self.kind = kind
         self.cfg = cfg
+        self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
         self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
@@ -108,6 +110,15 @@ class RoleActor:
 
     def ready(self) -> str:
         return self.kind
+
+    def placement(self) -> dict[str, Any]:
+        """Where this actor runs: its device, the GPU ids Ray gave it, and whether it initialised CUDA (a role
+        with no GPU must not)."""
+        import torch
+
+        return {"device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_initialized": torch.cuda.is_initialized(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def pid(self) -> int:
         """This actor's process id (fault tests kill it with SIGKILL)."""

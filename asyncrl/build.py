@@ -18,6 +18,7 @@ from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config_schema import Config, RewardConfig
 from asyncrl.data import PromptStream
 from asyncrl.messages import SamplingParams
+from asyncrl.placement import role_device
 from asyncrl.prompts import PromptEncoder, prompt_rows
 from asyncrl.rewards.base import Rewards
 from asyncrl.rewards.setup import rewards_from_config
@@ -95,12 +96,25 @@ def build_buffer(cfg: Config) -> ReplayBuffer:
                      report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)
 
 
-def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
+def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model: torch.nn.Module | None = None,
+                    ) -> Generator:
+    """A generator and its engine. `shared_model`: the trainer's module, for a torch engine that wraps it
+    without a copy (in process with cluster.placement = "colocated": asyncrl/local.py)."""
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
     tok, decode = tokenizer_fns(cfg.model.path)
-    engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
-                           max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
-                           kv_on_update=cfg.rollout.kv_on_update)
+    if shared_model is not None:
+        from engines.hf import eos_token_ids
+        from engines.torch_engine import TorchEngine
+
+        engine = TorchEngine.from_model(shared_model, eos_token_ids=eos_token_ids(shared_model),
+                                        max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
+                                        kv_on_update=cfg.rollout.kv_on_update)
+    else:
+        # the torch engine on the generator's device (cluster.generator_gpus); vLLM / SGLang place their workers
+        where = {"device": role_device(cfg, "generator")} if cfg.rollout.engine == "torch" else {}
+        engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
+                               max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
+                               kv_on_update=cfg.rollout.kv_on_update, **where)
     # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it:
     # the same rows, screened by data.overlong the same way)
     encoder = PromptEncoder(tok, cfg.data)
@@ -119,28 +133,32 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any) -> Generator:
     return generator
 
 
-def build_rewards(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards:
+def build_rewards(cfg: RewardConfig, *, with_cost: bool = True, device: str = "cpu") -> Rewards:
     """The reward (and, `with_cost`, Safe-RLHF cost) as a role calls it: its weighted functions on threads of
-    this process or in worker processes (`reward.isolation`), and the reward model (asyncrl/rewards/setup.py)."""
-    return rewards_from_config(cfg, with_cost=with_cost)
+    this process or in worker processes (`reward.isolation`), and the reward model on `device`
+    (asyncrl/rewards/setup.py)."""
+    return rewards_from_config(cfg, with_cost=with_cost, device=device)
 
 
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
     _, decode = tokenizer_fns(cfg.model.path)
     reference = None
+    device = role_device(cfg, "scorer") if cfg.cluster.scorer_placement == "actor" else "cpu"
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
-        reference = build_reference(cfg)
-    return Scorer(scorer_id=scorer_id, buffer=buffer, rewards=build_rewards(cfg.reward), decode=decode,
+        reference = build_reference(cfg, device)
+    return Scorer(scorer_id=scorer_id, buffer=buffer, rewards=build_rewards(cfg.reward, device=device),
+                  decode=decode,
                   reference=reference,
                   filter_zero_variance=cfg.algorithm.filter_zero_variance or cfg.algorithm.dynamic_sampling)
 
 
-def build_reference(cfg: Config) -> ReferencePolicy:
-    """The frozen reference policy of the KL term ([reference] path, default model.path)."""
+def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
+    """The frozen reference policy of the KL term ([reference] path, default model.path), on `device` (the
+    hosting role's: the trainer's, or the scorer's with reference.where = "scorer")."""
     tok = load_tokenizer(cfg.model.path)
     return ReferencePolicy.load(cfg.reference.path or cfg.model.path, dtype=cfg.model.dtype,
                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-                                micro_batch_size=cfg.trainer.micro_batch_size)
+                                micro_batch_size=cfg.trainer.micro_batch_size, device=device)
 
 
 def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
@@ -148,22 +166,24 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
     reference (KL in the trainer), Lagrange multiplier (Safe-RLHF)."""
     a = cfg.algorithm
     critic = reference = lagrange = None
+    device = role_device(cfg, "trainer")  # the critic and the reference follow the trainer
     if advantage_needs(a.advantage).critic:
         critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype), cfg.critic,
-                        pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size)
+                        pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device)
     if a.kl_mode != "off" and cfg.reference.where == "trainer":
-        reference = build_reference(cfg)
+        reference = build_reference(cfg, device)
     if a.safe_rlhf:
         r = cfg.reward
         lagrange = LagrangeMultiplier(r.lagrange_init, r.lagrange_lr, r.cost_threshold,
                                       r.lagrange_max if r.lagrange_max > 0 else None)
     return Learner(model, algorithm=a, trainer=cfg.trainer, pad_token_id=pad_id,
-                   max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange)
+                   max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange,
+                   device=device)
 
 
 def build_trainer(cfg: Config, buffer: Any) -> Trainer:
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype)
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=role_device(cfg, "trainer"))
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     learner = build_learner(cfg, model, pad_id)
@@ -183,7 +203,8 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
             evaluator = env_evaluator(cfg, engine, tok, rows)
         else:
             evaluator = Evaluator(engine=engine, rows=rows, encode=encoder.encode, decode=decode,
-                                  rewards=build_rewards(cfg.reward, with_cost=False),
+                                  rewards=build_rewards(cfg.reward, with_cost=False,
+                                                        device=role_device(cfg, "trainer")),
                                   max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
                                   samples=cfg.logging.rollouts_every > 0)

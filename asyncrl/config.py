@@ -44,11 +44,13 @@ ALGORITHM_FALLBACK = {"advantage": ["grpo"], "policy_loss": ["ppo_clip"], "loss_
 
 
 class ActorPlan(msgspec.Struct, frozen=True, kw_only=True):
-    """How many actors of one role to start and the logical CPUs each asks Ray for."""
+    """How many actors of one role to start, the logical CPUs and GPUs each asks Ray for, and its device."""
 
     role: str
     count: int
     cpus: float  # per actor
+    gpus: float = 0.0  # per actor (asyncrl/placement.py)
+    device: str = "cpu"
 
     @property
     def total_cpus(self) -> float:
@@ -124,14 +126,19 @@ def config_to_toml(cfg: Config) -> str:
 
 def plan_resources(cfg: Config) -> list[ActorPlan]:
     """The actors a run starts, with the logical CPUs each asks for (cluster.*_cpus)."""
+    from asyncrl.placement import role_device, role_gpus
+
     c = cfg.cluster
+
+    def plan(role: str, count: int, cpus: float) -> ActorPlan:
+        return ActorPlan(role=role, count=count, cpus=cpus, gpus=role_gpus(cfg, role), device=role_device(cfg, role))
+
     return [
-        ActorPlan(role="generator", count=cfg.rollout.num_generators, cpus=c.generator_cpus),
+        plan("generator", cfg.rollout.num_generators, c.generator_cpus),
         # scorer_placement = "buffer": the scorers live in the buffer actor's process and ask for nothing
-        ActorPlan(role="scorer", count=cfg.reward.num_scorers if c.scorer_placement == "actor" else 0,
-                  cpus=c.scorer_cpus),
-        ActorPlan(role="trainer", count=1, cpus=c.trainer_cpus),
-        ActorPlan(role="buffer", count=1, cpus=c.buffer_cpus),
+        plan("scorer", cfg.reward.num_scorers if c.scorer_placement == "actor" else 0, c.scorer_cpus),
+        plan("trainer", 1, c.trainer_cpus),
+        plan("buffer", 1, c.buffer_cpus),
     ]
 
 
@@ -140,10 +147,9 @@ def derived(cfg: Config) -> dict[str, object]:
     sps = cfg.samples_per_step
     mini = sps // cfg.trainer.mini_batches
     in_flight = (cfg.staleness.max_staleness + 1) * cfg.trainer.prompts_per_step
+    from asyncrl.placement import weight_backend
+
     plans = plan_resources(cfg)
-    backend = cfg.weight_sync.backend
-    if backend == "auto":
-        backend = "nccl" if cuda_available() else "gloo"
     return {
         "samples_per_step": sps,
         "optimizer_steps_per_train_step": cfg.trainer.epochs * cfg.trainer.mini_batches,
@@ -153,10 +159,13 @@ def derived(cfg: Config) -> dict[str, object]:
         "max_samples_in_flight": in_flight * cfg.rollout.group_size,
         "rollout_queue_capacity_samples": cfg.buffer.rollout_capacity,
         "train_store_capacity_groups": cfg.buffer.train_capacity,
-        "actors": [{"role": p.role, "count": p.count, "cpus_each": p.cpus} for p in plans],
+        "actors": [{"role": p.role, "count": p.count, "cpus_each": p.cpus, "gpus_each": p.gpus, "device": p.device}
+                   for p in plans],
         "cpus_requested": sum(p.total_cpus for p in plans),
         "cpus_available": cfg.cluster.num_cpus if not cfg.cluster.address else None,
-        "weight_sync_backend": backend,
+        "gpus_requested": sum(p.count * p.gpus for p in plans),
+        "placement": cfg.cluster.placement,
+        "weight_sync_backend": weight_backend(cfg),
     }
 
 
@@ -167,6 +176,13 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def gpu_count() -> int:
+    """How many GPUs torch sees here."""
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 # -- cross-field checks ---------------------------------------------------------------------------------
@@ -354,6 +370,17 @@ def _check_backend(cfg: Config) -> list[str]:
     return []
 
 
+def _check_devices(cfg: Config) -> list[str]:
+    """cluster.placement and *_gpus against the weight backend and this machine (asyncrl/placement.py)."""
+    from asyncrl.placement import check_placement, uses_gpus
+
+    cuda = cuda_available() if uses_gpus(cfg) or cfg.weight_sync.backend == "nccl" else False
+    errors = check_placement(cfg, cuda=cuda, gpus_here=gpu_count() if cuda else 0)
+    if cfg.weight_sync.backend == "nccl" and not cuda:  # _check_backend says it
+        errors = [e for e in errors if not e.startswith("weight_sync.backend = 'nccl' broadcasts between GPUs")]
+    return errors
+
+
 def _check_top_k(cfg: Config) -> list[str]:
     if cfg.rollout.top_k == 0:
         return ["rollout.top_k: 0 is not a valid top-k — use -1 (off, right for training) or a value >= 1"]
@@ -450,6 +477,7 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("buffer", "trainer.prompts_per_step", "rollout.group_size"), _check_buffers),
     (("model",), _check_model),
     (("weight_sync.backend",), _check_backend),
+    (("cluster", "weight_sync.backend", "rollout.engine", "rollout.num_generators"), _check_devices),
     (("rollout.top_k",), _check_top_k),
     (("rollout.top_p", "rollout.top_k"), _check_sampling),
     (("trainer.betas",), _check_betas),

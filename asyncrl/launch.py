@@ -21,11 +21,11 @@ from asyncrl.build import pin_cpus
 from asyncrl.config import plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
 from asyncrl.watchdog import Heartbeat, Probe
 from engines.hf import ensure_model
-from transports.collective import resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def start_ray(cfg: Config) -> bool:
     pin_cpus(cfg.cluster.affinity.controller, "controller")
     ray.init(
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
-        num_gpus=0 if resolve_backend(cfg.weight_sync.backend) == "gloo" else None,
+        num_gpus=None if uses_gpus(cfg) else 0,  # GPUs are for the roles that ask (asyncrl/placement.py)
         include_dashboard=cfg.cluster.dashboard,
         dashboard_host="127.0.0.1",
         object_store_memory=cfg.cluster.object_store_mb * 2**20,
@@ -64,8 +64,8 @@ class RayDeployment:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        cpus = {p.role: p.cpus for p in plan_resources(cfg)}
-        self._actor = lambda role: RemoteRoleActor.options(num_cpus=cpus[role], max_concurrency=1000)  # noqa: E731
+        self._plans = {p.role: p for p in plan_resources(cfg)}
+        self._bundle = self._colocation_group()
         actor = self._actor
         self.buffer_actor = actor("buffer").remote("buffer", cfg)
         self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
@@ -84,6 +84,34 @@ class RayDeployment:
         self.scorers = ([RayProxy(self.buffer_actor, "scorer", i) for i in range(cfg.reward.num_scorers)] if in_buffer
                         else [RayProxy(a) for a in self.scorer_actors])
 
+    def _colocation_group(self) -> Any:
+        """placement = "colocated": one placement-group bundle (one node; the GPU they share) that the trainer
+        and every generator are scheduled into; None otherwise."""
+        bundle = colocated_bundle(self.cfg)
+        if self.cfg.cluster.placement != "colocated" or not bundle:
+            return None
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([bundle], strategy="STRICT_PACK")
+        ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(group)
+            raise RuntimeError(f"cluster.placement = 'colocated': the cluster has no node with {bundle} free for the "
+                               f"trainer and the generators together (waited {READY_TIMEOUT_S:.0f} s)")
+        return group
+
+    def _actor(self, role: str) -> Any:
+        """The actor class of `role` with its resources (cluster.*_cpus, cluster.*_gpus), in the colocation
+        bundle when the role shares it (a restarted generator goes back into it)."""
+        plan = self._plans[role]
+        options: dict[str, Any] = {"num_cpus": plan.cpus, "num_gpus": plan.gpus, "max_concurrency": 1000}
+        if self._bundle is not None and role in ("trainer", "generator"):
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._bundle, placement_group_bundle_index=0)
+        return RemoteRoleActor.options(**options)
+
     @property
     def actors(self) -> list[Any]:
         return [self.buffer_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
@@ -100,7 +128,7 @@ class RayDeployment:
         """Form the weight-sync group (trainer rank 0, generators 1..N). Re-formed after a generator died
         (`group_name` fresh, on the store the trainer opened first): every member leaves its old group first."""
         world = 1 + len(self.generator_actors)
-        backend = resolve_backend(self.cfg.weight_sync.backend)
+        backend = weight_backend(self.cfg)
         meta = await self.trainer_actor.weights_meta.remote()
         if self._store_address is None:
             self._store_address = await self.trainer_actor.open_weight_store.remote(world)
@@ -185,6 +213,11 @@ class RayDeployment:
                 ray.kill(a)
             except Exception as exc:  # already dead
                 log.debug("kill failed: %s", exc)
+        if self._bundle is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._bundle)
+            self._bundle = None
 
 
 def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = False,

@@ -37,6 +37,19 @@ class AsyncFacade:
         return call
 
 
+def shares_trainer_model(cfg: Config) -> bool:
+    """In process, cluster.placement = "colocated" with the torch engine on the trainer's device and dtype: the
+    generators' engines wrap the trainer's module. They generate only between train steps (colocated roles
+    take turns: asyncrl/pipeline.py), so what they read is always one whole policy version."""
+    from asyncrl.placement import role_device
+
+    c = cfg.cluster
+    trainer_dtype = "float32" if cfg.trainer.mixed_precision == "bf16" else cfg.model.dtype  # its master weights
+    engine_dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return (c.placement == "colocated" and cfg.rollout.engine == "torch" and engine_dtype == trainer_dtype
+            and role_device(cfg, "generator") == role_device(cfg, "trainer"))
+
+
 class LocalDeployment:
     restartable: tuple[str, ...] = ()  # in process, a role cannot die without the run: nothing to supervise
 
@@ -45,7 +58,12 @@ class LocalDeployment:
         self.cfg = cfg
         self.buffer_obj = build_buffer(cfg)
         self.trainer_obj = build_trainer(cfg, self.buffer_obj)
-        self.generator_objs = [build_generator(cfg, i, self.buffer_obj) for i in range(cfg.rollout.num_generators)]
+        # colocated in one process: the engines wrap the trainer's own module (no copy; a sync only names the
+        # version), when they would hold the same tensors anyway (one device, one dtype)
+        shared = self.trainer_obj.learner.model if shares_trainer_model(cfg) else None
+        self.generator_objs = [build_generator(cfg, i, self.buffer_obj, shared_model=shared)
+                               for i in range(cfg.rollout.num_generators)]
+        self.shared_weights = shared is not None
         self.scorer_objs = [build_scorer(cfg, i, self.buffer_obj) for i in range(cfg.reward.num_scorers)]
         self.buffer = AsyncFacade(self.buffer_obj)
         self.trainer = AsyncFacade(self.trainer_obj)
@@ -67,7 +85,7 @@ class LocalDeployment:
         raise NotImplementedError("in-process runs are not supervised")
 
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
-        self.channel = LocalWeightChannel()
+        self.channel = LocalWeightChannel(shared=self.shared_weights)
         self.trainer_obj.sender = self.channel
         for g in self.generator_objs:
             g.receiver = self.channel.receiver()

@@ -22,11 +22,14 @@ class LocalWeightChannel:
 
     `send` stores detached clones (the trainer may keep updating its parameters in place);
     `receive` returns fresh clones (the caller may hand them to an engine that keeps them).
+    `shared`: the receivers' engines wrap the sender's own module (colocated in one process), so a send
+    copies nothing and a receive returns no tensors, only the version (the engine re-reads its module).
     `receive` waits up to `timeout_s` (armed: until `close()`) for a version newer than the caller's.
     """
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, *, shared: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.shared = shared  # the receivers' engines wrap the sender's module: a send names the version only
         self._cond = threading.Condition()
         self._tensors: dict[str, Tensor] | None = None
         self._version = -1
@@ -41,7 +44,7 @@ class LocalWeightChannel:
     def send(self, tensors: Mapping[str, Tensor], version: int, *,
              released: Callable[[], None] | None = None) -> dict[str, float]:
         start = time.perf_counter()
-        copies = {name: t.detach().clone() for name, t in tensors.items()}
+        copies = {} if self.shared else {name: t.detach().clone() for name, t in tensors.items()}
         if released is not None:
             released()  # the copies are the channel's own
         nbytes = sum(t.numel() * t.element_size() for t in copies.values())

@@ -55,7 +55,7 @@ class RewardModel:
 
     def __init__(self, path: str, *, name: str = "reward_model", weight: float = 1.0, batch_size: int = 8,
                  max_len: int = 1024, transform: str = "none", chat_template: bool = False,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", device: str = "cpu") -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -82,7 +82,7 @@ class RewardModel:
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"reward.model_chat_template: the tokenizer in {path!r} has no chat template — "
                              f"set reward.model_chat_template = false (prompt and completion are concatenated)")
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)  # the hosting role's (cluster.scorer_gpus, or the trainer's)
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=torch_dtype(dtype), local_files_only=True).to(self.device).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling finds each text's last token

@@ -75,9 +75,10 @@ def check_rewards(cfg: RewardConfig) -> list[str]:
     return errors
 
 
-def rewards_from_config(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards:
+def rewards_from_config(cfg: RewardConfig, *, with_cost: bool = True, device: str = "cpu") -> Rewards:
     """The reward (and, `with_cost`, Safe-RLHF cost) as a role calls it: functions on threads of this process,
-    or in worker processes that resolve them themselves (`reward.isolation`); the reward model in this process."""
+    or in worker processes that resolve them themselves (`reward.isolation`); the reward model in this process,
+    on `device` (the hosting role's)."""
     specs = function_specs(cfg)
     cost_fn = cfg.cost_fn if with_cost else ""
     extra: list[Component] = []
@@ -86,7 +87,7 @@ def rewards_from_config(cfg: RewardConfig, *, with_cost: bool = True) -> Rewards
 
         extra.append(RewardModel(cfg.model, name=MODEL_NAME, weight=cfg.model_weight, batch_size=cfg.model_batch_size,
                                  max_len=cfg.model_max_len, transform=cfg.model_transform,
-                                 chat_template=cfg.model_chat_template, dtype=cfg.model_dtype))
+                                 chat_template=cfg.model_chat_template, dtype=cfg.model_dtype, device=device))
     if cfg.isolation == "process" and (specs or cost_fn):
         from asyncrl.rewards.process import ProcessRewards
 

@@ -222,7 +222,10 @@ def test_eval_every_beyond_total_steps_is_allowed():
 
 def test_nccl_is_accepted_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(config_mod, "cuda_available", lambda: True)
-    assert load_config(write_config({"weight_sync.backend": "nccl"})).weight_sync.backend == "nccl"
+    monkeypatch.setattr(config_mod, "gpu_count", lambda: 2)
+    cfg = load_config(write_config({"weight_sync.backend": "nccl", "cluster.trainer_gpus": 1,
+                                    "cluster.generator_gpus": 1}))
+    assert cfg.weight_sync.backend == "nccl"
 
 
 def test_existing_model_folder_needs_config_json_without_build_tiny(workdir):
