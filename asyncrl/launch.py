@@ -18,7 +18,7 @@ import ray
 from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard
 from asyncrl.build import pin_cpus
-from asyncrl.config import plan_resources
+from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
 from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
@@ -59,13 +59,42 @@ def stop_ray() -> None:
     ray.shutdown()
 
 
+def colocation_group(cfg: Config) -> Any:
+    """placement = "colocated": a placement group of one bundle (one node, the GPU they share) that the trainer
+    and every generator are scheduled into; None otherwise (or when they ask for no resources at all)."""
+    bundle = colocated_bundle(cfg)
+    if cfg.cluster.placement != "colocated" or not bundle:
+        return None
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([bundle], strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"cluster.placement = 'colocated': the cluster has no node with {bundle} free for the "
+                           f"trainer and the generators together (waited {READY_TIMEOUT_S:.0f} s)")
+    return group
+
+
+def actor_options(plan: ActorPlan, bundle: Any = None) -> dict[str, Any]:
+    """Ray options of one actor of `plan.role`: its CPUs and GPUs (cluster.*_cpus, cluster.*_gpus; Ray sets
+    CUDA_VISIBLE_DEVICES to the GPUs it assigns), and for the trainer and generators the colocation bundle."""
+    options: dict[str, Any] = {"num_cpus": plan.cpus, "num_gpus": plan.gpus, "max_concurrency": 1000}
+    if bundle is not None and plan.role in ("trainer", "generator"):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=bundle,
+                                                                          placement_group_bundle_index=0)
+    return options
+
+
 class RayDeployment:
     """The roles as Ray actors; attributes are RayProxy objects the Controller awaits."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self._plans = {p.role: p for p in plan_resources(cfg)}
-        self._bundle = self._colocation_group()
+        self._bundle = colocation_group(cfg)
         actor = self._actor
         self.buffer_actor = actor("buffer").remote("buffer", cfg)
         self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
@@ -84,33 +113,10 @@ class RayDeployment:
         self.scorers = ([RayProxy(self.buffer_actor, "scorer", i) for i in range(cfg.reward.num_scorers)] if in_buffer
                         else [RayProxy(a) for a in self.scorer_actors])
 
-    def _colocation_group(self) -> Any:
-        """placement = "colocated": one placement-group bundle (one node; the GPU they share) that the trainer
-        and every generator are scheduled into; None otherwise."""
-        bundle = colocated_bundle(self.cfg)
-        if self.cfg.cluster.placement != "colocated" or not bundle:
-            return None
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        group = placement_group([bundle], strategy="STRICT_PACK")
-        ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(group)
-            raise RuntimeError(f"cluster.placement = 'colocated': the cluster has no node with {bundle} free for the "
-                               f"trainer and the generators together (waited {READY_TIMEOUT_S:.0f} s)")
-        return group
-
     def _actor(self, role: str) -> Any:
-        """The actor class of `role` with its resources (cluster.*_cpus, cluster.*_gpus), in the colocation
-        bundle when the role shares it (a restarted generator goes back into it)."""
-        plan = self._plans[role]
-        options: dict[str, Any] = {"num_cpus": plan.cpus, "num_gpus": plan.gpus, "max_concurrency": 1000}
-        if self._bundle is not None and role in ("trainer", "generator"):
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self._bundle, placement_group_bundle_index=0)
-        return RemoteRoleActor.options(**options)
+        """The actor class of `role` with its resources, in the colocation bundle when the role shares it (a
+        restarted generator goes back into it)."""
+        return RemoteRoleActor.options(**actor_options(self._plans[role], self._bundle))
 
     @property
     def actors(self) -> list[Any]:
@@ -121,7 +127,8 @@ class RayDeployment:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             raise RuntimeError(f"{len(pending)} of {len(refs)} actors were not placed or did not start within "
-                               f"{timeout_s:.0f}s; check cluster.*_cpus against the cluster's resources")
+                               f"{timeout_s:.0f}s; check cluster.*_cpus and cluster.*_gpus against the cluster's "
+                               f"resources")
         ray.get(ready)  # surfaces a constructor error (e.g. a model folder that does not load)
 
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
