@@ -7,6 +7,7 @@ Place in the dataflow (the runtime hosts one buffer inside one async actor; ever
 | Generator | `admit` → ids, `put_rollouts`                   | gate capacity; room in the rollout queue  |
 | Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
 | Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
+| Controller| `wait_step` (colocated placement), `publish`    | the same, without taking them             |
 
 Whole groups. The rollout queue's unit is a group: `put_rollouts` takes whole groups only (a generator puts
 a group's trajectories together) and queues each at once, when all of it fits; `get_rollouts` hands out
@@ -295,6 +296,12 @@ class ReplayBuffer:
             self._train_room.notify_all()
             self.tracker.stepped()
         return groups
+
+    async def wait_step(self, step: int, timeout: float | None = None) -> bool:
+        """Wait until step `step`'s groups are all accepted (`take_step` would return at once), taking nothing:
+        with colocated placement the Controller then puts the generators to sleep before the trainer takes
+        them (asyncrl/pipeline.py). False on timeout or close."""
+        return await self.gate.wait_step(step, timeout)
 
     async def note_held(self, version: int) -> None:
         """A generator's swap to `version` landed: its admits waiting at older versions return now."""

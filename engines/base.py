@@ -113,6 +113,11 @@ def can_sleep(engine: str) -> bool:
     return engine in SLEEPING_ENGINES
 
 
+def sleeping_engines() -> list[str]:
+    """The names of the engines that can sleep (what `cluster.placement = "colocated"` accepts)."""
+    return sorted(SLEEPING_ENGINES)
+
+
 def weight_transport(engine: str) -> str:
     """The weight transport the trainer must send with to generators running `engine`."""
     if engine not in WEIGHT_TRANSPORTS:
