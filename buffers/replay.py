@@ -52,6 +52,7 @@ import logging
 import msgspec
 
 from asyncrl.messages import Group, Trajectory
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.gate import AdmissionGate, GateState
 from buffers.progress import Progress, ProgressTracker
@@ -351,6 +352,7 @@ class ReplayBuffer:
         metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
         metrics["buffer/train_depth"] = Last(float(len(self._train)))
         metrics["buffer/rss_mb"] = Max(rss_mb())
+        metrics.update(peak_memory_metrics("buffer", "buffer"))
         if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
             metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)
             metrics["dapo/groups_filtered_total"] = Total(metrics["buffer/filtered"].value)

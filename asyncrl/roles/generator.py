@@ -29,6 +29,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, RolloutEngine, SleepableEngine
@@ -423,7 +424,7 @@ class Generator:
     def stats(self) -> RoleStats:
         """This generator's window, since its previous `stats()` call: tokens sampled, the generation stall
         from weight swaps (the engine's own pause record where it keeps one, else the time `load_weights`
-        took), and its spans."""
+        took), its process's peak memory, and its spans."""
         engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         stall = self._window.take("stall_s", engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total))
         tokens = self._window.take("tokens", self.tokens_generated)
@@ -436,4 +437,5 @@ class Generator:
             "generator/rss_mb": Max(rss_mb()),
             "data/truncated_prompts": Total(truncated),
             "data/filtered_overlong": Max(self.prompts_filtered),  # the same rows in every generator
+            **peak_memory_metrics("generator", f"generator/{self.generator_id}"),
         }, spans=self.recorder.drain())
