@@ -40,6 +40,7 @@ __all__ = ["ActorPlan", "ConfigError", "apply_overrides", "config_from_dict", "c
 log = logging.getLogger(__name__)
 
 ENGINE_FALLBACK = ["torch", "vllm", "sglang"]
+SLEEPING_FALLBACK = ["torch"]  # engines.base.SLEEPING_ENGINES
 ALGORITHM_FALLBACK = {"advantage": ["grpo"], "policy_loss": ["ppo_clip"], "loss_agg": ["token-mean"]}
 
 
@@ -414,6 +415,19 @@ def _check_placement(cfg: Config) -> list[str]:
             f"or raise cluster.num_cpus"]
 
 
+def _check_colocated(cfg: Config) -> list[str]:
+    """Colocated placement puts the generators' engines to sleep around every train step: the engine must be
+    one that can (engines.base.sleeping_engines(), names only: no engine is imported)."""
+    if cfg.cluster.placement != "colocated":
+        return []
+    sleeping = _available("engines.base", "sleeping_engines", SLEEPING_FALLBACK)
+    if cfg.rollout.engine in sleeping:
+        return []
+    return [f"cluster.placement: 'colocated' needs an engine that releases its K/V cache while the trainer trains, "
+            f"which rollout.engine = {cfg.rollout.engine!r} does not do in asyncrl — use rollout.engine = "
+            f"{' or '.join(map(repr, sleeping))}, or cluster.placement = 'disaggregated'"]
+
+
 def _check_env(cfg: Config) -> list[str]:
     """[env]: the class resolves with async reset/step and takes env.kwargs; episodes fit the context."""
     if cfg.env is None:
@@ -483,5 +497,6 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("trainer.betas",), _check_betas),
     (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
     (("cluster.affinity", "cluster.address"), _check_affinity),
+    (("cluster.placement", "rollout.engine"), _check_colocated),
     (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), _check_env),
 ]

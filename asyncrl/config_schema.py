@@ -279,7 +279,8 @@ class ClusterConfig(Section):
         _d("disaggregated: trainer and generators on devices of their own, weights broadcast (gloo or NCCL); "
            "colocated: trainer and generators share one device, the engines release their KV cache while the "
            "trainer trains and take the weights without a broadcast (in process: the same tensors; across "
-           "processes on a GPU: CUDA IPC)"),
+           "processes on a GPU: CUDA IPC) — generation and training then take turns and never overlap in time "
+           "(needs rollout.engine = 'torch')"),
     ] = "disaggregated"
     trainer_gpus: Annotated[
         float,

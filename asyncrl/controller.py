@@ -15,7 +15,9 @@ Each train step runs through the step pipeline (asyncrl/pipeline.py, which shows
 for at once and trains meanwhile (after the evaluation, every `eval_every` steps). Then the roles'
 statistics of step s's window are gathered and one metrics row is written. Generators and scorers run
 their own loops the whole time, so generation of later versions overlaps training up to the staleness
-bound.
+bound. With `cluster.placement = "colocated"` they do not: the generators sleep (their engines release the
+K/V cache) from the moment step s's groups are in until the new weights reach them, evaluation included,
+so generation and training take turns on the shared device (asyncrl/pipeline.py shows the sequence).
 
 A watch (asyncrl/watchdog.py) runs beside the loops: a run whose every group fails, or a role whose event
 loop is blocked, ends with one `RunStalled` line instead of a livelock or a hang.
@@ -121,12 +123,15 @@ class Controller:
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
-        # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py)
+        # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py); colocated:
+        # in series, the generators asleep from before the train step to after the weight sync
+        self.colocated = cfg.cluster.placement == "colocated"
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
                                   drain_after=lambda v: self._save_due(v) or bool(self._stopping),
-                                  recover=self.supervisor.recover if deployment.restartable else None)
+                                  recover=self.supervisor.recover if deployment.restartable else None,
+                                  colocated=self.colocated, tolerated=self.supervisor.tolerated)
         self.supervisor.attach(self.steps)
         self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)  # the newest only (see ROWS_KEPT)
         self.rows_written = 0  # rows in metrics.jsonl (resumed: those up to the checkpoint, then this run's)
@@ -152,14 +157,13 @@ class Controller:
                 await self._guard(asyncio.gather(d.trainer.send_weights(),
                                                  *[g.receive_weights() for g in d.generators]))
             self.ready.set()
+            if self.colocated:  # the first evaluation before any generation: the engines hold no cache yet
+                await self._first_eval(sinks, first_step, t_start)
             self.supervisor.start_loops()
             self.watch.probes = d.probes()
             self._watching = asyncio.ensure_future(self.watch.run())
-            if cfg.trainer.eval_every > 0 and not first_step:
-                first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
-                first.update(await self._guard(d.trainer.evaluate()))
-                self.rollouts.write(0, first.pop(EVAL_SAMPLES_KEY, []))
-                self._keep_row(sinks, first)
+            if not self.colocated:
+                await self._first_eval(sinks, first_step, t_start)
             await self.steps.start()
             t_prev = time.time()
             for step in range(first_step, cfg.trainer.total_steps):
@@ -198,20 +202,36 @@ class Controller:
             finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
                 await d.shutdown()
 
+    async def _first_eval(self, sinks: list[MetricSink], first_step: int, t_start: float) -> None:
+        """The evaluation of version 0 (a fresh run with evaluation on): the first metrics row."""
+        if self.cfg.trainer.eval_every > 0 and not first_step:
+            first = {"step": 0, "version": 0, "time/elapsed_s": time.time() - t_start}
+            first.update(await self._guard(self.d.trainer.evaluate()))
+            self.rollouts.write(0, first.pop(EVAL_SAMPLES_KEY, []))
+            self._keep_row(sinks, first)
+
     async def _one_step(self, step: int, t_start: float, t_prev: float) -> dict[str, Any]:
         """Train step `step` through publish (the step pipeline), then evaluation when due, then the
         window's metrics row. An evaluation reads the trainer's weights, so the next step is asked for
-        after it; otherwise it is asked for at once and trains while the row is gathered."""
+        after it; otherwise it is asked for at once and trains while the row is gathered. Colocated, the
+        evaluation runs inside the step, while the generators still sleep."""
         version = step + 1
         eval_due = self._eval_due(version)
-        metrics, sent = await self.steps.step(step)
+        evaluated: dict[str, Any] = {}
+
+        async def evaluate() -> None:
+            evaluated.update(await self._guard(self.d.trainer.evaluate()))
+
+        metrics, sent = await self.steps.step(step, while_asleep=evaluate if eval_due and self.colocated else None)
         self._write_ledger(version, metrics.pop(LEDGER_KEY, []))
         self.rollouts.write(version, metrics.pop(ROLLOUTS_KEY, []))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
         row.update(metrics)
         row.update(dict(sent))
         if eval_due:
-            row.update(await self._guard(self.d.trainer.evaluate()))
+            if not self.colocated:
+                await evaluate()
+            row.update(evaluated)
             self.rollouts.write(version, row.pop(EVAL_SAMPLES_KEY, []))
         t_end = time.time()
         if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)

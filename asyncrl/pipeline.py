@@ -28,6 +28,23 @@ receiver cannot wait for a send (an engine whose own workers receive: vLLM, SGLa
 once the send has begun. The staleness bound holds as before:
 the gate admitted every prefetched group at the version its generator held.
 
+Colocated placement (`cluster.placement = "colocated"`: trainer and generators share one device) runs each
+step in series, so that generation and training never hold device memory at the same time, and so never
+overlap in time either:
+
+```
+ Controller (StepPipeline)                     Trainer                          Generators
+ ───────────────────────────────────────────── ──────────────────────────────── ──────────────────────────────
+ buffer.wait_step(s): step s's groups accepted                                  generate (awake)
+ sleep() every generator ─────────────────────────────────────────────────────► finish the groups being sampled,
+                                                                                 release the K/V cache
+ train_step(s) (no prefetch, nothing asked     take, update, send ────────────► receive, swap (asleep)
+   ahead), claim the send, every receive
+ (evaluation, when due: while they sleep)
+ wake() every generator ──────────────────────────────────────────────────────► take the cache back, admit
+ buffer.publish(s+1)
+```
+
 The sequence, run with fakes in one process (`log` records what each side did; threads and the event
 loop interleave, so the example checks the order that the pipeline guarantees):
 
@@ -323,12 +340,17 @@ class GeneratorEndpoint(Protocol):
 
     async def can_arm_receive(self) -> bool: ...
     async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]: ...
+    async def sleep(self) -> None: ...  # colocated placement only, like `wake`
+    async def wake(self) -> None: ...
 
 
 class Publisher(Protocol):
     """The gate: a version every generator holds may be admitted at."""
 
     async def publish(self, version: int) -> None: ...
+    async def wait_step(self, step: int, timeout: float | None = None) -> bool:
+        """Colocated placement only: until step `step`'s groups could be taken."""
+        ...
 
 
 async def _plain(aw: Awaitable[T]) -> T:
@@ -336,6 +358,10 @@ async def _plain(aw: Awaitable[T]) -> T:
 
 
 def _never(version: int) -> bool:
+    return False
+
+
+def _intolerable(exc: BaseException) -> bool:
     return False
 
 
@@ -352,12 +378,17 @@ class StepPipeline:
     was not made for. When a step's sync fails, `recover(error)` is awaited (outside the lock): it returns once
     the group is re-formed (a dead generator restarted, every generator holding the current weights) or
     raises; the step then syncs again on the new group, and publishes as usual.
+
+    `colocated`: each step runs in series around the generators' sleep (module docstring): nothing is asked
+    ahead (`ask_next` does nothing), nothing prefetched. A generator whose death `tolerated(exc)` says
+    supervision takes care of is left out of a sleep or wake (its fresh actor holds no cache yet).
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
                  total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain,
                  pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never,
-                 recover: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
+                 recover: Callable[[BaseException], Awaitable[None]] | None = None, colocated: bool = False,
+                 tolerated: Callable[[BaseException], bool] = _intolerable) -> None:
         self.trainer = trainer
         self.generators = list(generators)
         self.buffer = buffer
@@ -369,6 +400,8 @@ class StepPipeline:
         self.pause_after = pause_after
         self.drain_after = drain_after
         self.recover = recover
+        self.colocated = colocated
+        self.tolerated = tolerated
         self.sync_lock = asyncio.Lock()  # a step's weight sync, or the supervisor re-forming the group
         self.group = "weights"  # the weight-sync group's name now (the supervisor renames it when it re-forms)
         self._arm = False  # every generator's receive may wait for the send (set by start())
@@ -383,8 +416,9 @@ class StepPipeline:
 
     def ask_next(self, step: int) -> None:
         """Ask for train step `step` now (it waits in the trainer behind the one before), unless it was
-        asked for already or the run ends before it."""
-        if step < self.total_steps and self._next is None:
+        asked for already or the run ends before it. Colocated: nothing (`step` asks for its own train step once
+        the generators sleep)."""
+        if step < self.total_steps and self._next is None and not self.colocated:
             prefetch = step + 1 < self.total_steps and not self.drain_after(step + 1)
             self._prefetching = {step: prefetch}
             self._next = (step, asyncio.ensure_future(self.trainer.train_step(step, prefetch=prefetch)))
@@ -395,10 +429,14 @@ class StepPipeline:
         written). False when step `version - 1` prefetched (`drain_after` was off when it was asked)."""
         return self._next is None and not self._prefetching.get(version - 1, False)
 
-    async def step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
+    async def step(self, step: int, *, while_asleep: Callable[[], Awaitable[None]] | None = None,
+                   ) -> tuple[dict[str, float], dict[str, float]]:
         """Run train step `step` through publish(step + 1); returns (train metrics, send statistics). Step
         step + 1 is asked for at once, unless the run pauses (or drains) after version step + 1: then the
-        caller calls `ask_next(step + 1)` once it is done with the weights."""
+        caller calls `ask_next(step + 1)` once it is done with the weights. Colocated: the step in series
+        (`_colocated_step`), `while_asleep` awaited after the sync while the generators still sleep."""
+        if self.colocated:
+            return await self._colocated_step(step, while_asleep)
         self.ask_next(step)
         assert self._next is not None and self._next[0] == step, "train steps are run in order"
         (_, train), self._next = self._next, None
@@ -417,6 +455,47 @@ class StepPipeline:
             self._armed = self._receive(armed=True)
         await self.watch(self.buffer.publish(step + 1))
         return metrics, sent
+
+    async def _colocated_step(self, step: int, while_asleep: Callable[[], Awaitable[None]] | None,
+                              ) -> tuple[dict[str, float], dict[str, float]]:
+        """Wait for step `step`'s groups, sleep the generators, train, sync (and `while_asleep`), wake them,
+        publish. The metrics get `colocate/*` (the time to fall asleep, to wake, and asleep in between), and
+        the wait for the groups is the trainer's gate wait."""
+        t0 = time.time()
+        await self.watch(self.buffer.wait_step(step))
+        t1 = time.time()
+        await self._tell_generators("sleep")
+        t2 = time.time()
+        train = asyncio.ensure_future(self.trainer.train_step(step, prefetch=False))
+        receives, self._armed = self._armed, None
+        if receives is None and self._arm:
+            receives = self._receive(armed=True)
+        try:
+            metrics = dict(await self.watch(train))
+            sent, receives = await self._sync(receives)
+        finally:
+            discard(train)  # a failure above: no train step left running unobserved
+            for f in receives[1] if receives else []:
+                discard(f)
+        if while_asleep is not None:
+            await while_asleep()
+        t3 = time.time()
+        await self._tell_generators("wake")
+        t4 = time.time()
+        if step + 1 < self.total_steps and self._arm:
+            self._armed = self._receive(armed=True)
+        await self.watch(self.buffer.publish(step + 1))
+        metrics["trainer/gate_wait_s"] = metrics.get("trainer/gate_wait_s", 0.0) + t1 - t0
+        metrics.update({"colocate/sleep_s": t2 - t1, "colocate/asleep_s": t3 - t2, "colocate/wake_s": t4 - t3})
+        return metrics, sent
+
+    async def _tell_generators(self, method: str) -> None:
+        """Every generator's `sleep` or `wake`, together; the death of one supervision restarts is let pass."""
+        results = await self.watch(asyncio.gather(*[getattr(g, method)() for g in self.generators],
+                                                  return_exceptions=True))
+        for r in results:
+            if isinstance(r, BaseException) and not (isinstance(r, Exception) and self.tolerated(r)):
+                raise r
 
     async def _sync(self, receives: tuple[str, list[asyncio.Future]] | None,
                     ) -> tuple[dict[str, float], tuple[str, list[asyncio.Future]] | None]:

@@ -221,12 +221,7 @@ class AdmissionGate:
         if step != self._steps_taken:
             raise ValueError(f"take_step: expected step {self._steps_taken}, got {step}")
         p = self.prompts_per_step
-
-        def head_ready() -> bool:
-            head = list(islice(self._live.values(), p))
-            return len(head) == p and all(g.accepted for g in head)
-
-        ok, waited = await timed_wait(self._signal, lambda: self._closed or head_ready(), timeout)
+        ok, waited = await timed_wait(self._signal, lambda: self._closed or self._head_ready(), timeout)
         self.trainer_wait_s += waited
         if self._closed or not ok:
             return []
@@ -238,6 +233,22 @@ class AdmissionGate:
         self._consumed += p
         self._steps_taken += 1
         return ids
+
+    async def wait_step(self, step: int, timeout: float | None = None) -> bool:
+        """Wait until `take_step(step)` would return at once, without taking anything (colocated placement: the
+        generators sleep between this and the take). Once true it stays true until the take: the P oldest live
+        groups are accepted, and accepted groups are never released. The wait is the trainer's
+        (`trainer_wait_s`). False on timeout or close."""
+        if step != self._steps_taken:
+            raise ValueError(f"wait_step: expected step {self._steps_taken}, got {step}")
+        ok, waited = await timed_wait(self._signal, lambda: self._closed or self._head_ready(), timeout)
+        self.trainer_wait_s += waited
+        return ok and not self._closed
+
+    def _head_ready(self) -> bool:
+        """The P oldest live groups (admission order) are all accepted."""
+        head = list(islice(self._live.values(), self.prompts_per_step))
+        return len(head) == self.prompts_per_step and all(g.accepted for g in head)
 
     def publish(self, version: int) -> None:
         """The trainer published weights `version`; wakes waiters. Re-publishing a version is a no-op."""

@@ -7,6 +7,7 @@ Place in the dataflow (the runtime hosts one buffer inside one async actor; ever
 | Generator | `admit` → ids, `put_rollouts`                   | gate capacity; room in the rollout queue  |
 | Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
 | Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
+| Controller| `wait_step` (colocated placement), `publish`    | the same, without taking them             |
 
 Whole groups. The rollout queue's unit is a group: `put_rollouts` takes whole groups only (a generator puts
 a group's trajectories together) and queues each at once, when all of it fits; `get_rollouts` hands out
@@ -51,6 +52,7 @@ import logging
 import msgspec
 
 from asyncrl.messages import Group, Trajectory
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.gate import AdmissionGate, GateState
 from buffers.progress import Progress, ProgressTracker
@@ -296,6 +298,12 @@ class ReplayBuffer:
             self.tracker.stepped()
         return groups
 
+    async def wait_step(self, step: int, timeout: float | None = None) -> bool:
+        """Wait until step `step`'s groups are all accepted (`take_step` would return at once), taking nothing:
+        with colocated placement the Controller then puts the generators to sleep before the trainer takes
+        them (asyncrl/pipeline.py). False on timeout or close."""
+        return await self.gate.wait_step(step, timeout)
+
     async def note_held(self, version: int) -> None:
         """A generator's swap to `version` landed: its admits waiting at older versions return now."""
         self.gate.note_held(version)
@@ -344,6 +352,7 @@ class ReplayBuffer:
         metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
         metrics["buffer/train_depth"] = Last(float(len(self._train)))
         metrics["buffer/rss_mb"] = Max(rss_mb())
+        metrics.update(peak_memory_metrics("buffer", "buffer"))
         if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
             metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)
             metrics["dapo/groups_filtered_total"] = Total(metrics["buffer/filtered"].value)

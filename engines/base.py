@@ -59,6 +59,23 @@ class InterruptibleEngine(RolloutEngine, Protocol):
 
 
 @runtime_checkable
+class SleepableEngine(RolloutEngine, Protocol):
+    """An engine that can give its device memory back between generations (optional; check with isinstance,
+    or `can_sleep(name)` before one is built). With `cluster.placement = "colocated"` the Generator puts it to
+    sleep before each train step and wakes it after the weight sync, so that the trainer can use the memory."""
+
+    async def sleep(self) -> None:
+        """Release the K/V cache (and buffers derived from it) and hand the memory back to the device. Only
+        while idle: with a sequence in flight it raises RuntimeError and changes nothing. The weights stay, and
+        `load_weights` still works; `generate` raises until `wake()`."""
+        ...
+
+    async def wake(self) -> None:
+        """Make `generate` work again (the cache is allocated again as requests need it)."""
+        ...
+
+
+@runtime_checkable
 class CollectiveWeightEngine(RolloutEngine, Protocol):
     """An engine whose own worker processes join the trainer's weight-sync group (vLLM, SGLang), so a
     broadcast lands where the model lives instead of in the generator's process (optional; check with
@@ -83,6 +100,22 @@ ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 # The wire format each engine's receiving side speaks, by the name of the trainer's sender in
 # `transports.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
 WEIGHT_TRANSPORTS = {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
+
+
+# The engines that implement `SleepableEngine` (what colocated placement needs), by name, so that the config
+# check imports no engine. vLLM's sleep mode (LLM.sleep / wake_up) is CUDA-only and SGLang's
+# release_memory_occupation needs a GPU: neither is wired here, since neither can be tested on CPU.
+SLEEPING_ENGINES = frozenset({"torch"})
+
+
+def can_sleep(engine: str) -> bool:
+    """Whether the engine registered as `engine` can release its memory while the trainer trains."""
+    return engine in SLEEPING_ENGINES
+
+
+def sleeping_engines() -> list[str]:
+    """The names of the engines that can sleep (what `cluster.placement = "colocated"` accepts)."""
+    return sorted(SLEEPING_ENGINES)
 
 
 def weight_transport(engine: str) -> str:

@@ -3,7 +3,7 @@
 Place in the dataflow: `TorchEngine` picks this backend when `engines.torch_model.unsupported_reason`
 names something the fast `SlotDecoder` does not compute (another architecture, rope scaling, sliding
 windows) or when built with `fast=False`; `engines.scheduler` drives it through the same slot contract
-(capacity / prefill / decode / move / refresh, see engines/torch_model.py). Each slot holds its own
+(capacity / prefill / decode / move / refresh / release, see engines/torch_model.py). Each slot holds its own
 DynamicCache and every decode step runs one HF forward per sequence: correct for any model, slower.
 """
 
@@ -41,6 +41,10 @@ class HFDecoder:
         missing = slots - len(self._caches)
         self._caches += [None] * max(0, missing)
         self._lens += [0] * max(0, missing)
+
+    def release(self) -> None:
+        """Drop every slot's cache (the engine sleeps); `capacity` adds slots again."""
+        self._caches, self._lens = [], []
 
     def refresh(self) -> None:
         """Nothing to do: HF's own forward reads the swapped parameters directly (no derived tables)."""

@@ -10,6 +10,7 @@ until the swap has landed; `interrupt` aborts everything in flight. One thread o
 | commands | take new requests, staged weight swaps and interrupts, all at once under the lock |
 | swap | copy the staged tensors into the module's parameters, bump `version`, then re-prefill or keep the K/V |
 | interrupt | every running and waiting sequence finishes now with `finish_reason="abort"` and its partial tokens |
+| sleep | idle only: the backend releases its K/V cache (and CUDA-graph buffers); submits fail until `wake` |
 | admit | FIFO: whole prompts (all n samples) while slots are free; one batched prefill per `max_prefill_tokens` |
 | decode | one forward over all running sequences (slots 0..B-1), sample, stamp each token with `version` |
 | retire | finished sequences leave; the last running slot moves into the hole so slots stay dense |
@@ -29,6 +30,12 @@ over every swap.
 When the loop goes from idle to busy it waits until no request arrived for `admit_window_s` (at most ten
 windows), so that a burst of concurrent submissions (e.g. `asyncio.gather` over 64 episodes) is
 prefilled together rather than one by one.
+
+Sleep (colocated placement, engines.base.SleepableEngine): `sleep()` is a command like the others, so the
+cache is released on this thread, between two iterations, never under a forward. It succeeds only when nothing
+is running, waiting or submitted; then `asleep` is set under the lock (a later `submit` raises) and the backend
+drops its cache. Swaps still land while asleep (they need no cache). `wake()` only clears `asleep`: the next
+admission allocates the cache again (`backend.capacity`).
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._swaps: list[Swap] = []
         self._interrupts: list[concurrent.futures.Future] = []
+        self._sleeps: list[concurrent.futures.Future] = []
+        self.asleep = False  # the cache is released; set and read under the lock (submit refuses meanwhile)
         self._closing = False
         self._thread: threading.Thread | None = None
         self._waiting: collections.deque[Request] = collections.deque()
@@ -106,7 +115,13 @@ class Scheduler:
 
     # -- thread-safe entry points ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        self._post(lambda: self._inbox.append(req))
+        def add() -> None:
+            if self.asleep:
+                raise RuntimeError("TorchEngine.generate while the engine sleeps (its K/V cache released): "
+                                   "call wake() first")
+            self._inbox.append(req)
+
+        self._post(add)
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -126,6 +141,18 @@ class Scheduler:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._post(lambda: self._interrupts.append(fut))
         return fut
+
+    def sleep(self) -> concurrent.futures.Future:
+        """Release the backend's cache at the next boundary; the future fails (RuntimeError, nothing changed)
+        if a sequence is in flight then."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(lambda: self._sleeps.append(fut))
+        return fut
+
+    def wake(self) -> None:
+        """Accept requests again; the cache is allocated again by the next admission."""
+        with self._cv:
+            self.asleep = False
 
     def staged_swaps(self) -> int:
         """Swaps waiting for the next step boundary."""
@@ -155,7 +182,7 @@ class Scheduler:
         return bool(self._active or self._waiting)
 
     def _has_work(self) -> bool:
-        return bool(self._closing or self._inbox or self._swaps or self._interrupts or self._busy())
+        return bool(self._closing or self._inbox or self._swaps or self._interrupts or self._sleeps or self._busy())
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
@@ -176,11 +203,12 @@ class Scheduler:
                 inbox, self._inbox = self._inbox, []
                 swaps, self._swaps = self._swaps, []
                 interrupts, self._interrupts = self._interrupts, []
+                sleeps, self._sleeps = self._sleeps, []
             try:
-                self._iteration(inbox, swaps, interrupts)
+                self._iteration(inbox, swaps, interrupts, sleeps)
             except Exception as exc:  # contained: every request in flight fails with it, the loop goes on
                 log.exception("torch engine step failed; failing %d sequences", len(self._active))
-                self._fail_all(exc, swaps, interrupts)
+                self._fail_all(exc, swaps, interrupts, sleeps)
         self._fail_all(RuntimeError("TorchEngine closed"), *self._drain_commands())
 
     def _await_quiet_inbox(self) -> None:
@@ -195,15 +223,16 @@ class Scheduler:
             seen = arrived
             time.sleep(self.admit_window_s)
 
-    def _drain_commands(self) -> tuple[list[Swap], list[concurrent.futures.Future]]:
+    def _drain_commands(self) -> tuple[list[Swap], list[concurrent.futures.Future], list[concurrent.futures.Future]]:
         with self._cv:
             self._waiting.extend(self._inbox)
             self._inbox = []
             swaps, self._swaps = self._swaps, []
             interrupts, self._interrupts = self._interrupts, []
-        return swaps, interrupts
+            sleeps, self._sleeps = self._sleeps, []
+        return swaps, interrupts, sleeps
 
-    def _iteration(self, inbox: list[Request], swaps: list[Swap], interrupts: list) -> None:
+    def _iteration(self, inbox: list[Request], swaps: list[Swap], interrupts: list, sleeps: list) -> None:
         was_idle = not self._busy()
         self._waiting.extend(inbox)  # first: should anything below raise, _fail_all fails these requests too
         if inbox and was_idle:
@@ -216,12 +245,35 @@ class Scheduler:
             for fut in interrupts:
                 fut.set_result(aborted)
         self._drop_cancelled()
+        if sleeps:
+            self._sleep(sleeps)
         with torch.inference_mode():
             self._admit()
             if self._active:
                 self._decode_step()
         if self.on_step is not None and self._active:
             self.on_step(self.num_decode_forwards)
+
+    # -- sleep -------------------------------------------------------------------------------------
+    def _sleep(self, futures: list[concurrent.futures.Future]) -> None:
+        """Release the cache if nothing is in flight (checked with the inbox under the lock, so no request
+        slips in between the check and `asleep`); otherwise fail the sleep and go on generating."""
+        with self._cv:
+            in_flight = sum(len(r.prompts) * r.params.n for r in self._inbox)
+            in_flight += len(self._active) + sum((len(r.prompts) - r.admitted) * r.params.n for r in self._waiting)
+            self.asleep = self.asleep or not in_flight
+        if in_flight:
+            error = RuntimeError(f"TorchEngine.sleep: {in_flight} sequences in flight; sleep only while idle "
+                                 f"(the Generator lets its groups finish first)")
+            for fut in futures:
+                fut.set_exception(error)
+            return
+        self.backend.release()
+        self._rows = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the device, for the trainer
+        for fut in futures:
+            fut.set_result(None)
 
     # -- weights -----------------------------------------------------------------------------------
     def _apply_swaps(self, swaps: list[Swap]) -> None:
@@ -402,7 +454,7 @@ class Scheduler:
                 s.finish = "abort"
         self._retire()
 
-    def _fail_all(self, exc: BaseException, swaps: list[Swap], interrupts: list) -> None:
+    def _fail_all(self, exc: BaseException, swaps: list[Swap], interrupts: list, sleeps: list = ()) -> None:
         reqs = {id(s.req): s.req for s in self._active}
         reqs.update((id(r), r) for r in self._waiting)
         self._active.clear()
@@ -417,3 +469,6 @@ class Scheduler:
         for fut in interrupts:
             if not fut.done():
                 fut.set_result(0)
+        for fut in sleeps:
+            if not fut.done():
+                fut.set_exception(exc)

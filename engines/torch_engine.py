@@ -24,6 +24,10 @@ Semantics callers rely on:
 * Stop strings need a detokenizer: pass `detokenize`, or (engines built from a path) the model folder's
   tokenizer is loaded on first use. A sequence stops once its decoded response contains a stop string;
   the tokens up to and including the one that completed it are returned, finish_reason "stop".
+* `sleep()` (colocated placement, only while idle: with a sequence in flight it raises and changes nothing)
+  releases the K/V cache and the CUDA-graph buffers and, on CUDA, empties torch's cache so the trainer can use
+  the memory; `generate` raises until `wake()`, `load_weights` still lands. The cache is allocated again by the
+  first request after `wake()`, so the same seeded request gives the same tokens with or without a sleep.
 * A seeded request gives each sample its own random stream, so its tokens do not depend on what else is
   in the batch; unseeded requests share the engine's stream (seeded by `seed`).
 """
@@ -247,6 +251,23 @@ class TorchEngine:
         if self._closed:
             return 0
         return await asyncio.wrap_future(self.scheduler.interrupt())
+
+    async def sleep(self) -> None:
+        """Release the K/V cache and the CUDA-graph buffers (on CUDA: and hand them back to the device). Only
+        while idle: RuntimeError, nothing changed, if a sequence is in flight. `generate` raises until `wake`."""
+        if self._closed:
+            raise RuntimeError("TorchEngine.sleep called after close()")
+        await asyncio.wrap_future(self.scheduler.sleep())
+
+    async def wake(self) -> None:
+        """Accept requests again; the cache is allocated again, as large as they need, by the first of them."""
+        if self._closed:
+            raise RuntimeError("TorchEngine.wake called after close()")
+        self.scheduler.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self.scheduler.asleep
 
     async def close(self) -> None:
         """Stop the scheduler thread; requests still in flight fail with RuntimeError."""

@@ -10,6 +10,7 @@ drives one backend. Both backends keep one *slot* per running sequence and imple
 | `decode(tokens)` | one forward of tokens [B] over slots 0..B-1, each at its slot's current length; logits [B, V] |
 | `move(src, dst)` | slot `src`'s K/V and length to `dst` (the scheduler keeps the running slots dense) |
 | `refresh()` | recompute tables derived from buffers after a weight swap |
+| `release()` | drop the K/V cache and every buffer sized by it (the engine sleeps); `capacity` grows it again |
 
 `prefill` writes each context's K/V into `repeats[p]` consecutive slots from `start` (the n samples of a prompt
 share one prefill).
@@ -202,13 +203,7 @@ class SlotDecoder:
         self.scale = float(attn.scaling)
         self.dtype = base.embed_tokens.weight.dtype
         self.num_layers = len(base.layers)
-        self.slots = self.max_len = 0
-        shape = (self.num_layers, 0, self.kv_heads, 0, self.head_dim)  # [layers, slots, kv_heads, max_len, D]
-        self.k = torch.empty(shape, dtype=self.dtype, device=device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=device)
-        self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens held per slot
-        self._lens: list[int] = []  # the same on the host, so decode needs no device sync
-        self._kv_base = torch.zeros((0, self.kv_heads), dtype=torch.long, device=device)  # see capacity()
+        self._empty_cache()
         # Decode attention: SDPA on accelerators; on CPU two matmuls beat SDPA's kernel at decode shapes.
         self.use_sdpa = device.type != "cpu"
         # Static decode (see `_StaticDecode`): "cuda" captures one CUDA graph per batch bucket and replays it;
@@ -226,6 +221,24 @@ class SlotDecoder:
         self.refresh()
 
     # -- cache management ------------------------------------------------------------------------
+    def _empty_cache(self) -> None:
+        """No slots: an empty K/V cache [layers, 0, kv_heads, 0, head_dim] and empty slot tables."""
+        self.slots = self.max_len = 0
+        shape = (self.num_layers, 0, self.kv_heads, 0, self.head_dim)  # [layers, slots, kv_heads, max_len, D]
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens held per slot
+        self._lens: list[int] = []  # the same on the host, so decode needs no device sync
+        self._kv_base = torch.zeros((0, self.kv_heads), dtype=torch.long, device=self.device)  # see capacity()
+
+    def release(self) -> None:
+        """Drop the cache, the CUDA-graph captures (their private memory pools and static buffers) and the
+        rotary tables sized by the cache; the next `capacity` call allocates them again. Only while no slot
+        is in use (the scheduler sleeps only when idle)."""
+        self._empty_cache()
+        self._static.clear()
+        self.refresh()  # rotary tables for the empty cache (one position)
+
     def capacity(self, slots: int, length: int) -> None:
         if slots <= self.slots and length <= self.max_len:
             return

@@ -6,6 +6,12 @@ Weights arrive from the Trainer through a WeightReceiver into a staging copy whi
 the engine swaps them in at a decode-step boundary (in flight) or once the groups in flight are done
 (between requests), never in the middle of a forward pass.
 
+Colocated placement (`cluster.placement = "colocated"`): the step pipeline calls `sleep()` before each train
+step and `wake()` after the weight sync. `sleep` stops admitting, lets every group whose sampling has begun
+finish (groups admitted meanwhile, e.g. by an admit that was waiting, hold their slot and are sampled after
+`wake`: nothing admitted is dropped), then the engine releases its K/V cache (`SleepableEngine`). While asleep
+no group and no `generate` call reaches the engine; weights still arrive and land in it.
+
 A plain async class: no Ray here. The Ray actor in `asyncrl/actors.py` only adds lifecycle.
 """
 
@@ -23,9 +29,10 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
-from engines.base import CollectiveWeightEngine, RolloutEngine
+from engines.base import CollectiveWeightEngine, RolloutEngine, SleepableEngine
 from transports.base import STAT_SECONDS, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -94,6 +101,14 @@ class Generator:
         self.prompts_filtered = prompts_filtered  # dataset rows left out at load (data.overlong = "filter")
         self.swap_s_total = 0.0
         self._window = Window()
+        # sleep/wake (colocated placement): set while the engine may be used; engine users (group samplings,
+        # generate calls) counted, so that sleep waits for the last one to let go
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._users = 0
+        self._unused = asyncio.Event()
+        self._unused.set()
+        self._asleep_since = 0.0
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]:
@@ -156,9 +171,76 @@ class Generator:
         self.recorder.record("weights_swap", t0, t1, version)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample outside the training loop (inspection, checks, agent loops) on the newest weights."""
-        await self._apply_pending_weights()
-        return await self.engine.generate(prompts, params)
+        """Sample outside the training loop (inspection, checks, agent loops) on the newest weights; while the
+        generator sleeps (colocated placement), waits for `wake`."""
+        if not await self._use_engine():
+            raise RuntimeError(f"generator {self.generator_id} stopped")
+        try:
+            await self._apply_pending_weights()
+            return await self.engine.generate(prompts, params)
+        finally:
+            self._let_go()
+
+    # -- sleep / wake (colocated placement) ------------------------------------------------------------
+    async def sleep(self) -> None:
+        """Stop admitting, wait until no group is being sampled, then let the engine release its K/V cache.
+        Groups admitted but not begun wait for `wake` with their slots held. A no-op while asleep."""
+        if not isinstance(self.engine, SleepableEngine):
+            raise RuntimeError(f"generator {self.generator_id}: its {type(self.engine).__name__} cannot sleep; "
+                               f"cluster.placement = 'colocated' needs rollout.engine = 'torch'")
+        if not self._awake.is_set():
+            return
+        self._awake.clear()  # from here no new engine user: the run loop and group tasks wait in _use_engine
+        while self._users:
+            await self._unused.wait()
+        t0 = self.recorder.begin("sleep")
+        try:
+            await self.engine.sleep()
+        except BaseException:
+            self._awake.set()
+            raise
+        self._asleep_since = time.time()
+        self.recorder.record("sleep", t0, self._asleep_since, self.engine.version)
+        self.recorder.begin("asleep")
+
+    async def wake(self) -> None:
+        """Let the engine take its memory back and resume admitting and sampling. A no-op while awake."""
+        if self._awake.is_set():
+            return
+        t0 = self.recorder.begin("wake")
+        await self.engine.wake()
+        t1 = time.time()
+        self.recorder.record("asleep", self._asleep_since, t0, self.engine.version)
+        self.recorder.record("wake", t0, t1, self.engine.version)
+        self._awake.set()
+
+    @property
+    def asleep(self) -> bool:
+        return not self._awake.is_set()
+
+    async def _use_engine(self) -> bool:
+        """Become an engine user once awake (at once when awake); False if the generator stopped while asleep.
+        No await lies between the last check and the count, so `sleep` never misses a user."""
+        while not self._awake.is_set():
+            if self._stopped.is_set():
+                return False
+            await self._until_awake_or_stopped()
+        self._users += 1
+        self._unused.clear()
+        return True
+
+    def _let_go(self) -> None:
+        self._users -= 1
+        if not self._users:
+            self._unused.set()
+
+    async def _until_awake_or_stopped(self) -> None:
+        waits = [asyncio.ensure_future(self._awake.wait()), asyncio.ensure_future(self._stopped.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     # -- main loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -175,6 +257,9 @@ class Generator:
             while not self._stopped.is_set():
                 if self._failure is not None:
                     raise self._failure
+                if not self._awake.is_set():  # asleep (colocated placement): admit nothing until wake
+                    await self._until_awake_or_stopped()
+                    continue
                 if self._pending is not None and (self.weight_update == "between_requests" or not inflight):
                     if inflight:
                         await asyncio.wait(inflight)
@@ -209,7 +294,7 @@ class Generator:
         elif self._failure is None:
             self._failure = task.exception()
 
-    async def _play_groups(self, group_ids: list[int], version: int) -> None:
+    async def _play_groups(self, group_ids: list[int], version: int, done_sampling: Callable[[], None]) -> None:
         """Env episodes (asyncrl/envs/runner.py): env faults are contained per episode by the runner."""
         try:
             rows = [self.prompt_row(gid) for gid in group_ids]
@@ -221,13 +306,32 @@ class Generator:
             log.warning("generator %d: episodes of %d groups failed: %s", self.generator_id, len(group_ids), exc)
             await self._release_failed(group_ids, f"env episodes: {type(exc).__name__}: {exc}")
             return
+        done_sampling()
         trajs = [t for group in groups for t in group]
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
         await self._put_rollouts(trajs, version)
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
+        """Sample the admitted groups (waiting for `wake` while asleep) and queue their rollouts."""
+        if not await self._use_engine():  # stopped while asleep: the run is over, the slots go back
+            await self._release_failed(group_ids, "generator stopped before sampling")
+            return
+        held = True
+
+        def done_sampling() -> None:  # once the engine's part is over (the put after it may wait on the queue)
+            nonlocal held
+            if held:
+                held = False
+                self._let_go()
+
+        try:
+            await self._sample_groups(group_ids, version, done_sampling)
+        finally:
+            done_sampling()
+
+    async def _sample_groups(self, group_ids: list[int], version: int, done_sampling: Callable[[], None]) -> None:
         if self.episodes is not None:  # multi-turn environment episodes instead of single completions
-            await self._play_groups(group_ids, version)
+            await self._play_groups(group_ids, version, done_sampling)
             return
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
             rows = [self.prompt_row(gid) for gid in group_ids]
@@ -240,6 +344,7 @@ class Generator:
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
             await self._release_failed(group_ids, f"generation: {type(exc).__name__}: {exc}")
             return
+        done_sampling()
         self.prompts_truncated += sum(p.truncated for p in prompts)
         trajs: list[Trajectory] = []
         for gid, prompt, row_json, group, base in zip(group_ids, prompts, row_jsons, completions, baselines):
@@ -319,7 +424,7 @@ class Generator:
     def stats(self) -> RoleStats:
         """This generator's window, since its previous `stats()` call: tokens sampled, the generation stall
         from weight swaps (the engine's own pause record where it keeps one, else the time `load_weights`
-        took), and its spans."""
+        took), its process's peak memory, and its spans."""
         engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         stall = self._window.take("stall_s", engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total))
         tokens = self._window.take("tokens", self.tokens_generated)
@@ -332,4 +437,5 @@ class Generator:
             "generator/rss_mb": Max(rss_mb()),
             "data/truncated_prompts": Total(truncated),
             "data/filtered_overlong": Max(self.prompts_filtered),  # the same rows in every generator
+            **peak_memory_metrics("generator", f"generator/{self.generator_id}"),
         }, spans=self.recorder.drain())

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.base import Call, Rewards
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
@@ -216,4 +217,5 @@ class Scorer:
             "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
             "scorer/reward_calls_hung": Sum(float(self.rewards.hung_calls)),
             "scorer/rss_mb": Max(rss_mb()),
+            **peak_memory_metrics("scorer", f"scorer/{self.scorer_id}"),
         }, spans=self.recorder.drain())

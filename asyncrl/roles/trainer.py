@@ -22,6 +22,7 @@ from asyncrl import checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
+from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
 from asyncrl.telemetry.spans import SpanRecorder
@@ -136,7 +137,8 @@ class Trainer:
         return str(out)
 
     def stats(self) -> RoleStats:
-        """The trainer's spans since its previous `stats()` call (its per-step metrics come with each
-        `train_step`)."""
-        return RoleStats(metrics={"trainer/rss_mb": Max(rss_mb())}, spans=self.recorder.drain())
+        """The trainer's spans and its process's peak memory since its previous `stats()` call (its per-step
+        metrics come with each `train_step`)."""
+        metrics = {"trainer/rss_mb": Max(rss_mb()), **peak_memory_metrics("trainer", "trainer")}
+        return RoleStats(metrics=metrics, spans=self.recorder.drain())
 

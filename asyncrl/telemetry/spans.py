@@ -25,10 +25,12 @@ import msgspec
 Interval = tuple[float, float]
 
 # The one place that says which span kinds are a role's own work and which are waits.
+# sleep / wake: a generator's engine releasing / taking back its cache (colocated placement); asleep: the
+# time between them, while the trainer has the device.
 BUSY_KINDS: frozenset[str] = frozenset(
-    {"generate", "score", "train", "weights_send", "weights_recv", "weights_swap", "eval"}
+    {"generate", "score", "train", "weights_send", "weights_recv", "weights_swap", "eval", "sleep", "wake"}
 )
-IDLE_KINDS: frozenset[str] = frozenset({"wait_queue", "wait_gate", "wait_weights"})
+IDLE_KINDS: frozenset[str] = frozenset({"wait_queue", "wait_gate", "wait_weights", "asleep"})
 # overlap_ratio counts only decode/prefill against forward/backward/optimizer, not weight traffic.
 GENERATION_KINDS: frozenset[str] = frozenset({"generate"})
 TRAINING_KINDS: frozenset[str] = frozenset({"train"})

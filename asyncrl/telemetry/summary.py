@@ -16,6 +16,7 @@ from typing import Any
 
 REWARD_KEY = "reward/mean"
 SMOOTH_STEPS = 5  # final reward and time-to-target use the mean of this many consecutive train steps
+COLOCATE_KEYS = ("colocate/sleep_s", "colocate/asleep_s", "colocate/wake_s")  # colocated placement only
 _SHARE = re.compile(r"^([a-z_]+)/(busy_share|idle_share)$")  # role *types* only, not "generator/0/..."
 
 
@@ -98,10 +99,14 @@ def summarize_rows(rows: Sequence[Mapping[str, Any]], *, target_reward: float | 
         value = _weighted(steps, key)
         if value is not None:
             out[key] = value
-    for key in ("sync/seconds", "sync/gbps", "trainer/step_s", "trainer/gate_wait_s"):
+    for key in ("sync/seconds", "sync/gbps", "trainer/step_s", "trainer/gate_wait_s", *COLOCATE_KEYS):
         vals = [v for r in steps if (v := _num(r, key)) is not None]
         if vals:
             out[f"{key}/mean"] = sum(vals) / len(vals)
+    for key in sorted({k for r in steps for k in r if k.startswith("memory/")}):  # the run's peak per role
+        peak = max((v for r in steps if (v := _num(r, key)) is not None), default=None)
+        if peak is not None:
+            out[key] = peak
     stall = [v for r in steps if (v := _num(r, "generation/stall_s")) is not None]
     if stall:
         out["generation/stall_s"] = sum(stall)

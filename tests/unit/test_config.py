@@ -46,6 +46,7 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.setattr(config_mod, "cuda_available", lambda: False)
     engines = types.ModuleType("engines.base")
     engines.available_engines = lambda: ["torch", "vllm", "sglang"]
+    engines.sleeping_engines = lambda: ["torch"]
     algos = types.ModuleType("asyncrl.algorithms.registry")
     algos.available_advantages = lambda: ["grpo", "rloo"]
     algos.available_policy_losses = lambda: ["ppo_clip"]
@@ -242,6 +243,14 @@ def test_registry_import_failure_falls_back_to_known_names(monkeypatch):
     assert load_config(write_config({"rollout.engine": "sglang"})).rollout.engine == "sglang"
     (error,) = errors_of(write_config({"algorithm.advantage": "rloo"}))
     assert error.startswith("algorithm.advantage: unknown advantage estimator 'rloo'") and "available: grpo" in error
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_colocated_placement_with_an_engine_that_cannot_sleep_is_one_line_naming_the_fix(engine):
+    (error,) = errors_of(write_config({"cluster.placement": "colocated", "rollout.engine": engine}))
+    assert error.startswith("cluster.placement: 'colocated' needs an engine that releases its K/V cache")
+    assert f"rollout.engine = {engine!r}" in error and "use rollout.engine = 'torch'" in error
+    assert load_config(write_config({"cluster.placement": "colocated"})).cluster.placement == "colocated"
 
 
 def test_placement_is_not_checked_against_an_existing_cluster():

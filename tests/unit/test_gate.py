@@ -236,6 +236,29 @@ def test_take_step_waits_for_an_earlier_running_group_even_if_later_ones_are_acc
     assert wait_s >= SHORT * 0.5
 
 
+def test_wait_step_returns_once_the_step_could_be_taken_and_takes_nothing():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=1)
+        ids = await gate.admit(4, 0)
+        gate.accept(ids[1])
+        waiter = asyncio.create_task(gate.wait_step(0))
+        await asyncio.sleep(SHORT)
+        waited = not waiter.done()
+        gate.accept(ids[0])
+        ready = await asyncio.wait_for(waiter, SHORT * 5)
+        gate.release(ids[2], "failed")  # a later group released: step 0 stays ready
+        counts = gate.stats()
+        taken = await gate.take_step(0, timeout=0)
+        closed = AdmissionGate(prompts_per_step=1, max_staleness=0)
+        closed.close()
+        return waited, ready, counts, taken, await closed.wait_step(0), gate.trainer_wait_s
+
+    waited, ready, counts, taken, closed, wait_s = run(main())
+    assert waited and ready and taken == [0, 1] and not closed
+    assert counts["consumed"] == 0 and counts["steps_taken"] == 0  # waiting took nothing
+    assert wait_s >= SHORT * 0.5  # the trainer's wait, counted where take_step counts it
+
+
 def test_take_step_skips_a_released_head_group_and_times_out_empty():
     async def main():
         gate = AdmissionGate(prompts_per_step=2, max_staleness=1)

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # typed metric and span records every role reports in. Each of these is a leaf: it imports no other asyncrl
 # module. Engines may also use transports/ (the receiving half of a transport runs inside an engine's own
 # workers); transports/ uses neither engines/ nor buffers/.
-NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.telemetry.metrics", "asyncrl.telemetry.spans")
+NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.telemetry.metrics", "asyncrl.telemetry.memory",
+           "asyncrl.telemetry.spans")
 NEUTRAL_FILES = ("asyncrl/messages.py", "asyncrl/registry.py", "asyncrl/telemetry/metrics.py",
-                 "asyncrl/telemetry/spans.py")
+                 "asyncrl/telemetry/memory.py", "asyncrl/telemetry/spans.py")
 BELOW = ("engines", "buffers", "transports")  # the packages below asyncrl/
 RAY_MODULES = {"asyncrl/actors.py", "asyncrl/launch.py"}
 

@@ -44,3 +44,12 @@ def test_time_to_target_needs_a_full_smoothing_window():
 
 def test_no_train_rows_gives_only_the_step_count():
     assert summarize_rows(rows()[:1]) == {"steps": 0}
+
+
+def test_peak_memory_is_the_runs_largest_and_colocated_times_their_means():
+    steps = rows()
+    for row, (peak, sleep) in zip(steps[1:], [(1.0, 0.1), (3.5, 0.3), (2.0, 0.2)]):
+        row.update({"memory/trainer_peak_gb": peak, "colocate/sleep_s": sleep})
+    s = summarize_rows(steps)
+    assert s["memory/trainer_peak_gb"] == 3.5
+    assert s["colocate/sleep_s/mean"] == pytest.approx(0.2) and "colocate/wake_s/mean" not in s
