@@ -57,6 +57,40 @@ def test_colocated_in_process_run_never_generates_while_it_trains_or_evaluates(m
     check_colocated_run(cfg, run_dir, steps=4)
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/greedy_reward" in r]
     assert [r["step"] for r in evals] == [0, 2, 4]  # eval_every = 2: each while the generators slept
+    # the engines wrapped the trainer's module (asyncrl/local.py): each sample's version names the weights that
+    # sampled it, so the trainer's logprobs of its on-policy tokens equal the engine's (a sample labelled one
+    # version behind the weights it came from would differ by a whole optimizer step)
+    gaps = [(r["trainer/logprob_gap"], r["trainer/logprob_gap_tokens"]) for r in _train_rows(run_dir)]
+    assert sum(n for _, n in gaps) > 0 and all(gap < 1e-4 for gap, n in gaps if n), gaps
+
+
+def test_colocated_engines_in_process_wrap_the_trainers_module_and_a_sync_copies_nothing(make_config, tmp_path):
+    import asyncio
+
+    import torch
+
+    from asyncrl.local import LocalDeployment
+
+    cfg = make_config('cluster.placement="colocated"', "rollout.num_generators=2", "trainer.eval_every=0",
+                      f'run.output_dir="{tmp_path}"')
+    d = LocalDeployment(cfg)
+    try:
+        model = d.trainer_obj.learner.model
+        assert all(g.engine.model is model for g in d.generator_objs)
+        asyncio.run(d.setup_weight_sync())
+        d.channel.send(dict(model.state_dict()), 1)
+        tensors, version, _ = d.generator_objs[0].receiver.receive()
+        assert (tensors, version) == ({}, 1)
+    finally:
+        asyncio.run(d.shutdown())
+    apart = LocalDeployment(make_config("trainer.eval_every=0", f'run.output_dir="{tmp_path}"'))
+    try:  # disaggregated in process: each engine holds its own copy
+        own = apart.generator_objs[0].engine.model
+        assert own is not apart.trainer_obj.learner.model
+        assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(),
+                                                     apart.trainer_obj.learner.model.state_dict().values()))
+    finally:
+        asyncio.run(apart.shutdown())
 
 
 @pytest.mark.ray
