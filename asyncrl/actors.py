@@ -19,7 +19,15 @@ from typing import Any, Callable
 
 import ray
 
-from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, pin_cpus, set_torch_threads
+from asyncrl.build import (
+    build_buffer,
+    build_generator,
+    build_scorer,
+    build_trainer,
+    pin_cpus,
+    set_torch_threads,
+    sync_dtype,
+)
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
@@ -154,8 +162,10 @@ class RoleActor:
 
     # -- weight-sync lifecycle (trainer is rank 0, generators 1..N) -------------------------------
     def weights_meta(self) -> WeightsMeta:
+        """The bucket plan of the broadcast, describing the tensors in the engines' dtype (rollout.dtype): the
+        sender converts the trainer's (float32 under mixed precision) as it packs each bucket."""
         tensors = self.role.learner.state_dict_for_sync()
-        return plan_buckets(tensors, int(self.cfg.weight_sync.bucket_mb * 2**20))
+        return plan_buckets(tensors, int(self.cfg.weight_sync.bucket_mb * 2**20), dtype=sync_dtype(self.cfg))
 
     def open_weight_store(self, world_size: int) -> tuple[str, int]:
         """Trainer only: start the TCPStore master; return (host, port) for the other members."""

@@ -26,12 +26,13 @@ from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.roles.trainer import Trainer
+from asyncrl.training import precision
 from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.training.learner import Learner
 from asyncrl.training.reference import ReferencePolicy
 from buffers.replay import ReplayBuffer
 from engines.base import create_engine
-from engines.hf import load_model, load_tokenizer
+from engines.hf import load_model, load_tokenizer, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,22 @@ def training_sampling(cfg: Config) -> SamplingParams:
                           stop=list(r.stop), ignore_eos=r.ignore_eos)
 
 
+def engine_dtype(cfg: Config) -> str:
+    """The rollout engines' parameter dtype (rollout.dtype; auto = model.dtype), which the weight sync sends
+    floating-point tensors in (`sync_dtype`)."""
+    return precision.engine_dtype(cfg.model.dtype, cfg.rollout.dtype)
+
+
+def sync_dtype(cfg: Config) -> torch.dtype:
+    """`engine_dtype` as a torch.dtype: what the trainer's sender converts its weights to, bucket by bucket."""
+    return torch_dtype(engine_dtype(cfg))
+
+
+def trained_dtype(cfg: Config) -> str:
+    """The dtype the trainer loads the models it trains in: float32 master weights under mixed precision."""
+    return precision.master_dtype(cfg.model.dtype, cfg.trainer.mixed_precision)
+
+
 def build_buffer(cfg: Config) -> ReplayBuffer:
     return ReplayBuffer(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
                      max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
@@ -112,7 +129,7 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model
     else:
         # the torch engine on the generator's device (cluster.generator_gpus); vLLM / SGLang place their workers
         where = {"device": role_device(cfg, "generator")} if cfg.rollout.engine == "torch" else {}
-        engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=cfg.model.dtype,
+        engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=engine_dtype(cfg),
                                max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                                kv_on_update=cfg.rollout.kv_on_update, **where)
     # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it:
@@ -158,7 +175,8 @@ def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
     tok = load_tokenizer(cfg.model.path)
     return ReferencePolicy.load(cfg.reference.path or cfg.model.path, dtype=cfg.model.dtype,
                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-                                micro_batch_size=cfg.trainer.micro_batch_size, device=device)
+                                micro_batch_size=cfg.trainer.micro_batch_size, device=device,
+                                mixed_precision=cfg.trainer.mixed_precision)
 
 
 def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
@@ -168,8 +186,10 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
     critic = reference = lagrange = None
     device = role_device(cfg, "trainer")  # the critic and the reference follow the trainer
     if advantage_needs(a.advantage).critic:
-        critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype), cfg.critic,
-                        pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device)
+        critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, trained_dtype(cfg)), cfg.critic,
+                        pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
+                        mixed_precision=cfg.trainer.mixed_precision,
+                        gradient_checkpointing=cfg.model.gradient_checkpointing)
     if a.kl_mode != "off" and cfg.reference.where == "trainer":
         reference = build_reference(cfg, device)
     if a.safe_rlhf:
@@ -178,12 +198,13 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
                                       r.lagrange_max if r.lagrange_max > 0 else None)
     return Learner(model, algorithm=a, trainer=cfg.trainer, pad_token_id=pad_id,
                    max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange,
-                   device=device)
+                   device=device, gradient_checkpointing=cfg.model.gradient_checkpointing)
+
 
 
 def build_trainer(cfg: Config, buffer: Any) -> Trainer:
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=role_device(cfg, "trainer"))
+    model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     learner = build_learner(cfg, model, pad_id)

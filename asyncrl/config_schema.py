@@ -41,13 +41,15 @@ class ModelConfig(Section):
     build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],
-        _d("parameter dtype of the trainer's model (with trainer.mixed_precision = 'bf16' its master weights "
-           "are float32 whatever this says) and of the engines unless rollout.dtype is set"),
+        _d("parameter dtype of the trainer's models and the reference (with trainer.mixed_precision = 'bf16' the "
+           "trained models are float32 and the reference bfloat16 whatever this says) and of the engines unless "
+           "rollout.dtype is set"),
     ] = "float32"
     gradient_checkpointing: Annotated[
         bool,
         _d("recompute each layer's activations in the backward pass instead of keeping them: less memory for "
-           "long sequences, about a third more compute per train step (trainer, critic)"),
+           "long sequences, about a third more compute per train step (trainer, critic; HF models that support "
+           "it). Generation on the trainer's module (evaluation) is unaffected"),
     ] = False
 
 
@@ -116,8 +118,9 @@ class RolloutConfig(Section):
     engine: Annotated[str, _d("rollout engine name: 'torch' (native), 'vllm' or 'sglang'", min_length=1)] = "torch"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
-        _d("parameter dtype of the rollout engines; auto = model.dtype. The weight sync converts the trainer's "
-           "weights to it once, bucket by bucket"),
+        _d("parameter dtype of the generators' engines (each engine runs all three, the torch engine on CPU too); "
+           "auto = model.dtype. The weight sync converts the trainer's weights to it once, bucket by bucket. "
+           "Evaluation runs on the trainer's own module, in the trainer's dtype"),
     ] = "auto"
     num_generators: Annotated[int, _d("generator actors", ge=1)] = 1
     concurrency: Annotated[int, _d("groups a generator keeps in flight (batched together)", ge=1)] = 16
@@ -208,7 +211,10 @@ class TrainerConfig(Section):
     mixed_precision: Annotated[
         Literal["no", "bf16"],
         _d("bf16: float32 master weights and optimizer state, forward and backward under bfloat16 autocast "
-           "(policy and critic); no: everything in model.dtype"),
+           "(policy and critic; the frozen reference in bfloat16 under the same autocast); no: everything in "
+           "model.dtype. Any model.dtype goes with bf16 (float16 included): it then sets only the engines' dtype "
+           "when rollout.dtype = 'auto'. Needs bfloat16 on the trainer's device (any CPU; a GPU of the Ampere "
+           "generation or newer)"),
     ] = "no"
 
 

@@ -11,7 +11,7 @@ import asyncio
 import inspect
 from typing import Any
 
-from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads
+from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads, sync_dtype
 from asyncrl.config_schema import Config
 from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
 from transports.local import LocalWeightChannel
@@ -85,7 +85,7 @@ class LocalDeployment:
         raise NotImplementedError("in-process runs are not supervised")
 
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
-        self.channel = LocalWeightChannel(shared=self.shared_weights)
+        self.channel = LocalWeightChannel(shared=self.shared_weights, dtype=sync_dtype(self.cfg))
         self.trainer_obj.sender = self.channel
         for g in self.generator_objs:
             g.receiver = self.channel.receiver()

@@ -12,6 +12,12 @@ Invariants (tested in tests/unit/test_bucketing.py):
 - a bucket holds at most `bucket_bytes` bytes, except a single tensor larger than that, which gets a
   bucket of its own;
 - a bucket never mixes dtypes, so its flat buffer is one dtype and unpacking is a view, never a cast.
+
+Dtypes: the plan describes the tensors as the receivers' engines hold them. Planned with `dtype` (the engines'
+dtype, `rollout.dtype`), every floating-point tensor is described in it (`wire_dtype`), whatever the source holds
+(float32 master weights under mixed precision); the source converts while packing, each tensor straight into its
+slice of the bucket's reusable buffer (`pack_bucket(out=)`): one conversion per bucket, never a converted copy of
+the whole model. Integer and bool tensors travel as they are.
 """
 
 from __future__ import annotations
@@ -39,9 +45,15 @@ def str_to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def tensor_meta(name: str, tensor: Tensor) -> TensorMeta:
-    """The wire description of one named tensor."""
-    return TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_to_str(tensor.dtype))
+def wire_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of `dtype` travels in when the engines hold `target` (None: as it is): floating-point
+    tensors take the engines' dtype, others keep theirs."""
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
+def tensor_meta(name: str, tensor: Tensor, dtype: torch.dtype | None = None) -> TensorMeta:
+    """The wire description of one named tensor (in `wire_dtype(tensor.dtype, dtype)`)."""
+    return TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_to_str(wire_dtype(tensor.dtype, dtype)))
 
 
 def meta_numel(meta: TensorMeta) -> int:
@@ -74,11 +86,12 @@ def _named_items(named: NamedTensors) -> list[tuple[str, Tensor]]:
     return out
 
 
-def plan_buckets(named: NamedTensors, bucket_bytes: int) -> WeightsMeta:
+def plan_buckets(named: NamedTensors, bucket_bytes: int, dtype: torch.dtype | None = None) -> WeightsMeta:
     """Describe `named` tensors (a state dict or (name, tensor) pairs) as buckets of <= bucket_bytes.
 
-    Consecutive tensors share a bucket while they have the same dtype and fit; a tensor larger than
-    `bucket_bytes` gets a bucket of its own. Order is the input order.
+    Consecutive tensors share a bucket while they have the same (wire) dtype and fit; a tensor larger than
+    `bucket_bytes` gets a bucket of its own. Order is the input order. `dtype`: the receivers' engines' dtype;
+    floating-point tensors are described (and sent) in it (see the module doc).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -88,7 +101,7 @@ def plan_buckets(named: NamedTensors, bucket_bytes: int) -> WeightsMeta:
     current_bytes = 0
     current_dtype: str | None = None
     for index, (name, tensor) in enumerate(_named_items(named)):
-        meta = tensor_meta(name, tensor)
+        meta = tensor_meta(name, tensor, dtype)
         nbytes = meta_nbytes(meta)
         tensors.append(meta)
         fits = current_bytes + nbytes <= bucket_bytes
@@ -105,16 +118,29 @@ def plan_buckets(named: NamedTensors, bucket_bytes: int) -> WeightsMeta:
 
 
 def pack_bucket(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
-    """Concatenate same-dtype tensors into one contiguous 1-D tensor: a new buffer on their device, or `out`
-    (1-D, their dtype and total size) when given."""
+    """Concatenate tensors into one contiguous 1-D tensor: a new buffer on their device (same-dtype tensors),
+    or `out` (1-D, their total size) when given. An `out` of another dtype (the engines', see the module doc)
+    receives each tensor converted on the way, straight into its slice: no converted copy of a tensor first."""
     if not tensors:
         raise ValueError("pack_bucket needs at least one tensor")
-    dtype = tensors[0].dtype
-    for t in tensors:
-        if t.dtype != dtype:
-            raise ValueError(f"pack_bucket: a bucket mixes dtypes ({dtype} and {t.dtype})")
     flat = [t.detach().reshape(-1) for t in tensors]
-    return torch.cat(flat) if out is None else torch.cat(flat, out=out)
+    if out is None:
+        for t in flat:
+            if t.dtype != flat[0].dtype:
+                raise ValueError(f"pack_bucket: a bucket mixes dtypes ({flat[0].dtype} and {t.dtype})")
+        return torch.cat(flat)
+    if all(t.dtype == out.dtype for t in flat):
+        return torch.cat(flat, out=out)
+    total = sum(t.numel() for t in flat)
+    if out.dim() != 1 or out.numel() != total:
+        raise ValueError(f"pack_bucket: out holds {out.numel()} elements, the tensors {total}")
+    offset = 0
+    for t in flat:
+        if t.dtype.is_floating_point != out.dtype.is_floating_point:
+            raise ValueError(f"pack_bucket: cannot pack {t.dtype} into a {out.dtype} buffer")
+        out[offset : offset + t.numel()].copy_(t)  # the conversion, in place
+        offset += t.numel()
+    return out
 
 
 def unpack_bucket(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:
@@ -142,12 +168,15 @@ def empty_bucket(meta: WeightsMeta, bucket: int, device: torch.device | str | No
 
 
 def check_matches(tensors: Mapping[str, Tensor], meta: WeightsMeta) -> None:
-    """Raise ValueError (one line) if `tensors` lacks a tensor of `meta` or has another shape/dtype."""
+    """Raise ValueError (one line) if `tensors` lacks a tensor of `meta` or has another shape, or a dtype
+    that does not convert to the meta's (floating-point tensors send in the meta's floating-point dtype)."""
     for m in meta.tensors:
         t = tensors.get(m.name)
         if t is None:
             raise ValueError(f"weights meta names {m.name!r}, which the tensors to send do not contain")
-        if list(t.shape) != m.shape or dtype_to_str(t.dtype) != m.dtype:
+        want = str_to_dtype(m.dtype)
+        converts = t.dtype.is_floating_point and want.is_floating_point
+        if list(t.shape) != m.shape or not (t.dtype == want or converts):
             raise ValueError(
                 f"tensor {m.name!r} is {dtype_to_str(t.dtype)}{list(t.shape)}, "
                 f"weights meta says {m.dtype}{m.shape}: re-plan the buckets"

@@ -22,7 +22,8 @@ Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), every member ta
        holds no key per broadcast however long the run;
     1. rank 0 broadcasts an int64 header [version, n_buckets, total_bytes, meta_crc]; receivers
        learn the version and check that they hold the same `WeightsMeta` as the source;
-    2. one broadcast per bucket: the source packs the bucket into one flat buffer, receivers
+    2. one broadcast per bucket: the source packs the bucket into one flat buffer (converting each tensor to
+       the meta's dtype, the engines', as it copies it in: float32 master weights go out as bfloat16), receivers
        broadcast into a preallocated staging buffer and unpack it into staging tensors (views). The
        source calls `released()` once its last bucket is packed, so the trainer may change its
        weights while that bucket is still on the wire.
@@ -59,7 +60,9 @@ from transports.bucketing import (
     bucket_metas,
     check_matches,
     empty_bucket,
+    meta_numel,
     pack_bucket,
+    str_to_dtype,
     unpack_bucket,
 )
 
@@ -349,8 +352,12 @@ class WeightSyncGroup:
     def _send(self, tensors: Mapping[str, Tensor], meta: WeightsMeta, version: int,
               released: Callable[[], None] | None = None) -> None:
         def pack(index: int) -> Tensor:
-            parts = [tensors[meta.tensors[i].name] for i in meta.buckets[index]]
-            flat = pack_bucket(parts, out=self._pack_buffer(index % 2, parts)).to(self.device)
+            metas = bucket_metas(meta, index)
+            parts = [tensors[m.name] for m in metas]
+            # into the bucket's buffer in the meta's (the engines') dtype: the conversion happens in the copy
+            out = self._pack_buffer(index % 2, sum(meta_numel(m) for m in metas), str_to_dtype(metas[0].dtype),
+                                    parts[0].device)
+            flat = pack_bucket(parts, out=out).to(self.device)
             if released is not None and index == len(meta.buckets) - 1:
                 released()  # pack_bucket copies (on CUDA the copy is queued before any later kernel)
             return flat
@@ -369,11 +376,10 @@ class WeightSyncGroup:
                 self._finish(work, what)
             flat = following
 
-    def _pack_buffer(self, slot: int, parts: list[Tensor]) -> Tensor:
-        """A 1-D view of pack buffer `slot` sized and typed for `parts` (the buffer grows to the largest bucket)."""
-        numel = sum(t.numel() for t in parts)
-        dtype, device = parts[0].dtype, parts[0].device
-        nbytes = numel * parts[0].element_size()
+    def _pack_buffer(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-D view of pack buffer `slot` of `numel` `dtype` elements on `device` (the source tensors'), the
+        buffer growing to the largest bucket."""
+        nbytes = numel * dtype.itemsize
         while len(self._pack_buffers) <= slot:
             self._pack_buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
         buf = self._pack_buffers[slot]

@@ -12,23 +12,28 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import torch
 from torch import Tensor
 
 from transports.base import sync_stats
+from transports.bucketing import wire_dtype
 
 
 class LocalWeightChannel:
     """A `WeightSender`; `receiver()` gives each generator its `WeightReceiver`. Thread-safe.
 
-    `send` stores detached clones (the trainer may keep updating its parameters in place);
-    `receive` returns fresh clones (the caller may hand them to an engine that keeps them).
+    `send` stores detached copies (the trainer may keep updating its parameters in place), its floating-point
+    tensors converted to `dtype` (the engines' dtype, rollout.dtype; None: as sent) in that same copy, like the
+    collective sender's packing (transports/bucketing.py `wire_dtype`); `receive` returns fresh clones (the
+    caller may hand them to an engine that keeps them). `receive` waits up to `timeout_s` (armed: until
+    `close()`) for a version newer than the caller's.
     `shared`: the receivers' engines wrap the sender's own module (colocated in one process), so a send
     copies nothing and a receive returns no tensors, only the version (the engine re-reads its module).
-    `receive` waits up to `timeout_s` (armed: until `close()`) for a version newer than the caller's.
     """
 
-    def __init__(self, timeout_s: float = 60.0, *, shared: bool = False) -> None:
+    def __init__(self, timeout_s: float = 60.0, dtype: torch.dtype | None = None, *, shared: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.dtype = dtype
         self.shared = shared  # the receivers' engines wrap the sender's module: a send names the version only
         self._cond = threading.Condition()
         self._tensors: dict[str, Tensor] | None = None
@@ -44,7 +49,8 @@ class LocalWeightChannel:
     def send(self, tensors: Mapping[str, Tensor], version: int, *,
              released: Callable[[], None] | None = None) -> dict[str, float]:
         start = time.perf_counter()
-        copies = {} if self.shared else {name: t.detach().clone() for name, t in tensors.items()}
+        copies = {} if self.shared else {name: t.detach().to(wire_dtype(t.dtype, self.dtype), copy=True)
+                                         for name, t in tensors.items()}
         if released is not None:
             released()  # the copies are the channel's own
         nbytes = sum(t.numel() * t.element_size() for t in copies.values())

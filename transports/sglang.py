@@ -13,7 +13,7 @@ Wire protocol of one update (SGLang's, not `transports.collective`'s header + bu
               global group registry.
     header    before each update the sender sets the store key `asyncrl-sglang/<group_name>/<n>` to
               msgpack [version, meta_crc], so the engine learns the version and refuses a different meta.
-    tensors   one broadcast from rank 0 per tensor, in `WeightsMeta.tensors` order, in its own dtype/shape.
+    tensors   one broadcast from rank 0 per tensor, in `WeightsMeta.tensors` order, in the meta's dtype/shape.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from asyncrl.messages import WeightsMeta
 from transports.base import is_timeout, sync_stats
-from transports.bucketing import check_matches
+from transports.bucketing import check_matches, str_to_dtype
 from transports.collective import close_process_group, meta_crc, resolve_backend
 
 GROUP_NAME = "asyncrl_weights"
@@ -121,9 +121,10 @@ def join_sglang_sender(*, store: dist.Store, world_size: int, backend: str, time
 
 def broadcast_per_tensor(group: SGLangSenderGroup, tensors: Mapping[str, Tensor], meta: WeightsMeta) -> int:
     """Send `tensors` the way SGLang's update_weights_from_distributed receives them: one broadcast per
-    entry of `meta.tensors`, in order, each in its own dtype and shape. Returns the bytes sent."""
+    entry of `meta.tensors`, in order, each in the meta's dtype (the engine's: a float32 master weight is
+    converted on its way to the device) and shape. Returns the bytes sent."""
     check_matches(tensors, meta)
-    ordered = [tensors[m.name].detach().to(group.device).contiguous() for m in meta.tensors]
+    ordered = [tensors[m.name].detach().to(group.device, str_to_dtype(m.dtype)).contiguous() for m in meta.tensors]
     group.broadcast(ordered)
     return sum(t.numel() * t.element_size() for t in ordered)
 

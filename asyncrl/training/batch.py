@@ -19,6 +19,7 @@ from torch import Tensor
 
 from asyncrl.algorithms import entropy_from_logits
 from asyncrl.messages import Trajectory
+from asyncrl.training import precision
 
 
 @dataclass
@@ -96,15 +97,18 @@ def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: T
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                   temperature: float | Tensor, *, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+                   temperature: float | Tensor, *, entropy_grad: bool = False,
+                   autocast: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response), temperature
     (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
 
     logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 over the full
     vocabulary (with grad if enabled); entropy of the same distribution, with grad only if `entropy_grad`
-    (the entropy bonus trains through it; the diagnostic does not).
+    (the entropy bonus trains through it; the diagnostic does not). `autocast` (trainer.mixed_precision):
+    the model's forward runs under torch.autocast in that dtype; the maths on its logits stays float32.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    with precision.autocast(input_ids.device, autocast):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1, 1)
     logits = logits[:, :-1].float() / temp                                       # [B, L-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)                                     # [B, L-1, 1]

@@ -24,6 +24,7 @@ from torch import Tensor
 from asyncrl.algorithms.value import value_loss
 from asyncrl.config_schema import CriticConfig
 from asyncrl.messages import Trajectory
+from asyncrl.training import precision
 from asyncrl.training.batch import collate, gather_response
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,19 @@ class CriticStats:
 
 
 class Critic:
-    """The value model and its AdamW optimizer."""
+    """The value model and its AdamW optimizer. `mixed_precision` and `gradient_checkpointing` as the policy's
+    (training/precision.py): float32 master weights and bfloat16 autocast; activations recomputed in backward."""
 
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, pad_token_id: int,
-                 micro_batch_size: int, device: str | torch.device = "cpu") -> None:
+                 micro_batch_size: int, device: str | torch.device = "cpu", mixed_precision: str = "no",
+                 gradient_checkpointing: bool = False) -> None:
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.autocast = precision.autocast_dtype(mixed_precision)
+        precision.check_autocast(self.device, self.autocast)
+        self.model = model.to(self.device) if self.autocast is None else model.to(self.device, torch.float32)
         self.model.eval()  # dropout off, as for the policy
+        if gradient_checkpointing:
+            precision.enable_gradient_checkpointing(self.model)
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
@@ -72,7 +79,9 @@ class Critic:
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """[B, L] each -> values [B, L] at response positions (0 elsewhere), float32."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # [B, L]
+        with precision.autocast(self.device, self.autocast):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        out = out[..., 0].float()  # [B, L]
         values = torch.cat([out.new_zeros(out.shape[0], 1), out[:, :-1]], dim=1)
         return torch.where(response_mask.bool(), values, 0.0)
 
@@ -95,20 +104,21 @@ class Critic:
         global_tokens = max(sum(sum(t.loss_mask) for t in trajectories), 1)
         clip = self.cfg.value_clip if self.cfg.value_clip > 0 else None
         total = 0.0
-        for start in range(0, len(trajectories), self.micro_batch_size):
-            part = trajectories[start : start + self.micro_batch_size]
-            sl = slice(start, start + len(part))
-            batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
-                            extras={"old_values": old_values[sl], "returns": returns[sl]})
-            values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask)
-            loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
-                                          batch.loss_mask, clip)
-            loss = loss_tok.sum() / global_tokens
-            loss.backward()
-            total += loss.item()
-            n = int(batch.loss_mask.sum())
-            stats.tokens += n
-            stats.clipped += float(vstats["vf_clip_frac"]) * n
+        with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
+            for start in range(0, len(trajectories), self.micro_batch_size):
+                part = trajectories[start : start + self.micro_batch_size]
+                sl = slice(start, start + len(part))
+                batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
+                                extras={"old_values": old_values[sl], "returns": returns[sl]})
+                values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask)
+                loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
+                                              batch.loss_mask, clip)
+                loss = loss_tok.sum() / global_tokens
+                loss.backward()
+                total += loss.item()
+                n = int(batch.loss_mask.sum())
+                stats.tokens += n
+                stats.clipped += float(vstats["vf_clip_frac"]) * n
         stats.loss += total
 
     def step(self, stats: CriticStats) -> None:

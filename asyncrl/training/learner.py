@@ -24,6 +24,10 @@ One train step (ARCHITECTURE "Batch units"):
                   clip grad norm (`grad_clip`, 0 = off), optimizer step; critic: value loss, its step
            ─► Safe-RLHF multiplier update from the step's mean cost; version += 1
 
+Numerics (training/precision.py): with `trainer.mixed_precision = "bf16"` the model, its gradients and the AdamW
+state are float32 and every forward runs under bfloat16 autocast (logprobs still float32); with
+`model.gradient_checkpointing` the gradient passes of `compute_gradients` recompute each layer's activations.
+
 Token positions: a sample is `prompt_ids + response_ids` right-padded to the micro-batch's longest; the
 logprob at position t is that of token t predicted from t-1, so position 0 never carries one.
 """
@@ -53,6 +57,7 @@ from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.checkpoint import load_optimizer_state, optimizer_state
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
+from asyncrl.training import precision
 from asyncrl.training.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
 from asyncrl.training.critic import Critic, CriticStats
 from asyncrl.training.reference import ReferencePolicy
@@ -117,11 +122,18 @@ class Learner:
         critic: Critic | None = None,
         reference: ReferencePolicy | None = None,
         lagrange: LagrangeMultiplier | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        # trainer.mixed_precision (training/precision.py): float32 master weights (and so float32 AdamW state),
+        # forwards under autocast
+        self.autocast = precision.autocast_dtype(trainer.mixed_precision)
+        precision.check_autocast(self.device, self.autocast)
+        self.model = model.to(self.device) if self.autocast is None else model.to(self.device, torch.float32)
         # Dropout off: the trainer's logprobs must be the engine's (which samples in eval mode).
         self.model.eval()
+        if gradient_checkpointing:  # model.gradient_checkpointing: active in compute_gradients only
+            precision.enable_gradient_checkpointing(self.model)
         self.algorithm = a = algorithm
         self.trainer = trainer
         self.pad_token_id = pad_token_id
@@ -164,7 +176,7 @@ class Learner:
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
         return token_logprobs(self.model, input_ids, attention_mask, response_mask, temperature,
-                              entropy_grad=entropy_grad)
+                              entropy_grad=entropy_grad, autocast=self.autocast)
 
     @torch.no_grad()
     def teacher_forced_logprobs(
@@ -327,28 +339,32 @@ class Learner:
         else:
             global_tokens = sum(sum(t.loss_mask) for t in trajectories)
         loss_total = 0.0
-        for start in range(0, len(trajectories), mbs):
-            part = trajectories[start : start + mbs]
-            sl = slice(start, start + len(part))
-            batch = collate(part, advantages[sl], self.pad_token_id, self.device,
-                            extras={k: v[sl] for k, v in rows.items()})
-            logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                                       batch.temperature, entropy_grad=a.entropy_coef > 0)
-            mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
-            old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
-            loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask, self._loss_params)
-            if "weights" in batch.extras:
-                loss_tok = loss_tok * batch.extras["weights"]
-            if a.kl_mode == "loss":
-                loss_tok = loss_tok + a.kl_coef * kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
-            if a.entropy_coef > 0:
-                loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
-            loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens, global_seqs=len(trajectories),
-                                     norm_len=self.max_new_tokens)
-            loss.backward()
-            loss_total += loss.item()
-            self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
-                         measure_ratio and "prox" not in batch.extras)
+        with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
+            for start in range(0, len(trajectories), mbs):
+                part = trajectories[start : start + mbs]
+                sl = slice(start, start + len(part))
+                batch = collate(part, advantages[sl], self.pad_token_id, self.device,
+                                extras={k: v[sl] for k, v in rows.items()})
+                logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
+                                                           batch.response_mask, batch.temperature,
+                                                           entropy_grad=a.entropy_coef > 0)
+                mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
+                old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
+                loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
+                                                            self._loss_params)
+                if "weights" in batch.extras:
+                    loss_tok = loss_tok * batch.extras["weights"]
+                if a.kl_mode == "loss":
+                    kl = kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
+                    loss_tok = loss_tok + a.kl_coef * kl
+                if a.entropy_coef > 0:
+                    loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
+                loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens,
+                                         global_seqs=len(trajectories), norm_len=self.max_new_tokens)
+                loss.backward()
+                loss_total += loss.item()
+                self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
+                             measure_ratio and "prox" not in batch.extras)
         stats.loss += loss_total
         return stats
 

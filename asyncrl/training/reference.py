@@ -14,6 +14,7 @@ import logging
 import torch
 
 from asyncrl.messages import Trajectory
+from asyncrl.training import precision
 from asyncrl.training.batch import collate, gather_response, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,9 @@ class ReferencePolicy:
     """A frozen causal LM (no grads, eval mode) answering `response_logprobs`."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", mixed_precision: str = "no") -> None:
         self.device = torch.device(device)
+        self.autocast = precision.autocast_dtype(mixed_precision)  # the policy's autocast (training/precision.py)
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -33,11 +35,16 @@ class ReferencePolicy:
         self.tokens_scored = 0
 
     @classmethod
-    def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64) -> "ReferencePolicy":
+    def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
+             mixed_precision: str = "no") -> "ReferencePolicy":
+        """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
+        dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
 
-        log.info("reference policy: loading %s", path)
-        return cls(load_model(path, dtype=dtype), pad_token_id=pad_token_id, micro_batch_size=micro_batch_size)
+        dtype = precision.reference_dtype(dtype, mixed_precision)
+        log.info("reference policy: loading %s (%s)", path, dtype)
+        return cls(load_model(path, dtype=dtype), pad_token_id=pad_token_id, micro_batch_size=micro_batch_size,
+                   mixed_precision=mixed_precision)
 
     @torch.no_grad()
     def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
@@ -47,7 +54,7 @@ class ReferencePolicy:
             part = trajectories[start : start + self.micro_batch_size]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
             logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                         batch.response_mask, batch.temperature)
+                                         batch.response_mask, batch.temperature, autocast=self.autocast)
             width = max(len(t.response_ids) for t in part)
             rows = gather_response(batch, part, logprobs, max(width, 1))
             out += [rows[i, : len(t.response_ids)].tolist() for i, t in enumerate(part)]

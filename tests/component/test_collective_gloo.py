@@ -282,6 +282,40 @@ def test_local_channel_hands_out_copies_of_the_latest_version():
     assert channel.receive()[1] == 4 and channel.version == 4
 
 
+def test_a_local_channel_in_the_engines_dtype_hands_out_bf16_copies_of_float32_weights():
+    channel = LocalWeightChannel(dtype=torch.bfloat16)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in _state(2).items()}
+    channel.send(state, 1)
+    staged, version, stats = channel.receive()
+    assert version == 1
+    for name, t in state.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert staged[name].dtype == want.dtype and torch.equal(_bits(staged[name]), _bits(want)), name
+    assert stats["sync/bytes"] == sum(t.numel() * (2 if t.is_floating_point() else 8) for t in state.values())
+
+
+def test_a_float32_source_with_a_bf16_plan_delivers_bf16_equal_to_converting_the_source():
+    groups = _form_group(2, timeout_s=10.0)
+    try:
+        # float32 master weights (the trainer under mixed precision); the engines hold bfloat16
+        state = {k: v.float() if v.is_floating_point() else v for k, v in _state(4).items()}
+        meta = plan_buckets(state, bucket_bytes=512, dtype=torch.bfloat16)
+        assert len(meta.buckets) > 2 and meta.total_bytes < sum(t.nbytes for t in state.values())
+        sender, receiver = CollectiveSender(groups[0], meta), CollectiveReceiver(groups[1], meta)
+        for version, seed in ((1, 4), (2, 5)):  # twice: the reused pack buffers carry nothing over
+            state = {k: v.float() if v.is_floating_point() else v for k, v in _state(seed).items()}
+            send_stats, (staged, got_version, stats) = _together(lambda: sender.send(state, version), receiver.receive)
+            assert got_version == version
+            for name, t in state.items():
+                want = t.to(torch.bfloat16) if t.is_floating_point() else t
+                assert staged[name].dtype == want.dtype and staged[name].shape == want.shape, name
+                assert torch.equal(_bits(staged[name]), _bits(want)), name
+            assert send_stats["sync/bytes"] == stats["sync/bytes"] == meta.total_bytes
+    finally:
+        for g in groups:
+            g.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (two NCCL ranks cannot share one)")
 def test_nccl_two_ranks_receive_bit_identical_weights():

@@ -10,7 +10,9 @@ from asyncrl.messages import WeightsMeta
 from transports.bucketing import (
     bucket_metas,
     bucket_nbytes,
+    check_matches,
     dtype_to_str,
+    meta_numel,
     pack_bucket,
     plan_buckets,
     str_to_dtype,
@@ -103,6 +105,42 @@ def test_pack_rejects_mixed_dtypes_and_unpack_rejects_wrong_sizes():
     metas = plan_buckets({"a": torch.zeros(3)}, 64).tensors
     with pytest.raises(ValueError):
         unpack_bucket(torch.zeros(4), metas)
+
+
+def test_a_plan_in_the_engines_dtype_describes_floats_in_it_and_leaves_integers_alone():
+    state = _state()
+    meta = plan_buckets(state, bucket_bytes=150, dtype=torch.bfloat16)
+    dtypes = {m.name: m.dtype for m in meta.tensors}
+    assert dtypes == {name: "int64" if name == "steps" else "bfloat16" for name in state}
+    assert meta.total_bytes == sum(t.numel() * (8 if t.dtype == torch.int64 else 2) for t in state.values())
+    for b in range(len(meta.buckets)):  # still one dtype per bucket, still bounded (in wire bytes)
+        assert len({m.dtype for m in bucket_metas(meta, b)}) == 1
+        assert bucket_nbytes(meta, b) <= 150 or len(meta.buckets[b]) == 1
+    check_matches(state, meta)  # float32 sources are sendable against a bfloat16 plan
+
+
+def test_packing_float32_into_a_bf16_buffer_equals_converting_each_tensor():
+    state = _state()
+    meta = plan_buckets(state, bucket_bytes=1 << 20, dtype=torch.bfloat16)
+    for b in range(len(meta.buckets)):
+        metas = bucket_metas(meta, b)
+        parts = [state[m.name] for m in metas]
+        out = torch.empty(sum(meta_numel(m) for m in metas), dtype=str_to_dtype(metas[0].dtype))
+        flat = pack_bucket(parts, out=out)
+        assert flat.data_ptr() == out.data_ptr()  # into the reusable buffer, no new one
+        for m, got in zip(metas, unpack_bucket(flat, metas)):
+            want = state[m.name].to(str_to_dtype(m.dtype))
+            assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), m.name
+
+
+def test_conversion_never_crosses_between_floats_and_integers():
+    meta = plan_buckets({"steps": torch.arange(3)}, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="re-plan"):
+        check_matches({"steps": torch.zeros(3)}, meta)
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack_bucket([torch.arange(3), torch.zeros(2)], out=torch.empty(5))
+    with pytest.raises(ValueError, match="elements"):
+        pack_bucket([torch.zeros(3)], out=torch.empty(4, dtype=torch.bfloat16))
 
 
 def test_dtype_strings_round_trip():

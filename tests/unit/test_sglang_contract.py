@@ -518,8 +518,21 @@ def test_sender_rejects_tensors_that_do_not_match_the_meta(tiny_model_dir):
     params = dict(load_model(tiny_model_dir, dtype="float32").named_parameters())
     meta = plan_buckets(params, 4096)
     group = type("G", (), {"device": torch.device("cpu"), "broadcast": lambda self, ts: None})()
-    with pytest.raises(ValueError, match="re-plan"):
-        broadcast_per_tensor(group, {k: v.half() for k, v in params.items()}, meta)
+    with pytest.raises(ValueError, match="re-plan"):  # another shape
+        broadcast_per_tensor(group, {k: v.reshape(-1) if v.dim() > 1 else v for k, v in params.items()}, meta)
+    with pytest.raises(ValueError, match="re-plan"):  # integers for floats
+        broadcast_per_tensor(group, {k: v.long() for k, v in params.items()}, meta)
+
+
+def test_sender_sends_each_tensor_in_the_engines_dtype_of_the_meta(tiny_model_dir):
+    params = dict(load_model(tiny_model_dir, dtype="float32").named_parameters())
+    meta = plan_buckets(params, 4096, dtype=torch.bfloat16)  # float32 master weights, a bfloat16 engine
+    sent: list[torch.Tensor] = []
+    group = type("G", (), {"device": torch.device("cpu"), "broadcast": lambda self, ts: sent.extend(ts)})()
+    nbytes = broadcast_per_tensor(group, params, meta)
+    assert nbytes == meta.total_bytes == sum(2 * p.numel() for p in params.values())
+    for m, t in zip(meta.tensors, sent):
+        assert t.dtype == torch.bfloat16 and torch.equal(t, params[m.name].detach().to(torch.bfloat16)), m.name
 
 
 def test_load_weights_waits_for_running_requests_and_stamps_versions(make_engine, tiny_model_dir):
