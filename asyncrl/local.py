@@ -11,7 +11,16 @@ import asyncio
 import inspect
 from typing import Any
 
-from asyncrl.build import build_buffer, build_generator, build_scorer, build_trainer, set_torch_threads, sync_dtype
+from asyncrl.build import (
+    build_buffer,
+    build_generator,
+    build_scorer,
+    build_trainer,
+    engine_dtype,
+    set_torch_threads,
+    sync_dtype,
+    trained_dtype,
+)
 from asyncrl.config_schema import Config
 from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
 from transports.local import LocalWeightChannel
@@ -43,10 +52,8 @@ def shares_trainer_model(cfg: Config) -> bool:
     take turns: asyncrl/pipeline.py), so what they read is always one whole policy version."""
     from asyncrl.placement import role_device
 
-    c = cfg.cluster
-    trainer_dtype = "float32" if cfg.trainer.mixed_precision == "bf16" else cfg.model.dtype  # its master weights
-    engine_dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-    return (c.placement == "colocated" and cfg.rollout.engine == "torch" and engine_dtype == trainer_dtype
+    return (cfg.cluster.placement == "colocated" and cfg.rollout.engine == "torch"
+            and engine_dtype(cfg) == trained_dtype(cfg)  # (mixed precision: float32 master weights, no sharing)
             and role_device(cfg, "generator") == role_device(cfg, "trainer"))
 
 
