@@ -109,10 +109,7 @@ def check_placement(cfg: Config, *, cuda: bool, gpus_here: int) -> list[str]:
             errors.append(f"cluster.placement = 'colocated' puts the trainer and every generator on one GPU, but "
                           f"trainer_gpus + num_generators x generator_gpus = {shared:g} > 1 — use fractions, e.g. "
                           f"trainer_gpus = 0.5 and generator_gpus = {0.5 / cfg.rollout.num_generators:g}")
-        if cfg.rollout.engine != "torch":
-            errors.append(f"cluster.placement = 'colocated': rollout.engine = {cfg.rollout.engine!r} is not supported "
-                          f"colocated (its engine cannot release its memory to the trainer here) — use the 'torch' "
-                          f"engine, or placement = 'disaggregated'")
+        # (an engine that cannot sleep: asyncrl/config.py _check_colocated)
         if backend == "nccl":
             errors.append("weight_sync.backend = 'nccl' with cluster.placement = 'colocated': NCCL refuses two ranks "
                           "on one GPU — use 'ipc' or 'auto'")

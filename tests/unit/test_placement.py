@@ -62,8 +62,8 @@ def test_colocated_roles_share_one_bundle_whose_gpus_are_the_sum_of_theirs(gpus)
                                                      "generator_gpus = 1.25 > 1 — use fractions"),
     (1, {**ONE_GPU, "cluster.generator_gpus": 0}, "cluster.placement = 'colocated' shares one device between the "
                                                   "trainer and the generators"),
-    (1, {**ONE_GPU, "rollout.engine": "vllm"}, "cluster.placement = 'colocated': rollout.engine = 'vllm' is not "
-                                               "supported colocated"),
+    (1, {**ONE_GPU, "rollout.engine": "vllm"}, "cluster.placement: 'colocated' needs an engine that releases its "
+                                               "K/V cache"),
     (1, {**ONE_GPU, "weight_sync.backend": "nccl"}, "weight_sync.backend = 'nccl' with cluster.placement = "
                                                     "'colocated': NCCL refuses two ranks on one GPU — use 'ipc'"),
     (2, {"cluster.trainer_gpus": 0.5, "cluster.generator_gpus": 0.5, "weight_sync.backend": "nccl"},
