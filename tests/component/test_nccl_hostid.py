@@ -63,9 +63,11 @@ def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
             for name, t in state.items()}
 
 
-def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, str], out: Any) -> None:
+def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, str], out: Any, done: Any) -> None:
     """One member of the weight-sync group, in its own process: rank 0 sends VERSIONS, rank 1 receives them.
-    Puts (rank, version, report) per version, or (rank, None, traceback) on any error."""
+    Puts (rank, version, report) per version, or (rank, None, traceback) on any error. Rank 0 closes its group
+    only once rank 1 set `done`: a broadcast is complete on its root when the bytes have left it, not when they
+    arrived, and an aborted communicator would drop what is still on the way."""
     os.environ.update(env)  # before the first NCCL call, which reads them
     torch.set_num_threads(1)
     group = None
@@ -79,6 +81,7 @@ def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, st
                 state = model_state(version, device)
                 stats = sender.send(state, version)
                 out.put((rank, version, {"sums": checksums(state), "buckets": stats["sync/buckets"]}))
+            done.wait(TIMEOUT_S)
         else:
             receiver = CollectiveReceiver(group, meta)
             for version in VERSIONS:
@@ -91,6 +94,7 @@ def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, st
                     "equal": {n: torch.equal(staged[n].reshape(-1).view(torch.uint8),
                                              t.reshape(-1).view(torch.uint8)) for n, t in expected.items()},
                 }))
+            done.set()
     except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
         out.put((rank, None, traceback.format_exc()))
     finally:
@@ -102,8 +106,9 @@ def run_pair(backend: str, device: str, envs: tuple[dict[str, str], dict[str, st
     """Spawn both ranks; {(rank, version): report}. Fails with a rank's traceback if one raised."""
     store, port = create_store(2, TIMEOUT_S)  # the master stays here; both ranks connect as clients
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, backend, device, envs[rank], out)) for rank in (0, 1)]
+    out, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=rank_main, args=(rank, port, backend, device, envs[rank], out, done))
+             for rank in (0, 1)]
     for p in procs:
         p.start()
     reports: dict[tuple[int, int], dict] = {}
