@@ -19,6 +19,8 @@ B. train step, colocated: `Learner.update` over the B completions of A (GRPO, PP
    `--group-size`, rewards drawn 0/1) with the engine alive in this process on the same GPU. Where the engine
    has `sleep()` and `wake()`, it sleeps before the step and wakes after it (both timed); then `load_weights`
    hands the new weights to the engine (the in-process hand-over, timed). Median of R steps after a warm-up step.
+   (An in-process run whose engine has the trainer's device and dtype wraps the trainer's module instead,
+   asyncrl/local.py: no hand-over at all; the engine here owns a copy, as with mixed precision or another dtype.)
 C. train step, trainer alone: the same steps once the engine is closed and its memory freed (the
    disaggregated case: the trainer has the GPU to itself). Median of R steps.
 
