@@ -4,9 +4,10 @@
 
 Runs examples/first_digit/config.toml with `asyncrl launch --local` (every role in this process; no Ray, which
 the GPU machine does not have), the trainer and the generator on CUDA and colocated:
-cluster.placement = "colocated", cluster.trainer_gpus = 1, cluster.generator_gpus = 1 (in process, a role
-with GPUs runs on cuda:0). Then prints the reward curve's start and end from RUN_DIR/metrics.jsonl and the
-GPU memory the run allocated in this process (0 would mean the roles ran on the CPU after all).
+cluster.placement = "colocated", cluster.trainer_gpus = 0.5, cluster.generator_gpus = 0.5 (in process, a
+role with GPUs runs on cuda:0, and the colocated engine wraps the trainer's module). Then prints the reward
+curve's start and end from RUN_DIR/metrics.jsonl and the GPU memory the run allocated in this process (0
+would mean the roles ran on the CPU after all).
 
 Exit status: the launch's own when it failed; 3 when nothing was allocated on the GPU; 4 when the held-out
 greedy reward of the last evaluation is below --min-eval (the README's CPU runs reach 0.87-0.94). `--cpu`
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 
 CONFIG = "examples/first_digit/config.toml"
-ON_GPU = ['cluster.placement="colocated"', "cluster.trainer_gpus=1", "cluster.generator_gpus=1"]
+# colocated roles share one GPU, so their GPUs add up to at most 1 (a config check says so otherwise)
+ON_GPU = ['cluster.placement="colocated"', "cluster.trainer_gpus=0.5", "cluster.generator_gpus=0.5"]
 
 
 def main(argv: list[str]) -> int:
