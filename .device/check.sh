@@ -49,7 +49,8 @@ environment() {
     "$PY" - <<'EOF'
 import importlib.util, sys
 import torch
-nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "none"
+nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
 print(f"python {sys.version.split()[0]}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
       f"devices {torch.cuda.device_count()}; NCCL {nccl}")
 print("ray installed:", importlib.util.find_spec("ray") is not None, "| vllm installed:",
