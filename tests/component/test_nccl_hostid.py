@@ -9,11 +9,12 @@ double-buffered packing, staging buffers on the receiver's device) is exercised 
 machine has (.device/check.sh), not only on two.
 
 Each rank is a spawned process (CUDA cannot be forked); the store's master lives in this process. The
-source sends several versions of a bucketed model state dict (bf16 and fp32 tensors, sizes that are not
-multiples of anything, one tensor larger than a bucket); the receiver checks that every tensor it got is
-on its GPU and bit-identical to the state it rebuilds from the same seed, and both ranks report a SHA-256
-per tensor, compared here. The same ranks run over gloo on the CPU (the test below the NCCL one), so this
-harness is checked on every machine.
+source sends several versions of a bucketed model state dict (bf16 and fp32 tensors, an int64 one, sizes
+that are not multiples of anything, one tensor larger than a bucket), as they are or planned in bfloat16
+(the engines' dtype: the source converts its fp32 tensors while packing, as with mixed precision); the
+receiver checks that every tensor it got is on its GPU and bit-identical to the state it rebuilds from the
+same seed (converted the same way), and both ranks report a SHA-256 per tensor, compared here. The same
+ranks run over gloo on the CPU (the test below the NCCL one), so this harness is checked on every machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 from transports import CollectiveReceiver, CollectiveSender, create_store, join_group, plan_buckets
+from transports.bucketing import wire_dtype
 
 TIMEOUT_S = 120.0
 VERSIONS = (1, 2, 3, 4)
@@ -55,7 +57,14 @@ def model_state(version: int, device: str) -> dict[str, torch.Tensor]:
         "model.layers.1.mlp.up_proj.weight": rand(301, 64, dtype=torch.bfloat16),
         "model.norm.weight": rand(64),
         "lm_head.weight": rand(517, 64, dtype=torch.bfloat16),
+        "model.position_ids": torch.randint(0, 1 << 40, (37,), generator=g).to(device),  # int64: never converted
     }
+
+
+def on_the_wire(state: dict[str, torch.Tensor], wire: str | None) -> dict[str, torch.Tensor]:
+    """`state` as the receivers get it when the buckets are planned in `wire` (None: as it is)."""
+    target = getattr(torch, wire) if wire else None
+    return {n: t.to(wire_dtype(t.dtype, target)) for n, t in state.items()}
 
 
 def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -63,7 +72,8 @@ def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
             for name, t in state.items()}
 
 
-def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, str], out: Any, done: Any) -> None:
+def rank_main(rank: int, port: int, backend: str, device: str, wire: str | None, env: dict[str, str], out: Any,
+              done: Any) -> None:
     """One member of the weight-sync group, in its own process: rank 0 sends VERSIONS, rank 1 receives them.
     Puts (rank, version, report) per version, or (rank, None, traceback) on any error. Rank 0 closes its group
     only once rank 1 set `done`: a broadcast is complete on its root when the bytes have left it, not when they
@@ -74,19 +84,20 @@ def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, st
     try:
         group = join_group(host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend,
                            timeout_s=TIMEOUT_S, device=device)
-        meta = plan_buckets(model_state(0, device), BUCKET_BYTES)
+        meta = plan_buckets(model_state(0, device), BUCKET_BYTES, dtype=getattr(torch, wire) if wire else None)
         if rank == 0:
             sender = CollectiveSender(group, meta)
             for version in VERSIONS:
                 state = model_state(version, device)
                 stats = sender.send(state, version)
-                out.put((rank, version, {"sums": checksums(state), "buckets": stats["sync/buckets"]}))
+                sent = checksums(on_the_wire(state, wire))
+                out.put((rank, version, {"sums": sent, "buckets": stats["sync/buckets"]}))
             done.wait(TIMEOUT_S)
         else:
             receiver = CollectiveReceiver(group, meta)
             for version in VERSIONS:
                 staged, got, stats = receiver.receive(armed=version > VERSIONS[0])
-                expected = model_state(version, device)
+                expected = on_the_wire(model_state(version, device), wire)
                 out.put((rank, version, {
                     "version": got, "sums": checksums(staged), "buckets": stats["sync/buckets"],
                     "devices": sorted({str(t.device) for t in staged.values()}),
@@ -102,12 +113,13 @@ def rank_main(rank: int, port: int, backend: str, device: str, env: dict[str, st
             group.close()
 
 
-def run_pair(backend: str, device: str, envs: tuple[dict[str, str], dict[str, str]]) -> dict[tuple[int, int], dict]:
+def run_pair(backend: str, device: str, wire: str | None,
+             envs: tuple[dict[str, str], dict[str, str]]) -> dict[tuple[int, int], dict]:
     """Spawn both ranks; {(rank, version): report}. Fails with a rank's traceback if one raised."""
     store, port = create_store(2, TIMEOUT_S)  # the master stays here; both ranks connect as clients
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, backend, device, envs[rank], out, done))
+    procs = [ctx.Process(target=rank_main, args=(rank, port, backend, device, wire, envs[rank], out, done))
              for rank in (0, 1)]
     for p in procs:
         p.start()
@@ -132,13 +144,13 @@ def run_pair(backend: str, device: str, envs: tuple[dict[str, str], dict[str, st
     return reports
 
 
-def check_reports(reports: dict[tuple[int, int], dict], device: str) -> None:
+def check_reports(reports: dict[tuple[int, int], dict], device: str, wire: str | None) -> None:
     names = list(model_state(0, "cpu"))
     for version in VERSIONS:
         sent, got = reports[(0, version)], reports[(1, version)]
         assert got["version"] == version
         assert got["devices"] == [device]
-        assert got["dtypes"] == {n: str(t.dtype) for n, t in model_state(0, "cpu").items()}
+        assert got["dtypes"] == {n: str(t.dtype) for n, t in on_the_wire(model_state(0, "cpu"), wire).items()}
         assert got["equal"] == {n: True for n in names}, f"version {version}: tensors differ"
         assert got["sums"] == sent["sums"], f"version {version}: checksums differ"
         assert got["buckets"] == sent["buckets"] > 2
@@ -146,23 +158,30 @@ def check_reports(reports: dict[tuple[int, int], dict], device: str) -> None:
     assert len({reports[(0, v)]["sums"]["lm_head.weight"] for v in VERSIONS}) == len(VERSIONS)
 
 
+WIRES = [None, "bfloat16"]  # as held; in the engines' dtype (fp32 converted while packing)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_two_nccl_ranks_on_one_gpu_with_distinct_host_ids_receive_bit_identical_versions():
+@pytest.mark.parametrize("wire", WIRES)
+def test_two_nccl_ranks_on_one_gpu_with_distinct_host_ids_receive_bit_identical_versions(wire):
     envs = ({**NCCL_ENV, "NCCL_HOSTID": "asyncrl-check-host-0"}, {**NCCL_ENV, "NCCL_HOSTID": "asyncrl-check-host-1"})
-    reports = run_pair("nccl", "cuda:0", envs)
-    check_reports(reports, "cuda:0")
+    check_reports(run_pair("nccl", "cuda:0", wire, envs), "cuda:0", wire)
 
 
 @pytest.mark.slow  # two spawned interpreters importing torch: about 10 s on 2 cores
-def test_the_same_two_process_ranks_over_gloo_receive_bit_identical_versions():
-    check_reports(run_pair("gloo", "cpu", ({}, {})), "cpu")
+@pytest.mark.parametrize("wire", WIRES)
+def test_the_same_two_process_ranks_over_gloo_receive_bit_identical_versions(wire):
+    check_reports(run_pair("gloo", "cpu", wire, ({}, {})), "cpu", wire)
 
 
 def test_the_state_has_bf16_and_fp32_buckets_and_a_tensor_larger_than_a_bucket():
     state = model_state(0, "cpu")
     meta = plan_buckets(state, BUCKET_BYTES)
     dtypes = [meta.tensors[b[0]].dtype for b in meta.buckets]
-    assert {"float32", "bfloat16"} <= set(dtypes) and len(meta.buckets) >= 4
+    assert {"float32", "bfloat16", "int64"} <= set(dtypes) and len(meta.buckets) >= 4
+    in_bf16 = plan_buckets(state, BUCKET_BYTES, dtype=torch.bfloat16)
+    assert {in_bf16.tensors[b[0]].dtype for b in in_bf16.buckets} == {"bfloat16", "int64"}
+    assert len(in_bf16.buckets) > 2
     assert max(t.numel() * t.element_size() for t in state.values()) > BUCKET_BYTES
     assert any(t.numel() * t.element_size() % 8 for t in state.values())  # not all multiples of 8 bytes
