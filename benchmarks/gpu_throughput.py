@@ -18,7 +18,9 @@ A. generation: `TorchEngine.generate` of B prompts (`--prompt-len` random ids ea
 B. train step, colocated: `Learner.update` over the B completions of A (GRPO, PPO-clip, groups of
    `--group-size`, rewards drawn 0/1) with the engine alive in this process on the same GPU. Where the engine
    has `sleep()` and `wake()`, it sleeps before the step and wakes after it (both timed); then `load_weights`
-   hands the new weights to the engine (the in-process hand-over, timed). Median of R steps after a warm-up step.
+   hands the new weights to the engine (the in-process hand-over, timed), and the engine generates the next
+   batch (timed: after a sleep, that call allocates the cache and captures the graphs again; compare it with
+   A's figure). Median of R cycles after a warm-up step.
    (An in-process run whose engine has the trainer's device and dtype wraps the trainer's module instead,
    asyncrl/local.py: no hand-over at all; the engine here owns a copy, as with mixed precision or another dtype.)
 C. train step, trainer alone: the same steps once the engine is closed and its memory freed (the
@@ -26,8 +28,9 @@ C. train step, trainer alone: the same steps once the engine is closed and its m
 
 The learner is built as asyncrl/build.py `build_learner` builds it for GRPO (no critic, no reference):
 `Learner(model, algorithm, trainer, pad_token_id, max_new_tokens, device)` over the model loaded in bfloat16
-(parameters and AdamW state in bfloat16; `trainer.mixed_precision` stays at its default). Peak GPU memory of
-each section is printed (`torch.cuda.max_memory_allocated`).
+(parameters and AdamW state in bfloat16); `--mixed-precision` loads it in float32 instead and trains with
+`trainer.mixed_precision = "bf16"` (float32 master weights and AdamW state, forwards under bfloat16 autocast).
+Peak GPU memory of each section is printed (`torch.cuda.max_memory_allocated`).
 
 The last line of output is one JSON object: value = generation tokens/s at batch B, baseline = the same
 engine's tokens/s at batch 1 in the same run, ratio = value / baseline. Target 32: decoding a 0.5B model on a
@@ -182,10 +185,13 @@ def train_groups(completions: list[Completion], group_size: int, seed: int) -> l
     return groups
 
 
-def build_learner(path: str, device: torch.device, dtype: str, micro_batch: int, new_tokens: int) -> Learner:
-    """As asyncrl/build.py builds the policy learner for GRPO (no critic, reference or multiplier)."""
-    model = hf.load_model(path, dtype=dtype, device=device)
-    trainer = TrainerConfig(lr=1e-6, micro_batch_size=micro_batch, grad_clip=1.0)
+def build_learner(path: str, device: torch.device, dtype: str, micro_batch: int, new_tokens: int,
+                  mixed_precision: bool) -> Learner:
+    """As asyncrl/build.py builds the policy learner for GRPO (no critic, reference or multiplier); with
+    `mixed_precision` the model loads in float32 (master weights) and trains under bfloat16 autocast."""
+    model = hf.load_model(path, dtype="float32" if mixed_precision else dtype, device=device)
+    trainer = TrainerConfig(lr=1e-6, micro_batch_size=micro_batch, grad_clip=1.0,
+                            mixed_precision="bf16" if mixed_precision else "no")
     algorithm = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean")
     return Learner(model, algorithm=algorithm, trainer=trainer, pad_token_id=hf.PAD_ID, max_new_tokens=new_tokens,
                    device=device)
@@ -199,10 +205,12 @@ def step(learner: Learner, groups: list[Group]) -> float:
     return time.perf_counter() - t0
 
 
-def colocated_steps(learner: Learner, engine: TorchEngine, groups: list[Group], repeats: int) -> dict[str, float]:
-    """Train steps with the engine alive beside the learner: sleep, step, wake, hand the weights over."""
+def colocated_steps(learner: Learner, engine: TorchEngine, groups: list[Group], repeats: int,
+                    prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """Colocated cycles with the engine alive beside the learner: sleep, step, wake, hand the weights over, and
+    the next batch's generation (after a sleep it allocates the cache and captures its graphs again)."""
     sleeps = hasattr(engine, "sleep") and hasattr(engine, "wake")
-    times: dict[str, list[float]] = {"sleep": [], "step": [], "wake": [], "load_weights": []}
+    times: dict[str, list[float]] = {"sleep": [], "step": [], "wake": [], "load_weights": [], "generate": []}
     for _ in range(repeats):
         if sleeps:
             t0 = time.perf_counter()
@@ -219,23 +227,25 @@ def colocated_steps(learner: Learner, engine: TorchEngine, groups: list[Group], 
         engine.load_weights(learner.state_dict_for_sync(), version=learner.version)
         sync(engine.device)
         times["load_weights"].append(time.perf_counter() - t0)
+        times["generate"].append(generate(engine, prompts, new_tokens)[0])
     if not sleeps:
         print("   (this engine has no sleep()/wake(): its weights and KV cache stay in memory during the step)")
     return {k: statistics.median(v) for k, v in times.items() if v}
 
 
 def training(path: str, engine: TorchEngine, completions: list[Completion], args: argparse.Namespace,
-             device: torch.device) -> tuple[float, float]:
+             device: torch.device, prompts: list[list[int]]) -> tuple[float, float]:
     """(colocated median step s, alone median step s); closes the engine."""
     groups = train_groups(completions, args.group_size, seed=0)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
-    learner = build_learner(path, device, args.dtype, args.micro_batch, args.new_tokens)
+    learner = build_learner(path, device, args.dtype, args.micro_batch, args.new_tokens, args.mixed_precision)
+    numerics = ("float32 master weights and AdamW state, bfloat16 autocast (trainer.mixed_precision = 'bf16')"
+                if args.mixed_precision else f"{args.dtype} parameters and AdamW state")
     print(f"\nB. train step, colocated: {len(completions)} samples in {len(groups)} groups, {tokens} tokens, "
-          f"micro-batches of {args.micro_batch}, {args.dtype} parameters and AdamW state; "
-          f"median of {args.repeats} after a warm-up step")
+          f"micro-batches of {args.micro_batch}, {numerics}; median of {args.repeats} after a warm-up step")
     reset_peak(device)
     warm = step(learner, groups)
-    colocated = colocated_steps(learner, engine, groups, args.repeats)
+    colocated = colocated_steps(learner, engine, groups, args.repeats, prompts, args.new_tokens)
     print(f"   warm-up step {warm:.3f} s; " + ", ".join(f"{k} {v:.3f} s" for k, v in colocated.items())
           + f"; peak GPU memory {peak_gb(device)}")
     asyncio.run(engine.close())
@@ -264,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--group-size", type=int, default=None, help="samples per GRPO group in the train batch (8)")
     ap.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (16)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls / steps per figure (median; 3)")
+    ap.add_argument("--mixed-precision", action="store_true",
+                    help="train with trainer.mixed_precision = 'bf16' (float32 master weights) instead of bf16 ones")
     args = ap.parse_args(argv)
     quick = args.quick
     defaults = dict(batch=4, prompt_len=8, new_tokens=8, group_size=2, micro_batch=2, repeats=1) if quick else \
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         reset_peak(device)
         tps, completions = generation(engine, prompts, args.new_tokens, args.repeats)
         print(f"   peak GPU memory {peak_gb(device)}")
-        colocated, alone = training(path, engine, completions, args, device)
+        colocated, alone = training(path, engine, completions, args, device, prompts)
 
     value, baseline = tps[args.batch], tps[1]
     print(f"\nbatch {args.batch}: {value:.0f} tokens/s vs batch 1: {baseline:.0f} tokens/s = {value / baseline:.1f}x "
