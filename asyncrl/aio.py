@@ -1,8 +1,10 @@
-"""Small asyncio helpers shared by the Controller and the roles."""
+"""Small asyncio helpers shared by the Controller and the roles, and the event loop every run starts on
+(`run_loop`: `asyncrl.local.run_local` in process, `asyncrl.launch.run_with_ray` on Ray)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -51,3 +53,22 @@ def on_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "call") -> as
 
     threading.Thread(target=work, name=name, daemon=True).start()
     return fut
+
+
+def run_loop(coro: Any) -> Any:
+    """Run a coroutine on a fresh uvloop event loop (asyncio's own where uvloop is absent)."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux/macOS
+        factory = None
+    if threading.current_thread() is threading.main_thread():
+        # asyncio.Runner installs its Ctrl-C handler (cancel the run, so every `finally` shuts the actors
+        # down) only while SIGINT still has Python's default handler; an inherited SIG_IGN or a library's
+        # handler, or a SIGINT blocked in the mask this process inherited from its parent's thread, would
+        # make Ctrl-C do nothing. The CLI's contract is that the first Ctrl-C stops the run.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)

@@ -85,7 +85,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def _calibration_run(config: str, steps: int) -> str:
     """A short in-process run of `config` (no evaluation, no checkpoint) to calibrate the planner from."""
-    from asyncrl.launch import run_local
+    from asyncrl.local import run_local
 
     # On-policy (max_staleness = 0): the one setting where generation, scoring and training each run alone,
     # so their costs are measured without the others' contention (docs/observability.md, the planner).
@@ -186,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
     from asyncrl.controller import RunStopped
-    from asyncrl.launch import run_local, run_with_ray
     from asyncrl.telemetry.runlog import RunLog, cause_chain
 
+    if args.local:  # asyncrl.launch imports Ray; the in-process path does not (machines without Ray)
+        from asyncrl.local import run_local as runner
+    else:
+        from asyncrl.launch import run_with_ray as runner
     logging.getLogger().setLevel(args.log_level)
     run_log = RunLog(cfg.run.output_dir, level=args.log_level)
-    runner = run_local if args.local else run_with_ray
     try:
         rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
     except KeyboardInterrupt:  # Ctrl-C before the run's loop took the signal (setup)

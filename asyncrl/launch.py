@@ -2,25 +2,25 @@
 
 A local cluster listens on 127.0.0.1 only, starts no dashboard unless `cluster.dashboard = true`, and is
 shut down at the end of the run (also on Ctrl-C). With `cluster.address` the run joins an existing
-cluster and leaves it running. The Controller's own event loop is uvloop's.
+cluster and leaves it running. The Controller's own event loop is uvloop's. In-process runs (`--local`)
+do not come here: `asyncrl.local.run_local` needs no Ray installed (GPU machines without it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import threading
 from typing import Any, Awaitable, Callable
 
 import ray
 
 from asyncrl.actors import RayProxy, RemoteRoleActor
-from asyncrl.aio import discard
+from asyncrl.aio import discard, run_loop
 from asyncrl.build import pin_cpus
 from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.local import run_local  # noqa: F401 - its home is asyncrl/local.py (no Ray); kept importable here
 from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
@@ -272,30 +272,3 @@ async def _run_beside(controller: Controller, deployment: RayDeployment,
     finally:
         if side is not None:
             discard(side)
-
-
-def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
-    """Run `cfg` with every role in this process (no Ray): for tests and debugging."""
-    from asyncrl.local import LocalDeployment
-
-    ensure_model(cfg.model)
-    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text, resume=resume).run())
-
-
-def run_loop(coro: Any) -> Any:
-    """Run a coroutine on a fresh uvloop event loop (asyncio's own where uvloop is absent)."""
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux/macOS
-        factory = None
-    if threading.current_thread() is threading.main_thread():
-        # asyncio.Runner installs its Ctrl-C handler (cancel the run, so every `finally` shuts the actors
-        # down) only while SIGINT still has Python's default handler; an inherited SIG_IGN or a library's
-        # handler, or a SIGINT blocked in the mask this process inherited from its parent's thread, would
-        # make Ctrl-C do nothing. The CLI's contract is that the first Ctrl-C stops the run.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)

@@ -1,8 +1,8 @@
 """In-process deployment: every role in one event loop (engine and trainer compute on worker threads).
 
 Same roles, same Controller as the Ray deployment; weights travel through a LocalWeightChannel instead of
-a collective group. Used by tests and for debugging a config without a cluster
-(`asyncrl launch --local`).
+a collective group. Used by tests, for debugging a config without a cluster and on machines without Ray
+(`asyncrl launch --local`, `run_local`): nothing on this path imports Ray (tests/unit/test_local_without_ray.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 import inspect
 from typing import Any
 
+from asyncrl.aio import run_loop
 from asyncrl.build import (
     build_buffer,
     build_generator,
@@ -22,7 +23,9 @@ from asyncrl.build import (
     trained_dtype,
 )
 from asyncrl.config_schema import Config
+from asyncrl.controller import Controller
 from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
+from engines.hf import ensure_model
 from transports.local import LocalWeightChannel
 
 
@@ -128,3 +131,9 @@ class LocalDeployment:
             await g.engine.close()
         for s in self.scorer_objs:  # their loops closed them too, unless a loop never started
             s.rewards.close()
+
+
+def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
+    """Run `cfg` with every role in this process (no Ray); returns the metrics rows."""
+    ensure_model(cfg.model)
+    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text, resume=resume).run())

@@ -79,7 +79,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def _build_tokenizer(vocab: str):
+def build_char_tokenizer(vocab: str):
     """A character-level PreTrainedTokenizerFast that adds no bos/eos when encoding.
 
     It is a byte-level BPE with no merges, i.e. the standard GPT-2/Qwen2 tokenizer shape: transformers
@@ -153,7 +153,7 @@ def build_tiny_model(path: str | Path, cfg: TinyModelSpec) -> None:
     _quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(cfg.vocab)
+    tokenizer = build_char_tokenizer(cfg.vocab)
     # Fork the global RNG so that building a model does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

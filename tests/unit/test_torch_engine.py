@@ -415,7 +415,9 @@ def test_unsupported_model_falls_back_with_a_warning(caplog):
     torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
 
 
-STATIC_MODES = ["cpu-static"] + (["cuda-graphs"] if torch.cuda.is_available() else [])
+# `-m gpu` selects the CUDA cases (.device/check.sh runs them on a GPU machine)
+STATIC_MODES = ["cpu-static"] + ([pytest.param("cuda-graphs", marks=pytest.mark.gpu)]
+                                 if torch.cuda.is_available() else [])
 
 
 def static_engine(model_dir, mode: str) -> TorchEngine:

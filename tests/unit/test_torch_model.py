@@ -223,7 +223,8 @@ def test_kv_only_prefill_writes_every_layers_cache():
 
 # ---- static decode (the step a CUDA graph captures): checked eagerly on CPU, captured on CUDA ----------
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# `-m gpu` selects the CUDA cases (.device/check.sh runs them on a GPU machine)
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 def static_backend(model, device: str, fuse: bool = True) -> SlotDecoder:
