@@ -87,3 +87,25 @@ def test_gpus_on_a_cluster_joined_by_address_are_left_to_ray(gpus):
     gpus(0)  # the driver has no GPU; the cluster's nodes may
     cfg = load_config(write_config({**TWO_GPUS, "cluster.address": "10.0.0.1:6379"}))
     assert weight_backend(cfg) == "nccl"
+
+
+def test_the_readme_gpu_configs_are_valid_on_the_machines_they_name(gpus):
+    import re
+    import tomllib
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## GPUs: where each role runs")[1].split("\n## ")[0]
+    colocated, disaggregated = [tomllib.loads(b) for b in re.findall(r"```toml\n(.*?)```", section, flags=re.S)]
+
+    def edits(table: dict) -> dict:
+        return {f"{k}.{f}": v for k, fields in table.items() for f, v in fields.items()}
+
+    gpus(1)
+    cfg = load_config(write_config(edits(colocated)))
+    assert weight_backend(cfg) == "ipc" and cfg.trainer.mixed_precision == "bf16"
+    gpus(2)
+    cfg = load_config(write_config(edits(disaggregated)))
+    assert weight_backend(cfg) == "nccl"
+    gpus(1)  # one GPU is too few for it
+    assert any("needs 2 GPUs" in e for e in errors_of(write_config(edits(disaggregated))))
