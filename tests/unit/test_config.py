@@ -150,6 +150,8 @@ CASES = [
     ("kv_heads_not_dividing_heads", {"model.build_tiny.num_kv_heads": 3},
      "model.build_tiny.num_kv_heads: 3 does not divide model.build_tiny.num_heads = 4"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
+    ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
+     "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),
 ]
 
 
@@ -223,6 +225,10 @@ def test_eval_every_beyond_total_steps_is_allowed():
 def test_nccl_is_accepted_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(config_mod, "cuda_available", lambda: True)
     assert load_config(write_config({"weight_sync.backend": "nccl"})).weight_sync.backend == "nccl"
+
+
+def test_ipc_is_accepted_with_the_torch_engine_and_without_cuda():
+    assert load_config(write_config({"weight_sync.backend": "ipc"})).weight_sync.backend == "ipc"
 
 
 def test_existing_model_folder_needs_config_json_without_build_tiny(workdir):
