@@ -34,8 +34,9 @@ One sync n (every member counts its syncs from 0 in a group):
               `ack/<n>` counts every receiver (up to `timeout_s`); deletes both keys. Returns: every receiver
               holds its own copy, as a broadcast has returned once every member holds the data
     receiver  waits for `sync/<n>` (up to `timeout_s`; armed, until the transport is closed); copies the whole
-              arena into a fresh buffer of its own, checks the head (below), adds 1 to `ack/<n>`, and returns
-              views of its copy: the caller owns them (the engine may load them a decode step later)
+              arena into a buffer of its own (on the CPU the last receive's once its caller let go of it:
+              `_staging`), checks the head (below), adds 1 to `ack/<n>`, and returns views of its copy: the
+              caller owns them (the engine may load them a decode step later)
 
 Invariant: a receiver never returns a torn version (bytes of two versions). The sender starts sync n + 1 only
 after every receiver acknowledged sync n (`send` returns then, and sends are serialised), and a sender whose ack
@@ -55,6 +56,7 @@ from __future__ import annotations
 import copyreg
 import io
 import logging
+import mmap
 import pickle
 import threading
 import time
@@ -266,6 +268,8 @@ class IpcReceiver(_Member):
 
     arms_early = True  # a receive waits for the announcement in the store, so it may be asked before the send
     last_version: int | None = None  # the version of the last receive (a warning if one goes back)
+    _memory: mmap.mmap | None = None  # CPU staging memory kept for reuse (`_staging`)
+    _handed_out: reductions.StorageWeakRef | None = None  # the storage over it that the last receive returned
 
     def receive(self, *, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
         """The next version: (tensors of this receiver's own copy, version, stats timing the copy, not the wait)."""
@@ -302,13 +306,27 @@ class IpcReceiver(_Member):
         arena = self._arena
         if arena is None:
             raise RuntimeError("weight-sync group is closed")
-        own = arena.flat.clone()
+        own = self._staging(arena.flat)
+        own.copy_(arena.flat)
         _synchronize(self.device)
         started, ended = int(own[:8].view(torch.int64)[0]), int(arena.head[0])
         if started != n or ended != n:  # the seqlock of the module doc: never hand out a mix of two versions
             raise RuntimeError(f"weight sync (ipc): the shared buffer changed during the copy of sync {n} (head "
                                f"{started} before, {ended} after) on rank {self.rank}: a sender overwrote it early")
         return dict(Arena(own, self.meta).views)
+
+    def _staging(self, flat: Tensor) -> Tensor:
+        """A buffer of this receiver's own to copy `flat` into. On the CPU: the memory of the last receive once its
+        caller let go of every tensor viewing it (their one storage is freed, so nobody can see it change), else
+        new memory: fresh pages cost a fault each, which on 2 cores is several times the copy itself. On CUDA the
+        caching allocator hands freed blocks out again by itself."""
+        if flat.device.type != "cpu":
+            return torch.empty_like(flat)
+        if self._memory is None or not self._handed_out.expired():
+            self._memory = mmap.mmap(-1, flat.numel())  # anonymous, page-aligned; faulted in by the first copy
+        own = torch.frombuffer(self._memory, dtype=torch.uint8)  # a storage of its own, holding the mapping
+        self._handed_out = reductions.StorageWeakRef(own.untyped_storage())
+        return own
 
 
 # -- joining -----------------------------------------------------------------------------------------------------

@@ -235,6 +235,28 @@ def test_the_sender_releases_the_weights_once_copied_and_receivers_get_what_they
     receiver.close()
 
 
+def test_a_receiver_reuses_its_cpu_staging_only_once_the_caller_let_go_of_every_tensor_of_it():
+    store, (sender, receiver) = _form(2)
+
+    def sync(version: int) -> dict[str, torch.Tensor]:
+        return _together(lambda: sender.send(_state(version), version), receiver.receive)[1][0]
+
+    def address(staged: dict[str, torch.Tensor]) -> int:
+        return staged["embed.weight"].untyped_storage().data_ptr()
+
+    held = sync(1)
+    second = sync(2)  # `held` is still referenced: new memory
+    assert address(second) != address(held) and _bytes(held) == _bytes(_state(1))
+    kept = second["layers.0.norm"][2:]  # a view of a view keeps the memory too
+    old, second = address(second), None
+    third = sync(3)
+    assert address(third) != old and _bytes({"n": kept}) == _bytes({"n": _state(2)["layers.0.norm"][2:]})
+    old, third, kept = address(third), None, None
+    assert address(sync(4)) == old  # let go of: the same memory again, no fresh pages to fault in
+    sender.close()
+    receiver.close()
+
+
 def test_a_copy_that_overlaps_a_write_raises_instead_of_returning_two_versions_mixed():
     store, (sender, receiver) = _form(2, timeout_s=SHORT_S)
     raised: list[BaseException] = []
