@@ -37,6 +37,7 @@ from engines.base import CollectiveWeightEngine, weight_transport
 from transports.base import SENDERS
 from transports.bucketing import plan_buckets
 from transports.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
+from transports.ipc import IpcReceiver, IpcSender, join_receiver
 
 log = logging.getLogger(__name__)
 
@@ -186,16 +187,21 @@ class RoleActor:
                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s, meta=meta)
             return
         timeout_s = self.cfg.weight_sync.timeout_s
-        if rank == 0:  # the trainer sends in the format the generators' engine receives (weights/base.py)
-            join_sender = SENDERS.get(weight_transport(self.cfg.rollout.engine))
+        if rank == 0:  # the trainer sends in the format the generators' engine receives (transports/base.py)
+            join_sender = SENDERS.get("ipc" if backend == "ipc" else weight_transport(self.cfg.rollout.engine))
             self.role.pipeline.supervised = self.cfg.cluster.max_restarts > 0
             self.role.sender = await asyncio.to_thread(
                 join_sender, store=self._store, host=host, port=port, world_size=world_size, backend=backend,
                 timeout_s=timeout_s, meta=meta, group_name=group_name)
             return
-        group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
-                                        backend=backend, timeout_s=timeout_s, group_name=group_name)
-        self.role.receiver = CollectiveReceiver(group, meta)
+        if backend == "ipc":  # the trainer's shared buffer, mapped (transports/ipc.py)
+            self.role.receiver = await asyncio.to_thread(join_receiver, host=host, port=port, rank=rank,
+                                                         world_size=world_size, timeout_s=timeout_s, meta=meta,
+                                                         group_name=group_name)
+        else:
+            group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
+                                            backend=backend, timeout_s=timeout_s, group_name=group_name)
+            self.role.receiver = CollectiveReceiver(group, meta)
         self.role.weight_group = group_name
 
     def leave_weight_group(self) -> None:
@@ -205,7 +211,7 @@ class RoleActor:
             old = self.role.pipeline.drop_sender()
         else:
             old, self.role.receiver = self.role.receiver, None
-        if isinstance(old, (CollectiveSender, CollectiveReceiver)):
+        if isinstance(old, (CollectiveSender, CollectiveReceiver, IpcSender, IpcReceiver)):
             old.close()
 
     async def save_checkpoint(self, path: str) -> str:

@@ -366,8 +366,13 @@ def _check_model(cfg: Config) -> list[str]:
 
 
 def _check_backend(cfg: Config) -> list[str]:
-    if cfg.weight_sync.backend == "nccl" and not cuda_available():
+    backend, engine = cfg.weight_sync.backend, cfg.rollout.engine
+    if backend == "nccl" and not cuda_available():
         return ["weight_sync.backend: 'nccl' needs CUDA and torch sees no GPU here — use 'gloo' or 'auto'"]
+    known = _available("engines.base", "available_engines", ENGINE_FALLBACK)  # an unknown one: _check_engine
+    if backend == "ipc" and engine in known and engine not in _available("engines.base", "ipc_engines", ["torch"]):
+        return [f"weight_sync.backend: 'ipc' is unsupported with rollout.engine = {engine!r} (its workers receive "
+                f"through their own group) — use 'auto', 'gloo' or 'nccl', or rollout.engine = 'torch'"]
     return []
 
 
@@ -490,7 +495,7 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("trainer.mini_batches", "trainer.prompts_per_step", "rollout.group_size"), _check_batches),
     (("buffer", "trainer.prompts_per_step", "rollout.group_size"), _check_buffers),
     (("model",), _check_model),
-    (("weight_sync.backend",), _check_backend),
+    (("weight_sync.backend", "rollout.engine"), _check_backend),
     (("cluster", "weight_sync.backend", "rollout.engine", "rollout.num_generators"), _check_devices),
     (("rollout.top_k",), _check_top_k),
     (("rollout.top_p", "rollout.top_k"), _check_sampling),

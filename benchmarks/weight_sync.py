@@ -1,4 +1,5 @@
-"""Weight sync: asyncrl's collective transport against a raw `torch.distributed` broadcast of the same bytes.
+"""Weight sync: asyncrl's transports against a raw transfer of the same bytes (a `torch.distributed` broadcast;
+a copy out of shared memory for the ipc transport).
 
     python benchmarks/weight_sync.py [--quick] [--layers N] [--dtype bf16|fp32] [--receivers N]
                                      [--repeats R] [--bucket-mb MB] [--no-ray]
@@ -15,7 +16,11 @@ tied so no lm_head; `--layers` scales the depth down):
 | | header, then per bucket: pack (a copy on the sender), broadcast, unpack (views) |
 | Ray object store | `ray.put` of the state dict in a sender actor, `ray.get` in each receiver (put + slowest get) |
 | raw / asyncrl NCCL | as the gloo rows, tensors on `cuda:<rank>`: needs one GPU per rank |
-| CUDA IPC | a receiver opens the sender's flat CUDA buffer (`torch.multiprocessing` handle), copies it into its own |
+| raw shared-memory / CUDA IPC copy | a receiver copies the sender's flat buffer, opened once through a |
+| | `torch.multiprocessing` handle (a shared-memory file on the CPU; on CUDA, cuda:0), into its own, preallocated |
+| asyncrl ipc | `IpcSender.send` / `IpcReceiver.receive` (transports/ipc.py) on the same device: the sender copies the |
+| | tensors into its shared buffer, announces, waits for every receiver's ack; a receiver copies the buffer |
+| | into a fresh buffer of its own (views) and acks. The CPU rows always run; the CUDA rows with a GPU |
 
 Fairness rules:
 * Ranks are processes (`torch.multiprocessing` spawn), 1 torch thread each, all on 127.0.0.1.
@@ -46,6 +51,7 @@ import torch.multiprocessing as mp
 
 from transports import CollectiveReceiver, CollectiveSender, create_store, join_group, plan_buckets
 from transports.bucketing import empty_bucket, pack_bucket
+from transports.ipc import join_receiver, join_sender
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TARGET = 0.8  # raw / asyncrl: asyncrl at most 1.25x the raw broadcast's time
@@ -62,6 +68,7 @@ class Settings:
     bucket_bytes: int
     backend: str  # "gloo" or "nccl"
     port: int = 0
+    device: str = "cpu"  # the ipc ranks' device: "cpu" (shared memory) or "cuda" (CUDA IPC on cuda:0)
 
 
 def qwen2_shapes(layers: int, vocab: int, hidden: int = 896, mlp: int = 4864, kv_heads: int = 2,
@@ -173,23 +180,44 @@ def _work_alone(rank: int, state: dict[str, torch.Tensor], meta, s: Settings, cu
 
 
 def _ipc_rank_main(rank: int, s: Settings, queue, handles) -> None:
-    """CUDA IPC: rank 0 shares one flat CUDA buffer; each receiver copies it into its own buffer on the GPU."""
+    """One host, one device (`s.device`): a raw copy out of the sender's shared flat buffer into a preallocated one,
+    and asyncrl's ipc sync of the same tensors, alternating; puts (rank, {method: [s]}, crcs, {}) on `queue`."""
     torch.set_num_threads(1)
+    cuda = s.device == "cuda"
+    device = "cuda:0" if cuda else "cpu"
     store = dist.TCPStore("127.0.0.1", s.port, s.world_size, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
     dist.init_process_group("gloo", store=dist.PrefixStore("ipc", store), rank=rank, world_size=s.world_size)
+    state = build_state(s, random=rank == 0, device=device)
+    meta = plan_buckets(state, s.bucket_bytes)
     try:
         if rank == 0:
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in build_state(s, random=True).values()]).cuda()
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
             for _ in range(s.world_size - 1):
-                handles.put(flat)
+                handles.put(flat)  # a shared-memory file on the CPU, a CUDA IPC handle on the GPU
             shared, own = flat, flat
+            sender = join_sender(store=store, host="127.0.0.1", port=s.port, world_size=s.world_size,
+                                 timeout_s=TIMEOUT_S, meta=meta, device=device, group_name="bench")
+            sync = lambda version: sender.send(state, version)  # noqa: E731
         else:
-            shared = handles.get()  # opens the IPC handle once, as an engine would at startup
+            shared = handles.get()  # opens the handle once, as an engine would at startup
             own = torch.empty_like(shared)
-        times = [_timed((lambda: None) if rank == 0 else (lambda: own.copy_(shared)), True)
-                 for _ in range(s.repeats + 1)]
-        queue.put((rank, {"ipc": times[1:]}, {"ipc": crc([own])}, {}))
-        dist.barrier()  # the sender keeps the buffer alive until every receiver is done with it
+            receiver = join_receiver(host="127.0.0.1", port=s.port, rank=rank, world_size=s.world_size,
+                                     timeout_s=TIMEOUT_S, meta=meta, store=store, group_name="bench")
+            staged: dict[str, torch.Tensor] = {}
+
+            def sync(version: int) -> None:
+                staged.clear()  # the engine has loaded the last version: its staging is let go
+                staged.update(receiver.receive()[0])
+
+        times: dict[str, list[float]] = {"raw ipc": [], "asyncrl ipc": []}
+        for i in range(s.repeats + 1):  # i = 0: warm-up of each
+            times["raw ipc"].append(_timed((lambda: None) if rank == 0 else (lambda: own.copy_(shared)), cuda))
+            times["asyncrl ipc"].append(_timed(lambda: sync(i), cuda))
+        crcs = {"raw ipc": crc([own]), "asyncrl ipc": crc(list(state.values()) if rank == 0 else
+                                                          [staged[m.name] for m in meta.tensors])}
+        queue.put((rank, {k: v[1:] for k, v in times.items()}, crcs, {}))
+        dist.barrier()  # the sender keeps its buffers alive until every receiver is done with them
+        (sender if rank == 0 else receiver).close()
     finally:
         dist.destroy_process_group()
 
@@ -320,6 +348,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         _row("ray.put + ray.get", got[0], nbytes, got[1])
 
+    print("IPC (one host; CPU: a shared-memory file):")
+    t, ok, _ = run_ranks(s, ipc=True)
+    ipc_raw = _row("raw shared-memory copy", t["raw ipc"], nbytes, ok["raw ipc"])
+    ipc = _row("asyncrl ipc", t["asyncrl ipc"], nbytes, ok["asyncrl ipc"])
+    print(f"  asyncrl ipc / raw copy = {ipc / ipc_raw:.2f}x; asyncrl ipc / raw gloo broadcast = {ipc / raw:.2f}x")
+    matched.update({f"cpu {k}": v for k, v in ok.items()})
+
     print("NCCL / CUDA IPC:")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
@@ -331,8 +366,10 @@ def main(argv: list[str] | None = None) -> dict:
             _row("asyncrl NCCL", t["asyncrl"], nbytes, ok["asyncrl"])
         else:
             print(f"  NCCL skipped: {gpus} GPU(s) for {s.world_size} ranks (two NCCL ranks cannot share a GPU)")
-        t, ok, _ = run_ranks(s, ipc=True)
-        _row("CUDA IPC copy", t["ipc"], nbytes, ok["ipc"])
+        t, ok, _ = run_ranks(Settings(**{**s.__dict__, "device": "cuda"}), ipc=True)
+        _row("raw CUDA IPC copy", t["raw ipc"], nbytes, ok["raw ipc"])
+        _row("asyncrl ipc (CUDA)", t["asyncrl ipc"], nbytes, ok["asyncrl ipc"])
+        matched.update({f"cuda {k}": v for k, v in ok.items()})
 
     if not all(matched.values()):
         raise SystemExit("a receiver's bytes differ from the sender's")

@@ -100,6 +100,9 @@ ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 # The wire format each engine's receiving side speaks, by the name of the trainer's sender in
 # `transports.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
 WEIGHT_TRANSPORTS = {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
+# Engines that can take `weight_sync.backend = "ipc"` (transports/ipc.py): the generator's own process loads the
+# weights, so the receiver's copy goes straight to `load_weights`. vLLM / SGLang workers join groups of their own.
+IPC_ENGINES = frozenset({"torch"})
 
 
 # The engines that implement `SleepableEngine` (what colocated placement needs), by name, so that the config
@@ -124,6 +127,11 @@ def weight_transport(engine: str) -> str:
         raise KeyError(f"rollout engine {engine!r} declares no weight transport; known: "
                        f"{', '.join(sorted(WEIGHT_TRANSPORTS))}")
     return WEIGHT_TRANSPORTS[engine]
+
+
+def ipc_engines() -> list[str]:
+    """Engines that can take `weight_sync.backend = "ipc"` (asyncrl/config.py checks it)."""
+    return sorted(IPC_ENGINES)
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -1,5 +1,6 @@
 """Weight transport from the Trainer to the generators: Protocols (base), bucketing, the collective
-(gloo/NCCL) group and an in-process channel. See each module's docstring for its place in the dataflow."""
+(gloo/NCCL) group, shared memory / CUDA IPC (ipc) and an in-process channel. See each module's docstring for its
+place in the dataflow."""
 
 from transports.base import WeightReceiver, WeightSender, sync_stats
 from transports.bucketing import pack_bucket, plan_buckets, unpack_bucket
@@ -11,11 +12,14 @@ from transports.collective import (
     join_group,
     resolve_backend,
 )
+from transports.ipc import IpcReceiver, IpcSender
 from transports.local import LocalWeightChannel
 
 __all__ = [
     "CollectiveReceiver",
     "CollectiveSender",
+    "IpcReceiver",
+    "IpcSender",
     "LocalWeightChannel",
     "WeightReceiver",
     "WeightSender",

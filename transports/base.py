@@ -11,11 +11,14 @@ Transports, sender and receiver side together in this package:
 | `local` | `local.LocalWeightChannel` | `local.LocalReceiver` | roles in one process (`--local`, tests) |
 | `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`, or the vLLM worker | processes |
 | `per_tensor` | `sglang.PerTensorSender` | `engines.sglang_engine.SGLangEngine` | SGLang's own weight-update group |
+| `ipc` | `ipc.IpcSender` | `ipc.IpcReceiver` | processes on one host / one GPU: memory every member maps |
 
 `bucketed` is a bucketed broadcast over a gloo/NCCL group, which a vLLM engine's worker joins as a member.
+`ipc` shares one buffer laid out by the same bucket plan (shared memory on the CPU, CUDA IPC on a GPU).
 
 A Ray deployment picks the sender by the name the rollout engine declares (`engines.base.weight_transport`)
-from `SENDERS`; in-process runs always use `local`.
+from `SENDERS`, or `ipc` with `weight_sync.backend = "ipc"` (engines that declare `ipc` support:
+`engines.base.IPC_ENGINES`); in-process runs always use `local`.
 
 Stats returned by both sides (one meaning each; docs/metrics.md defines the per-step keys):
     sync/seconds   wall time of the transfer on this member
@@ -102,3 +105,4 @@ class JoinSender(Protocol):
 SENDERS: Registry[JoinSender] = Registry("weight transport")
 SENDERS.register_lazy("bucketed", "transports.collective:join_sender")
 SENDERS.register_lazy("per_tensor", "transports.sglang:join_sender")
+SENDERS.register_lazy("ipc", "transports.ipc:join_sender")

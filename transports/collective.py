@@ -79,11 +79,12 @@ SOURCE_RANK = 0  # the Trainer
 # train steps of seconds (a real model), an armed receiver's console would fill with them.
 ANNOUNCE_POLL_MIN_S = 0.0005
 ANNOUNCE_POLL_MAX_S = 0.01
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
 def resolve_backend(name: str) -> str:
-    """"auto" -> "nccl" when CUDA is available, else "gloo"; "nccl" without CUDA is a ValueError."""
+    """"auto" -> "nccl" when CUDA is available, else "gloo"; "nccl" without CUDA is a ValueError; "ipc" (the
+    shared-memory transport, transports/ipc.py, no collective group) stays "ipc"."""
     if name not in BACKENDS:
         raise ValueError(f"weight-sync backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -143,6 +144,8 @@ def join_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = resolve_backend(backend)
+    if backend == "ipc":
+        raise ValueError("weight-sync backend 'ipc' forms no collective group: join with transports.ipc")
     timeout = timedelta(seconds=timeout_s)
     try:
         if store is None:

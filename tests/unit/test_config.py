@@ -151,6 +151,8 @@ CASES = [
     ("kv_heads_not_dividing_heads", {"model.build_tiny.num_kv_heads": 3},
      "model.build_tiny.num_kv_heads: 3 does not divide model.build_tiny.num_heads = 4"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
+    ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
+     "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),
 ]
 
 
@@ -227,6 +229,10 @@ def test_nccl_is_accepted_when_cuda_is_available(monkeypatch):
     cfg = load_config(write_config({"weight_sync.backend": "nccl", "cluster.trainer_gpus": 1,
                                     "cluster.generator_gpus": 1}))
     assert cfg.weight_sync.backend == "nccl"
+
+
+def test_ipc_is_accepted_with_the_torch_engine_and_without_cuda():
+    assert load_config(write_config({"weight_sync.backend": "ipc"})).weight_sync.backend == "ipc"
 
 
 def test_existing_model_folder_needs_config_json_without_build_tiny(workdir):

@@ -1,4 +1,4 @@
-"""benchmarks/weight_sync.py runs end to end in --quick mode (gloo ranks as processes, Ray skipped) and ends
+"""benchmarks/weight_sync.py runs end to end in --quick mode (gloo and ipc ranks as processes, Ray skipped) and ends
 with the benchmark JSON line. Speed is not asserted (benchmarks/README.md); the bytes are: the script exits
 when a receiver's crc differs from the sender's."""
 
@@ -17,6 +17,7 @@ def test_quick_weight_sync_benchmark_ends_with_the_result_json_line(capsys, monk
     returned = importlib.import_module("weight_sync").main(["--quick", "--no-ray"])
     out = capsys.readouterr().out
     assert "raw dist.broadcast" in out and "asyncrl collective" in out and "BYTES DIFFER" not in out
+    assert "raw shared-memory copy" in out and "asyncrl ipc" in out  # the ipc transport, CPU shared memory
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
     assert last["benchmark"] == "weight_sync" and last["unit"] == "s" and last["target"] == 0.8
