@@ -233,7 +233,11 @@ class WeightSyncConfig(Section):
         _d("how weights reach the generators: gloo (CPU broadcast), nccl (GPU broadcast), ipc (colocated roles "
            "on one device: shared memory, CUDA IPC on a GPU); auto follows the roles' devices and placement"),
     ] = "auto"
-    bucket_mb: Annotated[float, _d("size of one broadcast bucket in MiB", gt=0)] = 64.0
+    bucket_mb: Annotated[
+        float,
+        _d("size of one broadcast bucket in MiB: the trainer packs the next bucket while one is on the wire, in two "
+           "buffers of this size (fewer, larger buckets: less per-broadcast overhead)", gt=0),
+    ] = 256.0
     timeout_s: Annotated[float, _d("timeout of every collective call", gt=0)] = 120.0
 
 

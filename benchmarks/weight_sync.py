@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncrl.config_schema import WeightSyncConfig
 from transports import CollectiveReceiver, CollectiveSender, create_store, join_group, plan_buckets
 from transports.bucketing import empty_bucket, pack_bucket
 from transports.ipc import join_receiver, join_sender
@@ -140,7 +141,8 @@ def _rank_main(rank: int, s: Settings, queue) -> None:
         else:
             receiver = CollectiveReceiver(group, meta)
 
-            def sync(version: int) -> None:
+            def sync(version: int) -> None:  # as a generator: the last sync's tensors are loaded and let go
+                staged.clear()
                 staged.update(receiver.receive()[0])
 
         times: dict[str, list[float]] = {"raw": [], "asyncrl": []}
@@ -319,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--receivers", type=int, default=1, help="receiving ranks (world size = receivers + 1)")
     ap.add_argument("--repeats", type=int, default=None, help="timed transfers per method (median); default 3")
-    ap.add_argument("--bucket-mb", type=float, default=64.0, help="asyncrl's bucket size (weight_sync.bucket_mb)")
+    ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb,
+                    help="asyncrl's bucket size (default: weight_sync.bucket_mb's)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray object-store row")
     args = ap.parse_args(argv)
     vocab = 1024 if args.quick else 151936

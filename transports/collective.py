@@ -41,6 +41,7 @@ announcements live under its own prefix and whose broadcast count starts from 0.
 from __future__ import annotations
 
 import logging
+import mmap
 import socket
 import threading
 import time
@@ -226,6 +227,9 @@ class WeightSyncGroup:
         # the source packs bucket i into one of these and bucket i+1 into the other while i is on the wire; kept
         # across syncs (2 x the largest bucket): a fresh large buffer per bucket is fresh pages to fault in each time
         self._pack_buffers: list[Tensor] = []
+        # a receiver's CPU staging memory per bucket, reused by the next sync once nothing views the last one's
+        # tensors (`_staging`): (the memory, a weak reference to the storage handed out over it)
+        self._kept: dict[int, tuple[mmap.mmap, Any]] = {}
 
     @property
     def is_source(self) -> bool:
@@ -418,10 +422,23 @@ class WeightSyncGroup:
         return version, staged
 
     def _staging(self, meta: WeightsMeta, index: int) -> Tensor:
-        """A fresh staging buffer for bucket `index`; on the CPU its pages are touched here (a new large
-        allocation is fresh pages), not inside the broadcast that fills it."""
-        flat = empty_bucket(meta, index, self.device)
-        if flat.device.type == "cpu":
+        """A staging buffer for bucket `index`. On the CPU: the memory of the last sync's bucket once its caller
+        let go of every tensor viewing it (their one storage is freed, so nobody can see it change), else new
+        memory whose pages are touched here, not inside the broadcast that fills it (fresh pages cost a fault
+        each: on 2 cores several times the broadcast of the same bytes). On CUDA the caching allocator hands
+        freed blocks out again by itself."""
+        if self.device.type != "cpu":
+            return empty_bucket(meta, index, self.device)
+        from torch.multiprocessing import reductions
+
+        shape = empty_bucket(meta, index, "meta")  # dtype and size, no memory
+        nbytes = shape.numel() * shape.element_size()
+        kept = self._kept.get(index)
+        fresh = kept is None or len(kept[0]) != nbytes or not kept[1].expired()
+        memory = mmap.mmap(-1, max(nbytes, 1)) if fresh else kept[0]  # type: ignore[index]
+        flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(shape.dtype)
+        self._kept[index] = (memory, reductions.StorageWeakRef(flat.untyped_storage()))
+        if fresh:
             flat.zero_()
         return flat
 

@@ -149,3 +149,23 @@ def test_dtype_strings_round_trip():
     assert dtype_to_str(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError):
         str_to_dtype("Tensor")
+
+
+def test_a_receivers_cpu_staging_memory_is_reused_only_once_nothing_views_the_last_sync():
+    from transports.collective import WeightSyncGroup
+
+    meta = plan_buckets({"a": torch.zeros(300, dtype=torch.bfloat16), "b": torch.zeros(5, 7)}, 256)
+    group = WeightSyncGroup(None, rank=1, world_size=2, backend="gloo", timeout_s=1.0, device=torch.device("cpu"))
+    first = group._staging(meta, 0)
+    first.fill_(3)
+    address, dtype = first.data_ptr(), first.dtype
+    kept = first[:10]  # a caller still holds a view (an engine that keeps the tensors)
+    del first
+    second = group._staging(meta, 0)
+    assert second.data_ptr() != address and torch.all(kept == 3)  # new memory: the held view never changes
+    assert second.dtype == dtype and torch.all(second == 0)  # fresh memory is touched (zeroed) up front
+    address = second.data_ptr()
+    del kept, second
+    third = group._staging(meta, 0)
+    assert third.data_ptr() == address  # nothing views it any more: the same memory again
+    assert group._staging(meta, 1).dtype == torch.float32  # each bucket its own memory, in its dtype
