@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.messages import SamplingParams, WeightsMeta
+from tests.component.test_collective_gloo import _state  # the same small mixed-dtype state
 from transports import WeightReceiver, WeightSender, create_store, join_group, plan_buckets, resolve_backend
 from transports.ipc import join_receiver, join_sender
 
@@ -26,16 +27,22 @@ TIMEOUT_S = 60.0  # a spawned member imports torch first: on 2 busy cores that t
 SHORT_S = 2.0  # the timeout under test
 
 
-def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed.weight": torch.randn(16, 8, generator=g),
-        "layers.0.attn.qkv": torch.randn(8, 24, generator=g).to(torch.bfloat16),
-        "layers.0.norm": torch.randn(8, generator=g),
-        "layers.0.mlp.up": torch.randn(8, 32, generator=g),
-        "step_count": torch.randint(0, 1 << 40, (3,), generator=g, dtype=torch.int64),
-        "lm_head.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
-    }
+def _sending(sender) -> tuple[threading.Thread, list[BaseException]]:
+    """`sender.send(version 1)` on a thread, once it has announced (it then waits for the acks); what it
+    raised goes into the list."""
+    raised: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send(_state(1), 1)
+        except BaseException as exc:  # noqa: BLE001 - the outcome under test
+            raised.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    while not sender._store.check(["sync/0"]):
+        time.sleep(0.01)
+    return thread, raised
 
 
 def _meta() -> WeightsMeta:
@@ -189,18 +196,7 @@ def test_close_makes_a_waiting_receive_and_a_pending_send_raise():
                          device="cpu")
     assert out.get(timeout=TIMEOUT_S) == [("RuntimeError", "weight-sync group is closed")]
     _finish(processes)
-    raised: list[BaseException] = []
-
-    def send() -> None:  # its receiver is gone: the send waits for an ack until closed
-        try:
-            sender.send(_state(1), 1)
-        except BaseException as exc:  # noqa: BLE001 - the outcome under test
-            raised.append(exc)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    while not sender._store.check(["sync/0"]):  # announced: now waiting for the ack
-        time.sleep(0.01)
+    thread, raised = _sending(sender)  # its receiver is gone: the send waits for an ack until closed
     sender.close()
     thread.join(timeout=TIMEOUT_S)
     assert [(type(e), str(e)) for e in raised] == [(RuntimeError, "weight-sync group is closed")]
@@ -259,18 +255,7 @@ def test_a_receiver_reuses_its_cpu_staging_only_once_the_caller_let_go_of_every_
 
 def test_a_copy_that_overlaps_a_write_raises_instead_of_returning_two_versions_mixed():
     store, (sender, receiver) = _form(2, timeout_s=SHORT_S)
-    raised: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            sender.send(_state(1), 1)
-        except BaseException as exc:  # noqa: BLE001 - the outcome under test
-            raised.append(exc)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    while not sender._store.check(["sync/0"]):
-        time.sleep(0.01)
+    thread, raised = _sending(sender)
     sender._arena.head.fill_(-1)  # what a sender writing the next version early would leave: the seqlock sees it
     with pytest.raises(RuntimeError, match="changed during the copy of sync 0"):
         receiver.receive()
