@@ -93,6 +93,18 @@ async def _invoke(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
     return result
 
 
+def _model_on_this_node(cfg: Config, kind: str) -> None:
+    """The model folder where this role runs: another node than the driver's may lack it. A tiny model
+    (model.build_tiny) is written here; a real one must be on every node (or on shared storage): one line."""
+    from engines.hf import ensure_model
+
+    try:
+        ensure_model(cfg.model)
+    except (FileNotFoundError, FileExistsError) as exc:
+        raise RuntimeError(f"the {kind} on node {ray.util.get_node_ip_address()}: {exc} — copy the model folder to "
+                           f"every node that runs a role, or put it on storage they share") from None
+
+
 class RoleActor:
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
     hosts the scorers with `cluster.scorer_placement = "buffer"`."""
@@ -105,6 +117,8 @@ class RoleActor:
         self.kind = kind
         self.cfg = cfg
         self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
+        if kind != "buffer" or cfg.cluster.scorer_placement == "buffer":
+            _model_on_this_node(cfg, kind)
         self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
@@ -125,7 +139,8 @@ class RoleActor:
         with no GPU must not)."""
         import torch
 
-        return {"device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_initialized": torch.cuda.is_initialized(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 

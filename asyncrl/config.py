@@ -52,6 +52,7 @@ class ActorPlan(msgspec.Struct, frozen=True, kw_only=True):
     cpus: float  # per actor
     gpus: float = 0.0  # per actor (asyncrl/placement.py)
     device: str = "cpu"
+    resources: dict[str, float] = {}  # custom Ray resources per actor (cluster.resources.<role>)
 
     @property
     def total_cpus(self) -> float:
@@ -132,7 +133,8 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
     c = cfg.cluster
 
     def plan(role: str, count: int, cpus: float) -> ActorPlan:
-        return ActorPlan(role=role, count=count, cpus=cpus, gpus=role_gpus(cfg, role), device=role_device(cfg, role))
+        return ActorPlan(role=role, count=count, cpus=cpus, gpus=role_gpus(cfg, role), device=role_device(cfg, role),
+                         resources=dict(getattr(c.resources, role)))
 
     return [
         plan("generator", cfg.rollout.num_generators, c.generator_cpus),

@@ -264,6 +264,16 @@ class AffinityConfig(Section):
     ] = []
 
 
+class ResourcesConfig(Section):
+    """Custom Ray resources each actor of a role asks for, e.g. `trainer = {gpu_node = 1}`: the role runs only on
+    nodes that offer them (`ray start --resources '{"gpu_node": 1}'`), which pins roles to nodes or node types."""
+
+    trainer: dict[str, Annotated[float, Meta(gt=0)]] = {}
+    generator: dict[str, Annotated[float, Meta(gt=0)]] = {}
+    scorer: dict[str, Annotated[float, Meta(gt=0)]] = {}
+    buffer: dict[str, Annotated[float, Meta(gt=0)]] = {}
+
+
 class ClusterConfig(Section):
     address: Annotated[str, _d("existing Ray cluster address; empty = start a local one")] = ""
     num_cpus: Annotated[float, _d("logical CPUs of the local Ray cluster", gt=0)] = 2.0
@@ -314,6 +324,12 @@ class ClusterConfig(Section):
            "not restarted: the run resumes from its newest checkpoint (run.max_resumes)", ge=0),
     ] = 3
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
+    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
+    network_interface: Annotated[
+        str,
+        _d("network interface the weight-sync group uses between nodes, e.g. 'eth0' (sets GLOO_SOCKET_IFNAME and "
+           "NCCL_SOCKET_IFNAME in every actor); empty = the libraries' own choice"),
+    ] = ""
 
 
 class RunConfig(Section):

@@ -9,7 +9,9 @@ do not come here: `asyncrl.local.run_local` needs no Ray installed (GPU machines
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import ray
@@ -43,6 +45,7 @@ def start_ray(cfg: Config) -> bool:
     # its CPUs and environment; each actor then pins itself to its role's own (cluster.affinity)
     pin_cpus(cfg.cluster.affinity.controller, "controller")
     ray.init(
+        address="local",  # a cluster of its own, even where another runs on this machine (`ray start`)
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
         num_gpus=None if uses_gpus(cfg) else 0,  # GPUs are for the roles that ask (asyncrl/placement.py)
         include_dashboard=cfg.cluster.dashboard,
@@ -76,10 +79,17 @@ def colocation_group(cfg: Config) -> Any:
     return group
 
 
-def actor_options(plan: ActorPlan, bundle: Any = None) -> dict[str, Any]:
-    """Ray options of one actor of `plan.role`: its CPUs and GPUs (cluster.*_cpus, cluster.*_gpus; Ray sets
-    CUDA_VISIBLE_DEVICES to the GPUs it assigns), and for the trainer and generators the colocation bundle."""
+def actor_options(plan: ActorPlan, bundle: Any = None, network_interface: str = "") -> dict[str, Any]:
+    """Ray options of one actor of `plan.role`: its CPUs, GPUs and custom resources (cluster.*_cpus,
+    cluster.*_gpus, cluster.resources.<role>; Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns), the
+    network interface of its collectives (cluster.network_interface), and for the trainer and generators the
+    colocation bundle."""
     options: dict[str, Any] = {"num_cpus": plan.cpus, "num_gpus": plan.gpus, "max_concurrency": 1000}
+    if plan.resources:
+        options["resources"] = dict(plan.resources)
+    if network_interface:
+        options["runtime_env"] = {"env_vars": {"GLOO_SOCKET_IFNAME": network_interface,
+                                               "NCCL_SOCKET_IFNAME": network_interface}}
     if bundle is not None and plan.role in ("trainer", "generator"):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -116,20 +126,28 @@ class RayDeployment:
     def _actor(self, role: str) -> Any:
         """The actor class of `role` with its resources, in the colocation bundle when the role shares it (a
         restarted generator goes back into it)."""
-        return RemoteRoleActor.options(**actor_options(self._plans[role], self._bundle))
+        return RemoteRoleActor.options(**actor_options(self._plans[role], self._bundle,
+                                                       self.cfg.cluster.network_interface))
 
     @property
     def actors(self) -> list[Any]:
         return [self.buffer_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        refs = [a.ready.remote() for a in self.actors]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        named = self._named()
+        refs = {a.ready.remote(): role for role, a in named.items()}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         if pending:
-            raise RuntimeError(f"{len(pending)} of {len(refs)} actors were not placed or did not start within "
-                               f"{timeout_s:.0f}s; check cluster.*_cpus and cluster.*_gpus against the cluster's "
-                               f"resources")
+            raise RuntimeError(f"{', '.join(refs[r] for r in pending)}: not placed or not started within "
+                               f"{timeout_s:.0f}s — check cluster.*_cpus, cluster.*_gpus and cluster.resources "
+                               f"against the cluster's free resources (`ray status`)")
         ray.get(ready)  # surfaces a constructor error (e.g. a model folder that does not load)
+
+    def _named(self) -> dict[str, Any]:
+        """Every actor by its role's name ("buffer", "trainer", "generator 0", "scorer 0", ...)."""
+        return {"buffer": self.buffer_actor, "trainer": self.trainer_actor,
+                **{f"generator {i}": a for i, a in enumerate(self.generator_actors)},
+                **{f"scorer {i}": a for i, a in enumerate(self.scorer_actors)}}
 
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
         """Form the weight-sync group (trainer rank 0, generators 1..N). Re-formed after a generator died
@@ -144,6 +162,12 @@ class RayDeployment:
         # Every member joins at once: the group's rendezvous blocks until all ranks arrive.
         await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta, group_name)
                                for rank, a in enumerate(members)])
+
+    def where(self) -> dict[str, dict[str, Any]]:
+        """Where each actor runs, by role name ("trainer", "generator 0", ...): its node, process and device
+        (RoleActor.placement); `run_with_ray` writes it to RUN_DIR/placement.json."""
+        named = self._named()
+        return dict(zip(named, ray.get([a.placement.remote() for a in named.values()], timeout=READY_TIMEOUT_S)))
 
     def probes(self) -> dict[str, Probe]:
         """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop.
@@ -246,6 +270,7 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
             deployment = RayDeployment(cfg)
             try:
                 deployment.wait_ready()
+                write_placement(cfg, deployment.where())
             except BaseException:
                 asyncio.run(deployment.shutdown())
                 raise
@@ -262,6 +287,16 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     finally:
         if started:
             ray.shutdown()
+
+
+def write_placement(cfg: Config, where: dict[str, dict[str, Any]]) -> None:
+    """RUN_DIR/placement.json: the node, process and device of every role; one log line each."""
+    run_dir = Path(cfg.run.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "placement.json").write_text(json.dumps(where, indent=1) + "\n")
+    for role, w in where.items():
+        gpus = f", GPU {','.join(w['gpu_ids'])}" if w["gpu_ids"] else ""
+        log.info("%s: node %s (%s), pid %d, %s%s", role, w["node_id"][:12], w["node_ip"], w["pid"], w["device"], gpus)
 
 
 async def _run_beside(controller: Controller, deployment: RayDeployment,

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
             from asyncrl.build import pin_cpus
 
             pin_cpus(PINNED["controller"], "controller")
-        ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=256 * 2**20, log_to_driver=False)
         started = True
     one = ["cluster.torch_threads=1", *args.sets]

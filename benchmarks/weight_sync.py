@@ -264,8 +264,8 @@ def run_ray(s: Settings, total_bytes: int) -> tuple[list[float], bool] | str:
         return f"Ray not importable ({exc})"
     os.environ.setdefault("RAY_worker_niceness", "0")  # as overlap.py: Ray's workers at the driver's priority
     try:
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                 object_store_memory=max(3 * total_bytes, 256 * 2**20))
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, object_store_memory=max(3 * total_bytes, 256 * 2**20))
     except Exception as exc:  # the benchmark goes on without this row
         return f"Ray did not start ({type(exc).__name__}: {exc})"
     try:

@@ -90,7 +90,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # two logical GPUs: placement tests see what Ray gives each actor (a role that asks for none never uses CUDA)
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
              _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address

@@ -49,7 +49,7 @@ def test_cli_launch_writes_run_directory(ray_cluster, tiny_config_file, tmp_path
 
 
 def test_a_local_cluster_requires_ray_token_authentication(ray_cluster):
-    """Ray 2.60 starts a local cluster (`ray.init()` without an address, as `start_ray` does) with token
+    """Ray 2.60 starts a local cluster (`ray.init(address="local")`, as `start_ray` does) with token
     authentication on unless RAY_AUTH_MODE says otherwise: the README's trust model relies on it."""
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
