@@ -141,3 +141,12 @@ class Critic:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
         return str(out)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(returns − values) / Var(returns) over mask tokens; 0 when Var(returns) = 0."""
+    if not mask.any():
+        return 0.0
+    r, v = returns[mask].double(), values[mask].double()
+    var_r = r.var(correction=0)
+    return float(1.0 - (r - v).var(correction=0) / var_r) if var_r > 0 else 0.0
