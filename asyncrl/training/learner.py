@@ -145,11 +145,13 @@ class Learner:
             precision.enable_gradient_checkpointing(self.model)
         # trainer.num_ranks > 1 (training/parallel.py): each rank trains its share of every mini-batch through
         # `train_model` (DDP's wrapper; FSDP2 shards `model` in place, so the optimizer is built after this)
+        # and so do the critic and the frozen reference (FSDP2 shards it; DDP keeps a replica)
         self.dp = parallel or SingleProcess()
-        if critic is not None and self.dp.world_size > 1:
-            raise ValueError("trainer.num_ranks > 1 does not train a critic yet: set trainer.num_ranks = 1 "
-                             "for algorithm.advantage = 'gae'")
         self.train_model = self.dp.wrap(self.model)
+        if self.dp.world_size > 1 and critic is not None:
+            critic.distribute(self.dp)
+        if self.dp.world_size > 1 and reference is not None:
+            self.dp.wrap(reference.model, trainable=False)
         self.algorithm = a = algorithm
         self.trainer = trainer
         self.pad_token_id = pad_token_id
@@ -457,10 +459,12 @@ class Learner:
                 norms.append(self._optimizer_step())
                 if self.critic is not None:
                     assert data.old_values is not None and data.returns is not None
-                    self.critic.compute_gradients(trajs[lo:hi], data.old_values[lo:hi], data.returns[lo:hi], cstats)
+                    self.critic.compute_gradients(trajs[a:b], data.old_values[a:b], data.returns[a:b], cstats,
+                                                  global_tokens=sum(sum(t.loss_mask) for t in trajs[lo:hi]))
                     self.critic.step(cstats)
         self.optimizer.zero_grad(set_to_none=True)
         self.dp.reduce_stats(stats)  # every rank's share -> the step's (sums, max, min)
+        self.dp.reduce_stats(cstats, only=("loss", "tokens", "clipped"))  # steps, grad_norm: the same on every rank
         steps = len(norms)
         if self.lagrange is not None and data.costs is not None:
             data.metrics["safety/lambda_next"] = self.lagrange.update(float(data.costs.mean()))

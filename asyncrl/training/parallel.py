@@ -79,7 +79,7 @@ class SingleProcess:
     def all_gather_rows(self, rows: Tensor) -> Tensor:
         return rows
 
-    def reduce_stats(self, stats: Any) -> None:
+    def reduce_stats(self, stats: Any, only: tuple[str, ...] | None = None) -> None:
         return None
 
     def sync_gradients(self, model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
@@ -175,9 +175,10 @@ class DataParallel(SingleProcess):
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).to(rows.device)
 
-    def reduce_stats(self, stats: Any) -> None:
-        """Reduce a GradientStats / CriticStats dataclass in place over the ranks: sums, and max/min fields."""
-        names = [f.name for f in dataclasses.fields(stats)]
+    def reduce_stats(self, stats: Any, only: tuple[str, ...] | None = None) -> None:
+        """Reduce a GradientStats / CriticStats dataclass in place over the ranks: sums, and max/min fields
+        (`only`: just these fields; the others are equal on every rank already)."""
+        names = [f.name for f in dataclasses.fields(stats) if only is None or f.name in only]
         sums = [n for n in names if n not in _MAX_FIELDS + _MIN_FIELDS]
         maxes = [n for n in names if n in _MAX_FIELDS]
         mins = [n for n in names if n in _MIN_FIELDS]

@@ -23,33 +23,43 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
+from asyncrl.training.critic import Critic
 from asyncrl.training.learner import Learner
 from asyncrl.training.parallel import DataParallel
+from asyncrl.training.reference import ReferencePolicy
 
 PAD, VOCAB, STEPS, WORLD = 0, 24, 3, 2
-# token-mean with decoupled PPO + token TIS (proximal rows: each rank forwards half and all-gathers);
-# seq-mean-token-mean on the plain PPO path (behaviour logprobs as the old policy)
+# token-mean with decoupled PPO + token TIS and a KL loss to a trainer-side reference (proximal and reference
+# rows: each rank forwards half and all-gathers); seq-mean-token-mean on the plain PPO path; PPO with a critic
+# (values gathered, value loss over the whole mini-batch's tokens, the critic's gradients summed)
 CASES = {
-    "token-mean": dict(loss_agg="token-mean", decoupled=True, correction="token_tis"),
+    "token-mean": dict(loss_agg="token-mean", decoupled=True, correction="token_tis", kl_mode="loss", kl_coef=0.1),
     "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "gae-critic": dict(advantage="gae", lam=0.9),
 }
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-                            ).double()
+def _model(seed: int = 0, cls: type = Qwen2ForCausalLM, **kw: Any) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return cls(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)).double()
 
 
 def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+    algorithm = AlgorithmConfig(**CASES[case])
     trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
-    return Learner(_model(), algorithm=AlgorithmConfig(**CASES[case]), trainer=trainer, pad_token_id=PAD,
-                   parallel=parallel)
+    critic = reference = None
+    if algorithm.advantage == "gae":
+        critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
+                        pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    if algorithm.kl_mode != "off":
+        reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    return Learner(_model(), algorithm=algorithm, trainer=trainer, pad_token_id=PAD, critic=critic,
+                   reference=reference, parallel=parallel)
 
 
 def _steps() -> list[list[Group]]:
@@ -80,8 +90,13 @@ def _steps() -> list[list[Group]]:
 
 
 def _train(learner: Learner, steps: list[list[Group]]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    losses = [learner.update(groups)["trainer/loss"] for groups in steps]
-    return {k: v.clone() for k, v in learner.state_dict_for_sync().items()}, losses
+    """-> the full policy weights (with the critic's, prefixed "critic."), and each step's loss metrics."""
+    keys = ("trainer/loss", "critic/value_loss")
+    losses = [m.get(k, 0.0) for groups in steps for m in [learner.update(groups)] for k in keys]
+    weights = {k: v.clone() for k, v in learner.state_dict_for_sync().items()}
+    if learner.critic is not None:
+        weights.update({f"critic.{k}": v.clone() for k, v in learner.dp.full_state_dict(learner.critic.model).items()})
+    return weights, losses
 
 
 def _rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: Any) -> None:
@@ -140,10 +155,12 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
         weights, losses = result[case]
         ref_learner = _learner(case, 4)  # one process, micro-batches of 4 (a whole mini-batch)
         initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
+        if ref_learner.critic is not None:
+            initial.update({f"critic.{k}": v.clone() for k, v in ref_learner.critic.model.state_dict().items()})
         ref_weights, ref_losses = _train(ref_learner, steps)
         assert set(weights) == set(ref_weights)
-        moved = max(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights)
-        assert moved > 1e-3, "the steps must change the weights for the comparison to bite"
+        moved = min(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights if "proj.weight" in k)
+        assert moved > 1e-4, "the steps must change every layer's weights for the comparison to bite"
         worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
         assert worst < 1e-6, f"{mode} {case}: 2 ranks differ from 1 process by {worst}"
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
