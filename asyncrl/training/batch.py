@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms import entropy_from_logits
-from asyncrl.messages import Trajectory
+from asyncrl.messages import Group, Trajectory
 from asyncrl.training import precision
 
 
@@ -102,7 +102,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response), temperature
     (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
 
-    logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 over the full
+    logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 (float64 for a float64
+    model) over the full
     vocabulary (with grad if enabled); entropy of the same distribution, with grad only if `entropy_grad`
     (the entropy bonus trains through it; the diagnostic does not). `autocast` (trainer.mixed_precision):
     the model's forward runs under torch.autocast in that dtype; the maths on its logits stays float32.
@@ -110,7 +111,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     with precision.autocast(input_ids.device, autocast):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1, 1)
-    logits = logits[:, :-1].float() / temp                                       # [B, L-1, V]
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temp  # [B, L-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)                                     # [B, L-1, 1]
     tok_logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if entropy_grad:
@@ -123,3 +124,26 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     entropy = torch.cat([zero_col, entropy], dim=1)
     mask = response_mask.bool()
     return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)
+
+
+def flatten_groups(groups: list[Group]) -> list[Trajectory]:
+    """All trajectories of the groups, in order; raises ValueError on anything that must not be trained."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        raise ValueError("update() got no trajectories")
+    for t in trajs:
+        if t.finish_reason == "error":
+            raise ValueError(f"trajectory {t.seq_id} has finish_reason='error' ({t.error!r}); "
+                             f"failed samples are never trained")
+        if t.temperature <= 0:
+            raise ValueError(f"trajectory {t.seq_id} was sampled greedily (temperature={t.temperature}); "
+                             f"greedy samples are never trained")
+        if not t.prompt_ids:
+            raise ValueError(f"trajectory {t.seq_id} has an empty prompt")
+        n = len(t.response_ids)
+        if not (len(t.loss_mask) == len(t.behavior_logprobs) == len(t.versions) == n):
+            raise ValueError(
+                f"trajectory {t.seq_id}: response_ids ({n}), loss_mask ({len(t.loss_mask)}), behavior_logprobs "
+                f"({len(t.behavior_logprobs)}) and versions ({len(t.versions)}) must have one entry per response token"
+            )
+    return trajs

@@ -26,6 +26,7 @@ from asyncrl.config_schema import CriticConfig
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
 from asyncrl.training.batch import collate, gather_response
+from asyncrl.training.parallel import SingleProcess
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,25 @@ class Critic:
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
+        self.dp: SingleProcess = SingleProcess()
+        self.train_model = self.model
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+    def distribute(self, dp: SingleProcess) -> None:
+        """Train as one rank of the trainer group, sharded like the policy (training/parallel.py); called by the
+        Learner before any step (the optimizer is rebuilt: FSDP2 replaces the parameters)."""
+        self.dp = dp
+        self.train_model = dp.wrap(self.model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                 model: torch.nn.Module | None = None) -> Tensor:
         """[B, L] each -> values [B, L] at response positions (0 elsewhere), float32."""
         with precision.autocast(self.device, self.autocast):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        out = out[..., 0].float()  # [B, L]
+            out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        out = out[..., 0].to(torch.promote_types(out.dtype, torch.float32))  # [B, L]
         values = torch.cat([out.new_zeros(out.shape[0], 1), out[:, :-1]], dim=1)
         return torch.where(response_mask.bool(), values, 0.0)
 
@@ -97,37 +109,43 @@ class Critic:
         return torch.cat(rows)
 
     def compute_gradients(self, trajectories: list[Trajectory], old_values: Tensor, returns: Tensor,
-                          stats: CriticStats) -> None:
-        """Accumulate the gradient of the token-mean clipped value loss of these samples (one mini-batch).
+                          stats: CriticStats, global_tokens: int | None = None) -> None:
+        """Accumulate the gradient of the token-mean clipped value loss of these samples (one mini-batch, or
+        this rank's share of it: then `global_tokens` counts the loss tokens of the whole mini-batch).
 
         old_values, returns [n, T] response-aligned. Does not zero grads."""
-        global_tokens = max(sum(sum(t.loss_mask) for t in trajectories), 1)
+        if global_tokens is None:
+            global_tokens = sum(sum(t.loss_mask) for t in trajectories)
+        global_tokens = max(global_tokens, 1)
         clip = self.cfg.value_clip if self.cfg.value_clip > 0 else None
         total = 0.0
         with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
             for start in range(0, len(trajectories), self.micro_batch_size):
                 part = trajectories[start : start + self.micro_batch_size]
-                sl = slice(start, start + len(part))
-                batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
-                                extras={"old_values": old_values[sl], "returns": returns[sl]})
-                values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask)
-                loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
-                                              batch.loss_mask, clip)
-                loss = loss_tok.sum() / global_tokens
-                loss.backward()
-                total += loss.item()
-                n = int(batch.loss_mask.sum())
-                stats.tokens += n
-                stats.clipped += float(vstats["vf_clip_frac"]) * n
+                last = start + self.micro_batch_size >= len(trajectories)
+                with self.dp.sync_gradients(self.train_model, sync=last):  # reduce once, at the end
+                    sl = slice(start, start + len(part))
+                    batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
+                                    extras={"old_values": old_values[sl], "returns": returns[sl]})
+                    values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                          self.train_model)
+                    loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
+                                                  batch.loss_mask, clip)
+                    loss = loss_tok.sum() / global_tokens
+                    loss.backward()
+                    total += loss.item()
+                    n = int(batch.loss_mask.sum())
+                    stats.tokens += n
+                    stats.clipped += float(vstats["vf_clip_frac"]) * n
         stats.loss += total
 
     def step(self, stats: CriticStats) -> None:
         """Clip (if grad_clip > 0) and step; a non-finite norm skips the step."""
         if self.cfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
+            norm = float(self.dp.full_norm(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)))
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            norm = float(self.dp.full_norm(torch.nn.utils.get_total_norm(grads))) if grads else 0.0
         if math.isfinite(norm):
             self.optimizer.step()
         else:
@@ -141,3 +159,12 @@ class Critic:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
         return str(out)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(returns − values) / Var(returns) over mask tokens; 0 when Var(returns) = 0."""
+    if not mask.any():
+        return 0.0
+    r, v = returns[mask].double(), values[mask].double()
+    var_r = r.var(correction=0)
+    return float(1.0 - (r - v).var(correction=0) / var_r) if var_r > 0 else 0.0

@@ -58,8 +58,16 @@ from asyncrl.checkpoint import load_optimizer_state, optimizer_state
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import precision
-from asyncrl.training.batch import TokenBatch, collate, gather_response, response_rows, token_logprobs
-from asyncrl.training.critic import Critic, CriticStats
+from asyncrl.training.batch import (
+    TokenBatch,
+    collate,
+    flatten_groups,
+    gather_response,
+    response_rows,
+    token_logprobs,
+)
+from asyncrl.training.critic import Critic, CriticStats, explained_variance
+from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
 
 __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
@@ -123,6 +131,7 @@ class Learner:
         reference: ReferencePolicy | None = None,
         lagrange: LagrangeMultiplier | None = None,
         gradient_checkpointing: bool = False,
+        parallel: SingleProcess | None = None,
     ) -> None:
         self.device = torch.device(device)
         # trainer.mixed_precision (training/precision.py): float32 master weights (and so float32 AdamW state),
@@ -134,6 +143,15 @@ class Learner:
         self.model.eval()
         if gradient_checkpointing:  # model.gradient_checkpointing: active in compute_gradients only
             precision.enable_gradient_checkpointing(self.model)
+        # trainer.num_ranks > 1 (training/parallel.py): each rank trains its share of every mini-batch through
+        # `train_model` (DDP's wrapper; FSDP2 shards `model` in place, so the optimizer is built after this)
+        # and so do the critic and the frozen reference (FSDP2 shards it; DDP keeps a replica)
+        self.dp = parallel or SingleProcess()
+        self.train_model = self.dp.wrap(self.model)
+        if self.dp.world_size > 1 and critic is not None:
+            critic.distribute(self.dp)
+        if self.dp.world_size > 1 and reference is not None:
+            self.dp.wrap(reference.model, trainable=False)
         self.algorithm = a = algorithm
         self.trainer = trainer
         self.pad_token_id = pad_token_id
@@ -172,10 +190,10 @@ class Learner:
 
     def sequence_logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, temperature: float | Tensor,
-        *, entropy_grad: bool = False,
+        *, entropy_grad: bool = False, model: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
-        return token_logprobs(self.model, input_ids, attention_mask, response_mask, temperature,
+        return token_logprobs(model or self.model, input_ids, attention_mask, response_mask, temperature,
                               entropy_grad=entropy_grad, autocast=self.autocast)
 
     @torch.no_grad()
@@ -226,7 +244,7 @@ class Learner:
         rewards, baselines = self._normalise(rewards, baselines)
         rows: dict[str, Tensor] = {}
         if self._need_prox:
-            rows["prox"] = self._policy_rows(trajs, width)
+            rows["prox"] = self._sharded_rows(self._policy_rows, trajs, width)
         token_rewards = None
         if a.kl_mode != "off":
             rows["ref"] = self._reference_rows(trajs, width)
@@ -235,7 +253,7 @@ class Learner:
             metrics["kl/ref_mean"] = float(kl[mask].mean()) if mask.any() else 0.0
             if a.kl_mode == "reward":
                 token_rewards = -a.kl_coef * kl
-        values = self.critic.values(trajs, width) if self.critic is not None else None
+        values = self._sharded_rows(self.critic.values, trajs, width) if self.critic is not None else None
         group_ids = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
         out = self._advantage_fn(AdvantageInput(rewards=rewards, group_ids=group_ids, mask=mask, values=values,
                                                 token_rewards=token_rewards, baselines=baselines), self._adv_params)
@@ -247,11 +265,16 @@ class Learner:
             rows["weights"], rows["keep"] = weights, keep
             metrics.update({f"offpolicy/{k}": float(cstats[k]) for k in _RATIO_KEYS})
         if values is not None and out.returns is not None:
-            metrics["critic/explained_variance"] = _explained_variance(values, out.returns, mask)
+            metrics["critic/explained_variance"] = explained_variance(values, out.returns, mask)
             metrics["critic/value_mean"] = float(values[mask].mean()) if mask.any() else 0.0
             metrics["critic/return_mean"] = float(out.returns[mask].mean()) if mask.any() else 0.0
         return StepData(advantages=advantages, rows=rows, returns=out.returns, old_values=values,
                         rewards=rewards, costs=costs, metrics=metrics)
+
+    def _sharded_rows(self, rows_of: Any, trajs: list[Trajectory], width: int) -> Tensor:
+        """[N, width] = rows_of(trajectories, width), each rank forwarding its share (training/parallel.py)."""
+        lo, hi = self.dp.shard(0, len(trajs))
+        return self.dp.all_gather_rows(rows_of(trajs[lo:hi], width))
 
     def _max_len(self) -> int:
         if not self.max_new_tokens:
@@ -291,9 +314,12 @@ class Learner:
             bad = next(t.seq_id for t in trajs if len(t.ref_logprobs) != len(t.response_ids))
             raise ValueError(f"trajectory {bad} has no reference logprobs and the trainer holds no reference "
                              f"policy — check [reference] where (the scorer fills them when it is 'scorer')")
-        logprobs = self.reference.response_logprobs(trajs)
-        rows, _ = response_rows(trajs, logprobs)
-        return rows
+        return self._sharded_rows(self._reference_forward, trajs, width)
+
+    def _reference_forward(self, trajs: list[Trajectory], width: int) -> Tensor:
+        assert self.reference is not None
+        rows, _ = response_rows(trajs, self.reference.response_logprobs(trajs))
+        return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
 
     def _safety(self, trajs: list[Trajectory], group_ids: Tensor, mask: Tensor, adv_reward: Tensor,
                 metrics: dict[str, float]) -> tuple[Tensor, Tensor]:
@@ -320,6 +346,7 @@ class Learner:
         stats: GradientStats | None = None,
         rows: dict[str, Tensor] | None = None,
         measure_ratio: bool = False,
+        global_counts: tuple[int, int] | None = None,
     ) -> GradientStats:
         """Accumulate into each parameter's .grad the gradient of the aggregated loss of these samples
         (one mini-batch), one micro-batch of `micro_batch_size` samples at a time. Does not zero grads.
@@ -328,43 +355,44 @@ class Learner:
         StepData rows of these samples ([n, T] each: prox, ref, weights, keep). `diagnose` also measures
         approx KL and the logprob gap (valid only before any optimizer step of this train step);
         `measure_ratio` records the current / behaviour ratio (when no proximal policy was computed).
-        Adds into `stats` if given; returns it.
+        `global_counts` (loss tokens, sequences) of the whole mini-batch when these samples are one rank's
+        share of it (default: counted here). Adds into `stats` if given; returns it.
         """
         a = self.algorithm
         stats = stats if stats is not None else GradientStats()
         mbs = micro_batch_size or self.trainer.micro_batch_size
         rows = rows or {}
-        if "keep" in rows:
-            global_tokens = int(rows["keep"].sum())
-        else:
-            global_tokens = sum(sum(t.loss_mask) for t in trajectories)
+        global_tokens, global_seqs = global_counts or _loss_counts(trajectories, rows)
         loss_total = 0.0
         with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
             for start in range(0, len(trajectories), mbs):
                 part = trajectories[start : start + mbs]
-                sl = slice(start, start + len(part))
-                batch = collate(part, advantages[sl], self.pad_token_id, self.device,
-                                extras={k: v[sl] for k, v in rows.items()})
-                logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
-                                                           batch.response_mask, batch.temperature,
-                                                           entropy_grad=a.entropy_coef > 0)
-                mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
-                old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
-                loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
-                                                            self._loss_params)
-                if "weights" in batch.extras:
-                    loss_tok = loss_tok * batch.extras["weights"]
-                if a.kl_mode == "loss":
-                    kl = kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
-                    loss_tok = loss_tok + a.kl_coef * kl
-                if a.entropy_coef > 0:
-                    loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
-                loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens,
-                                         global_seqs=len(trajectories), norm_len=self.max_new_tokens)
-                loss.backward()
-                loss_total += loss.item()
-                self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
-                             measure_ratio and "prox" not in batch.extras)
+                # accumulate locally; only the last micro-batch's backward reduces over the ranks
+                with self.dp.sync_gradients(self.train_model, sync=start + mbs >= len(trajectories)):
+                    sl = slice(start, start + len(part))
+                    batch = collate(part, advantages[sl], self.pad_token_id, self.device,
+                                    extras={k: v[sl] for k, v in rows.items()})
+                    logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
+                                                               batch.response_mask, batch.temperature,
+                                                               entropy_grad=a.entropy_coef > 0,
+                                                               model=self.train_model)
+                    mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
+                    old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
+                    loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
+                                                                self._loss_params)
+                    if "weights" in batch.extras:
+                        loss_tok = loss_tok * batch.extras["weights"]
+                    if a.kl_mode == "loss":
+                        kl = kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
+                        loss_tok = loss_tok + a.kl_coef * kl
+                    if a.entropy_coef > 0:
+                        loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
+                    loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens,
+                                             global_seqs=global_seqs, norm_len=self.max_new_tokens)
+                    loss.backward()
+                    loss_total += loss.item()
+                    self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
+                                 measure_ratio and "prox" not in batch.extras)
         stats.loss += loss_total
         return stats
 
@@ -400,7 +428,7 @@ class Learner:
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        norm_f = float(norm)
+        norm_f = float(self.dp.full_norm(norm))  # FSDP2: the norm of sharded gradients is a DTensor
         if math.isfinite(norm_f):
             self.optimizer.step()
         else:
@@ -412,7 +440,7 @@ class Learner:
     def update(self, groups: list[Group]) -> dict[str, float]:
         """One train step over all samples of `groups`; returns the step's metrics; version += 1."""
         t0 = time.perf_counter()
-        trajs = _flatten(groups)
+        trajs = flatten_groups(groups)
         n, n_mini = len(trajs), self.trainer.mini_batches
         if n_mini > n:
             raise ValueError(f"trainer.mini_batches={n_mini} exceeds the {n} samples of this step")
@@ -423,15 +451,20 @@ class Learner:
         for epoch in range(self.trainer.epochs):
             for k in range(n_mini):
                 lo, hi = bounds[k], bounds[k + 1]
+                a, b = self.dp.shard(lo, hi)  # this rank's share of the mini-batch (all of it in one process)
                 self.optimizer.zero_grad(set_to_none=True)
-                self.compute_gradients(trajs[lo:hi], data.advantages[lo:hi], diagnose=(epoch == 0 and k == 0),
-                                       stats=stats, rows=data.slice(lo, hi), measure_ratio=epoch == 0)
+                self.compute_gradients(trajs[a:b], data.advantages[a:b], diagnose=(epoch == 0 and k == 0),
+                                       stats=stats, rows=data.slice(a, b), measure_ratio=epoch == 0,
+                                       global_counts=_loss_counts(trajs[lo:hi], data.slice(lo, hi)))
                 norms.append(self._optimizer_step())
                 if self.critic is not None:
                     assert data.old_values is not None and data.returns is not None
-                    self.critic.compute_gradients(trajs[lo:hi], data.old_values[lo:hi], data.returns[lo:hi], cstats)
+                    self.critic.compute_gradients(trajs[a:b], data.old_values[a:b], data.returns[a:b], cstats,
+                                                  global_tokens=sum(sum(t.loss_mask) for t in trajs[lo:hi]))
                     self.critic.step(cstats)
         self.optimizer.zero_grad(set_to_none=True)
+        self.dp.reduce_stats(stats)  # every rank's share -> the step's (sums, max, min)
+        self.dp.reduce_stats(cstats, only=("loss", "tokens", "clipped"))  # steps, grad_norm: the same on every rank
         steps = len(norms)
         if self.lagrange is not None and data.costs is not None:
             data.metrics["safety/lambda_next"] = self.lagrange.update(float(data.costs.mean()))
@@ -457,10 +490,10 @@ class Learner:
 
     def _check_finite(self) -> None:
         """The weights about to be broadcast are finite (a NaN never reaches the generators)."""
-        for name, p in self.model.named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                raise RuntimeError(f"parameter {name} is not finite after the update of version {self.version}; "
-                                   "the weights are not broadcast (lower trainer.lr or set trainer.grad_clip)")
+        name = self.dp.all_finite(self.model)
+        if name is not None:
+            raise RuntimeError(f"parameter {name} is not finite after the update of version {self.version}; "
+                               "the weights are not broadcast (lower trainer.lr or set trainer.grad_clip)")
 
     def _metrics(self, trajs: list[Trajectory], data: StepData, stats: GradientStats, cstats: CriticStats,
                  norms: list[float], step_s: float) -> dict[str, float]:
@@ -534,42 +567,12 @@ class Learner:
     # ------------------------------------------------------------------ weights
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
-        """Named parameters (tied ones once) + persistent buffers, detached: what the weight broadcast sends."""
-        out = {name: p.detach() for name, p in self.model.named_parameters()}
-        persistent = set(self.model.state_dict().keys())
-        for name, buf in self.model.named_buffers():
-            if name in persistent:
-                out[name] = buf.detach()
-        return out
+        """Named parameters (tied ones once) + persistent buffers, detached: what the weight broadcast sends.
+        With trainer.parallel = "fsdp2" a collective: every rank calls it, rank 0 sends the result."""
+        return self.dp.full_state_dict(self.model)
 
 
-def _explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 − Var(returns − values) / Var(returns) over mask tokens; 0 when Var(returns) = 0."""
-    if not mask.any():
-        return 0.0
-    r, v = returns[mask].double(), values[mask].double()
-    var_r = r.var(correction=0)
-    return float(1.0 - (r - v).var(correction=0) / var_r) if var_r > 0 else 0.0
-
-
-def _flatten(groups: list[Group]) -> list[Trajectory]:
-    """All trajectories of the groups, in order; raises ValueError on anything that must not be trained."""
-    trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        raise ValueError("update() got no trajectories")
-    for t in trajs:
-        if t.finish_reason == "error":
-            raise ValueError(f"trajectory {t.seq_id} has finish_reason='error' ({t.error!r}); "
-                             f"failed samples are never trained")
-        if t.temperature <= 0:
-            raise ValueError(f"trajectory {t.seq_id} was sampled greedily (temperature={t.temperature}); "
-                             f"greedy samples are never trained")
-        if not t.prompt_ids:
-            raise ValueError(f"trajectory {t.seq_id} has an empty prompt")
-        n = len(t.response_ids)
-        if not (len(t.loss_mask) == len(t.behavior_logprobs) == len(t.versions) == n):
-            raise ValueError(
-                f"trajectory {t.seq_id}: response_ids ({n}), loss_mask ({len(t.loss_mask)}), behavior_logprobs "
-                f"({len(t.behavior_logprobs)}) and versions ({len(t.versions)}) must have one entry per response token"
-            )
-    return trajs
+def _loss_counts(trajs: list[Trajectory], rows: dict[str, Tensor]) -> tuple[int, int]:
+    """(loss tokens, sequences) of an optimizer step's samples: the denominators of every `loss_agg`."""
+    tokens = int(rows["keep"].sum()) if "keep" in rows else sum(sum(t.loss_mask) for t in trajs)
+    return tokens, len(trajs)

@@ -1,0 +1,166 @@
+"""Data-parallel Learner (training/parallel.py): 2 trainer ranks on gloo train the weights 1 process trains.
+
+Each rank is a spawned process joining the trainer group over a TCPStore on 127.0.0.1; both ranks get the same
+step (all groups) and train their half of every mini-batch. The single-process Learner trains the same groups
+from the same initial weights; after 3 train steps the full weights (rank 0's `state_dict_for_sync`, for FSDP2
+gathered with `full_tensor()` by both ranks) agree within 1e-6, for a token-level and a sequence-level loss
+aggregation, with micro-batches, two mini-batches per step and grad clipping in play.
+
+The models are float64: in float32 the order of a sum alone moves weights by ~4e-6 after 3 AdamW steps (one
+process, micro-batches of 1 vs 4: Adam's first step divides near-zero gradients by their own magnitude), which
+would hide a real error of that size; in float64 that floor is ~1e-13, so 1e-6 tests the maths.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from asyncrl.messages import Group, Trajectory
+from asyncrl.training.critic import Critic
+from asyncrl.training.learner import Learner
+from asyncrl.training.parallel import DataParallel
+from asyncrl.training.reference import ReferencePolicy
+
+PAD, VOCAB, STEPS, WORLD = 0, 24, 3, 2
+# token-mean with decoupled PPO + token TIS and a KL loss to a trainer-side reference (proximal and reference
+# rows: each rank forwards half and all-gathers); seq-mean-token-mean on the plain PPO path; PPO with a critic
+# (values gathered, value loss over the whole mini-batch's tokens, the critic's gradients summed)
+CASES = {
+    "token-mean": dict(loss_agg="token-mean", decoupled=True, correction="token_tis", kl_mode="loss", kl_coef=0.1),
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "gae-critic": dict(advantage="gae", lam=0.9),
+}
+
+
+def _model(seed: int = 0, cls: type = Qwen2ForCausalLM, **kw: Any) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return cls(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)).double()
+
+
+def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+    algorithm = AlgorithmConfig(**CASES[case])
+    trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
+    critic = reference = None
+    if algorithm.advantage == "gae":
+        critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
+                        pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    if algorithm.kl_mode != "off":
+        reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    return Learner(_model(), algorithm=algorithm, trainer=trainer, pad_token_id=PAD, critic=critic,
+                   reference=reference, parallel=parallel)
+
+
+def _steps() -> list[list[Group]]:
+    """STEPS steps of 4 groups × 2 samples: ragged prompts and responses, loss-mask holes, mixed temperatures,
+    behaviour logprobs near the initial policy's."""
+    probe = _learner("seq-mean-token-mean", 8)
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for s in range(STEPS):
+        groups = []
+        for g in range(4):
+            trajs = []
+            for i in range(2):
+                p_len, r_len = 1 + (g + i) % 3, 2 + (5 * g + 3 * i + s) % 9
+                prompt = torch.randint(1, VOCAB, (p_len,), generator=gen).tolist()
+                response = torch.randint(1, VOCAB, (r_len,), generator=gen).tolist()
+                temp = [1.0, 0.8, 1.2][(g + i) % 3]
+                tf = torch.tensor(probe.teacher_forced_logprobs(prompt, response, temp))
+                trajs.append(Trajectory(
+                    seq_id=100 * s + 2 * g + i, group_id=10 * s + g, group_size=2, prompt_ids=prompt,
+                    response_ids=response, loss_mask=(torch.rand(r_len, generator=gen) > 0.25).tolist(),
+                    behavior_logprobs=(tf + 0.2 * torch.randn(r_len, generator=gen)).tolist(),
+                    versions=[s] * r_len, min_version=s, max_version=s, finish_reason="stop",
+                    reward=float(torch.rand((), generator=gen)), temperature=temp))
+            groups.append(Group(group_id=10 * s + g, min_version=s, trajectories=trajs))
+        steps.append(groups)
+    return steps
+
+
+def _train(learner: Learner, steps: list[list[Group]]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """-> the full policy weights (with the critic's, prefixed "critic."), and each step's loss metrics."""
+    keys = ("trainer/loss", "critic/value_loss")
+    losses = [m.get(k, 0.0) for groups in steps for m in [learner.update(groups)] for k in keys]
+    weights = {k: v.clone() for k, v in learner.state_dict_for_sync().items()}
+    if learner.critic is not None:
+        weights.update({f"critic.{k}": v.clone() for k, v in learner.dp.full_state_dict(learner.critic.model).items()})
+    return weights, losses
+
+
+def _rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dp = DataParallel.join(mode, store=store, rank=rank, world_size=WORLD, timeout_s=60)  # type: ignore[arg-type]
+    try:
+        result = {}
+        for case in CASES:
+            # micro-batch of 1: each rank's 2 samples of a mini-batch accumulate over 2 backwards
+            weights, losses = _train(_learner(case, 1, dp), steps)
+            result[case] = ({k: v.numpy() for k, v in weights.items()}, losses)
+        if rank == 0:
+            out.put(result)
+    finally:
+        dp.close()
+
+
+def _result(out: Any, procs: list[Any], limit_s: float) -> Any:
+    """Rank 0's result; fails as soon as a rank died instead of waiting out the limit."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a trainer rank exited with {dead} (its traceback is above)"
+    raise TimeoutError(f"no result from the trainer ranks in {limit_s} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
+    torch.set_num_threads(1)
+    steps = _steps()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, mode, steps, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        result = _result(out, procs, limit_s=240)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    for case in CASES:
+        weights, losses = result[case]
+        ref_learner = _learner(case, 4)  # one process, micro-batches of 4 (a whole mini-batch)
+        initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
+        if ref_learner.critic is not None:
+            initial.update({f"critic.{k}": v.clone() for k, v in ref_learner.critic.model.state_dict().items()})
+        ref_weights, ref_losses = _train(ref_learner, steps)
+        assert set(weights) == set(ref_weights)
+        moved = min(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights if "proj.weight" in k)
+        assert moved > 1e-4, "the steps must change every layer's weights for the comparison to bite"
+        worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
+        assert worst < 1e-6, f"{mode} {case}: 2 ranks differ from 1 process by {worst}"
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
