@@ -118,7 +118,13 @@ def _rephrase(msg: str, value: Any, tp: Any) -> tuple[str, str]:
     """msgspec's 'Expected `float` > 0.0 - at `$[1]`' -> ('[1]', 'expected a number > 0, got -1')."""
     body, _, loc = msg.partition(" - at `$")
     loc = loc.rstrip("`")
-    for index, key in re.findall(r"\[(\d+)\]|\.(\w+)", loc):
+    for index, key, any_key in re.findall(r"\[(\d+)\]|\.(\w+)|(\[\.\.\.\])", loc):
+        if any_key:  # a table's value (msgspec does not say which key): name it when the table has one
+            if not (isinstance(value, dict) and len(value) == 1):
+                break
+            (key, value), = value.items()
+            loc = loc.replace("[...]", f".{key}", 1)
+            continue
         try:
             value = value[int(index)] if index else value[key]
         except (LookupError, TypeError):

@@ -7,6 +7,7 @@ import pytest
 
 import asyncrl.config as config_mod
 from asyncrl.config import derived, load_config, plan_resources
+from asyncrl.launch import actor_options  # (imported before the autouse fixture stubs the registries)
 from asyncrl.placement import colocated_bundle, role_device, weight_backend
 from tests.unit.test_config import errors_of, workdir, write_config  # noqa: F401 (the autouse fixture)
 
@@ -109,3 +110,16 @@ def test_the_readme_gpu_configs_are_valid_on_the_machines_they_name(gpus):
     assert weight_backend(cfg) == "nccl"
     gpus(1)  # one GPU is too few for it
     assert any("needs 2 GPUs" in e for e in errors_of(write_config(edits(disaggregated))))
+
+
+def test_custom_resources_and_the_network_interface_reach_each_actors_ray_options():
+    cfg = load_config(write_config({"cluster.resources.generator": {"rollout_node": 1},
+                                    "cluster.network_interface": "eth1"}))
+    plans = {p.role: p for p in plan_resources(cfg)}
+    generator = actor_options(plans["generator"], None, cfg.cluster.network_interface)
+    assert generator["resources"] == {"rollout_node": 1.0}
+    assert generator["runtime_env"]["env_vars"] == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
+    trainer = actor_options(plans["trainer"])
+    assert "resources" not in trainer and "runtime_env" not in trainer and trainer["num_gpus"] == 0
+    assert errors_of(write_config({"cluster.resources.trainer": {"gpu_node": 0}}))[0].startswith(
+        "cluster.resources.trainer.gpu_node: expected a number > 0")
