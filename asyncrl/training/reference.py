@@ -36,15 +36,15 @@ class ReferencePolicy:
 
     @classmethod
     def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
-             mixed_precision: str = "no") -> "ReferencePolicy":
+             mixed_precision: str = "no", device: str | torch.device = "cpu") -> "ReferencePolicy":
         """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
         dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
 
         dtype = precision.reference_dtype(dtype, mixed_precision)
         log.info("reference policy: loading %s (%s)", path, dtype)
-        return cls(load_model(path, dtype=dtype), pad_token_id=pad_token_id, micro_batch_size=micro_batch_size,
-                   mixed_precision=mixed_precision)
+        return cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
+                   micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision)
 
     @torch.no_grad()
     def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
