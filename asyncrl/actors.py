@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import os
+from datetime import timedelta
 from typing import Any, Callable
 
 import ray
@@ -24,6 +25,7 @@ from asyncrl.build import (
     build_generator,
     build_scorer,
     build_trainer,
+    build_trainer_rank,
     pin_cpus,
     set_torch_threads,
     sync_dtype,
@@ -31,6 +33,7 @@ from asyncrl.build import (
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
+from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
@@ -119,7 +122,10 @@ class RoleActor:
         self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
         if kind != "buffer" or cfg.cluster.scorer_placement == "buffer":
             _model_on_this_node(cfg, kind)
-        self.role = _build(kind, cfg, index, RayProxy(buffer_handle) if buffer_handle is not None else None)
+        self._buffer = RayProxy(buffer_handle) if buffer_handle is not None else None
+        # trainer.num_ranks > 1: every trainer rank builds its role once the trainer group formed (join_trainer_group)
+        ranked = kind == "trainer" and cfg.trainer.num_ranks > 1
+        self.role = None if ranked else _build(kind, cfg, index, self._buffer)
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
         # roles that run inside this actor's process beside its own, called through `call_hosted`
@@ -128,7 +134,9 @@ class RoleActor:
             # in-process: the scorers await the buffer's methods directly (same event loop, no actor calls)
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
-        self.name = kind if kind in ("buffer", "trainer") else f"{kind} {index}"
+        self._trainer_store: Any = None  # the trainer group's store (rank 0: the master)
+        self.name = {"buffer": "buffer", "trainer": f"trainer rank {index}" if index else "trainer"}.get(
+            kind, f"{kind} {index}")
         self._monitor: LoopMonitor | None = None  # watches this process's event loop, from the first call
 
     def ready(self) -> str:
@@ -176,11 +184,43 @@ class RoleActor:
             return Heartbeat(stalled_s=0.0)
         return self._monitor.heartbeat()
 
+    # -- the trainer group (trainer.num_ranks > 1; asyncrl/roles/trainer_ranks.py) ----------------
+    def open_trainer_store(self, world_size: int) -> tuple[str, int]:
+        """Trainer rank 0: start the trainer group's TCPStore master; return (host, port) for the other ranks."""
+        host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
+        self._trainer_store, port = create_store(world_size, self.cfg.weight_sync.timeout_s, host)
+        return host, port
+
+    async def join_trainer_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the trainer group as `rank` and build this rank's role on it (rank 0: the Trainer; others: a
+        TrainerRank). Blocks until every rank joined: the deployment asks them together."""
+        import torch
+        import torch.distributed as dist
+
+        from asyncrl.training.parallel import DataParallel
+
+        timeout_s = self.cfg.weight_sync.timeout_s
+        store = self._trainer_store if rank == 0 else dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        device = torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")  # Ray's one GPU
+        dp = await asyncio.to_thread(DataParallel.join, self.cfg.trainer.parallel, store=store, rank=rank,
+                                     world_size=world_size, timeout_s=timeout_s, device=device)
+        self._trainer_store = store
+        build = (lambda: build_trainer(self.cfg, self._buffer, dp)) if rank == 0 else \
+            (lambda: build_trainer_rank(self.cfg, dp))
+        self.role = await asyncio.to_thread(build)
+
+    async def attach_trainer_ranks(self, handles: list[Any]) -> None:
+        """Trainer rank 0, once every rank built its role: drive the other ranks' actors from now on."""
+        ranks = RankedLearner(self.role.learner, [RayProxy(h) for h in handles], asyncio.get_running_loop())
+        await self.role.attach_ranks(ranks)
+
     # -- weight-sync lifecycle (trainer is rank 0, generators 1..N) -------------------------------
     def weights_meta(self) -> WeightsMeta:
         """The bucket plan of the broadcast, describing the tensors in the engines' dtype (rollout.dtype): the
-        sender converts the trainer's (float32 under mixed precision) as it packs each bucket."""
-        tensors = self.role.learner.state_dict_for_sync()
+        sender converts the trainer's (float32 under mixed precision) as it packs each bucket. With several
+        trainer ranks: the weights gathered after the last change (never a gather of rank 0 alone)."""
+        tensors = self.role.pipeline.learner.state_dict_for_sync()
         return plan_buckets(tensors, int(self.cfg.weight_sync.bucket_mb * 2**20), dtype=sync_dtype(self.cfg))
 
     def open_weight_store(self, world_size: int) -> tuple[str, int]:

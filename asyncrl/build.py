@@ -26,9 +26,11 @@ from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.roles.trainer import Trainer
+from asyncrl.roles.trainer_ranks import TrainerRank
 from asyncrl.training import precision
 from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.training.learner import Learner
+from asyncrl.training.parallel import DataParallel
 from asyncrl.training.reference import ReferencePolicy
 from buffers.replay import ReplayBuffer
 from engines.base import create_engine
@@ -179,9 +181,9 @@ def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
                                 mixed_precision=cfg.trainer.mixed_precision)
 
 
-def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
+def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: DataParallel | None = None) -> Learner:
     """The policy learner with what the algorithm needs: critic (the estimator's AlgorithmNeeds, e.g. gae),
-    reference (KL in the trainer), Lagrange multiplier (Safe-RLHF)."""
+    reference (KL in the trainer), Lagrange multiplier (Safe-RLHF); `parallel`: this rank's trainer group."""
     a = cfg.algorithm
     critic = reference = lagrange = None
     device = role_device(cfg, "trainer")  # the critic and the reference follow the trainer
@@ -198,16 +200,16 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
                                       r.lagrange_max if r.lagrange_max > 0 else None)
     return Learner(model, algorithm=a, trainer=cfg.trainer, pad_token_id=pad_id,
                    max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange,
-                   device=device, gradient_checkpointing=cfg.model.gradient_checkpointing)
+                   device=device, gradient_checkpointing=cfg.model.gradient_checkpointing, parallel=parallel)
 
 
-
-def build_trainer(cfg: Config, buffer: Any) -> Trainer:
-    torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
+def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None) -> Trainer:
+    """The trainer (rank 0 of `parallel`'s group when given: its ranks are attached once they are all built)."""
+    torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))  # the same on every rank: the same critic head
     model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    learner = build_learner(cfg, model, pad_id)
+    learner = build_learner(cfg, model, pad_id, parallel)
     evaluator = None
     if cfg.trainer.eval_every > 0:
         from engines.hf import eos_token_ids
@@ -231,3 +233,12 @@ def build_trainer(cfg: Config, buffer: Any) -> Trainer:
                                   samples=cfg.logging.rollouts_every > 0)
     return Trainer(learner=learner, buffer=buffer, evaluator=evaluator, decode=decode,
                    rollouts_every=cfg.logging.rollouts_every)
+
+
+def build_trainer_rank(cfg: Config, parallel: DataParallel) -> TrainerRank:
+    """Trainer rank r > 0 (asyncrl/roles/trainer_ranks.py): a Learner built as rank 0's is."""
+    torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
+    model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
+    tok, _ = tokenizer_fns(cfg.model.path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return TrainerRank(build_learner(cfg, model, pad_id, parallel), parallel.rank)

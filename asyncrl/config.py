@@ -140,7 +140,7 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
         plan("generator", cfg.rollout.num_generators, c.generator_cpus),
         # scorer_placement = "buffer": the scorers live in the buffer actor's process and ask for nothing
         plan("scorer", cfg.reward.num_scorers if c.scorer_placement == "actor" else 0, c.scorer_cpus),
-        plan("trainer", 1, c.trainer_cpus),
+        plan("trainer", cfg.trainer.num_ranks, c.trainer_cpus),  # rank 0 and the other trainer ranks
         plan("buffer", 1, c.buffer_cpus),
     ]
 
@@ -333,6 +333,36 @@ def _check_batches(cfg: Config) -> list[str]:
             f"— use a divisor of {sps}, e.g. {fit}"]
 
 
+def _check_ranks(cfg: Config) -> list[str]:
+    """trainer.num_ranks > 1 (asyncrl/training/parallel.py): equal shares of every mini-batch; what a sharded
+    (fsdp2) model cannot do yet; one device per rank."""
+    t, errors = cfg.trainer, []
+    w = t.num_ranks
+    if w == 1:
+        return errors
+    sps = cfg.samples_per_step
+    mini = sps // t.mini_batches
+    if sps % t.mini_batches == 0 and mini % w:
+        errors.append(f"trainer.num_ranks: {w} does not divide a mini-batch of samples_per_step / trainer.mini_batches "
+                      f"= {sps} / {t.mini_batches} = {mini} samples (each rank trains an equal share) — use a divisor "
+                      f"of {mini}, e.g. {max(d for d in range(1, w + 1) if mini % d == 0)}, or fewer mini_batches")
+    if t.parallel == "fsdp2":
+        for key, value in (("trainer.eval_every", t.eval_every), ("run.save_every", cfg.run.save_every),
+                           ("run.save_checkpoint", cfg.run.save_checkpoint)):
+            if value:
+                errors.append(f"{key}: trainer.parallel = 'fsdp2' with trainer.num_ranks > 1 shards the model, and "
+                              f"evaluation, resumable checkpoints and the HF export of a sharded model are not "
+                              f"written yet — set {key} = {'false' if isinstance(value, bool) else 0}, or use "
+                              f"trainer.parallel = 'ddp'")
+    if cfg.cluster.placement == "colocated":
+        errors.append(f"trainer.num_ranks: {w} trainer ranks cannot share the one colocated device — use "
+                      f"cluster.placement = 'disaggregated' with several ranks, or trainer.num_ranks = 1")
+    elif 0 < cfg.cluster.trainer_gpus < 1:
+        errors.append(f"cluster.trainer_gpus: {cfg.cluster.trainer_gpus:g} with trainer.num_ranks = {w}: each trainer "
+                      f"rank needs a GPU of its own (NCCL refuses two ranks on one GPU) — set cluster.trainer_gpus = 1")
+    return errors
+
+
 def _check_buffers(cfg: Config) -> list[str]:
     errors: list[str] = []
     sps, pps = cfg.samples_per_step, cfg.trainer.prompts_per_step
@@ -495,6 +525,8 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("algorithm", "critic", "reference", "reward", "rollout.group_size", "rollout.max_new_tokens"),
      _check_algorithm_options),
     (("trainer.mini_batches", "trainer.prompts_per_step", "rollout.group_size"), _check_batches),
+    (("trainer", "rollout.group_size", "run.save_every", "run.save_checkpoint", "cluster.placement",
+      "cluster.trainer_gpus"), _check_ranks),
     (("buffer", "trainer.prompts_per_step", "rollout.group_size"), _check_buffers),
     (("model",), _check_model),
     (("weight_sync.backend", "rollout.engine"), _check_backend),

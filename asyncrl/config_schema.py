@@ -216,6 +216,17 @@ class TrainerConfig(Section):
            "when rollout.dtype = 'auto'. Needs bfloat16 on the trainer's device (any CPU; a GPU of the Ampere "
            "generation or newer)"),
     ] = "no"
+    num_ranks: Annotated[
+        int,
+        _d("trainer processes (Ray actors) training each step together, each on its 1/num_ranks of every "
+           "mini-batch; must divide every mini-batch (prompts_per_step*group_size/mini_batches). Ray only", ge=1),
+    ] = 1
+    parallel: Annotated[
+        Literal["ddp", "fsdp2"],
+        _d("with num_ranks > 1: ddp (a full replica per rank) or fsdp2 (parameters, gradients and optimizer state "
+           "sharded over the ranks; needs trainer.eval_every = 0, run.save_every = 0 and run.save_checkpoint = "
+           "false)"),
+    ] = "ddp"
 
 
 class BufferConfig(Section):

@@ -108,6 +108,8 @@ class RayDeployment:
         actor = self._actor
         self.buffer_actor = actor("buffer").remote("buffer", cfg)
         self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
+        # trainer.num_ranks > 1: ranks 1..W-1 train each step beside the trainer (rank 0), which drives them
+        self.rank_actors = [actor("trainer").remote("trainer", cfg, r) for r in range(1, cfg.trainer.num_ranks)]
         self.generator_actors = [actor("generator").remote("generator", cfg, i, self.buffer_actor)
                                  for i in range(cfg.rollout.num_generators)]
         # scorer_placement = "buffer": the buffer actor built the scorers beside the buffer (RoleActor.hosted)
@@ -131,7 +133,7 @@ class RayDeployment:
 
     @property
     def actors(self) -> list[Any]:
-        return [self.buffer_actor, self.trainer_actor, *self.generator_actors, *self.scorer_actors]
+        return [self.buffer_actor, self.trainer_actor, *self.rank_actors, *self.generator_actors, *self.scorer_actors]
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         named = self._named()
@@ -142,10 +144,22 @@ class RayDeployment:
                                f"{timeout_s:.0f}s — check cluster.*_cpus, cluster.*_gpus and cluster.resources "
                                f"against the cluster's free resources (`ray status`)")
         ray.get(ready)  # surfaces a constructor error (e.g. a model folder that does not load)
+        if self.rank_actors:
+            self._form_trainer_group(timeout_s)
+
+    def _form_trainer_group(self, timeout_s: float) -> None:
+        """trainer.num_ranks > 1: every rank joins the trainer group (rank 0 holds its store) and builds its
+        role on it; then rank 0 takes the other ranks (asyncrl/roles/trainer_ranks.py)."""
+        world = 1 + len(self.rank_actors)
+        host, port = ray.get(self.trainer_actor.open_trainer_store.remote(world), timeout=timeout_s)
+        ranks = [self.trainer_actor, *self.rank_actors]
+        ray.get([a.join_trainer_group.remote(host, port, r, world) for r, a in enumerate(ranks)], timeout=timeout_s)
+        ray.get(self.trainer_actor.attach_trainer_ranks.remote(self.rank_actors), timeout=timeout_s)
 
     def _named(self) -> dict[str, Any]:
-        """Every actor by its role's name ("buffer", "trainer", "generator 0", "scorer 0", ...)."""
+        """Every actor by its role's name ("buffer", "trainer", "trainer rank 1", "generator 0", ...)."""
         return {"buffer": self.buffer_actor, "trainer": self.trainer_actor,
+                **{f"trainer rank {r}": a for r, a in enumerate(self.rank_actors, start=1)},
                 **{f"generator {i}": a for i, a in enumerate(self.generator_actors)},
                 **{f"scorer {i}": a for i, a in enumerate(self.scorer_actors)}}
 
@@ -175,6 +189,7 @@ class RayDeployment:
         hosted = " (and the scorers it hosts)" if self.cfg.cluster.scorer_placement == "buffer" else ""
         named: dict[str, Callable[[], Any]] = {
             f"buffer{hosted}": lambda: self.buffer_actor, "trainer": lambda: self.trainer_actor,
+            **{f"trainer rank {r}": (lambda a=a: a) for r, a in enumerate(self.rank_actors, start=1)},
             **{f"generator {i}": (lambda i=i: self.generator_actors[i]) for i in range(len(self.generator_actors))},
             **{f"scorer {i}": (lambda i=i: self.scorer_actors[i]) for i in range(len(self.scorer_actors))}}
 
@@ -199,9 +214,11 @@ class RayDeployment:
         return tuple(kinds)
 
     def dead_role(self, exc: BaseException) -> str | None:
-        """The role ("trainer", "buffer", "generator/0", ...) of the actor whose death `exc` reports."""
+        """The role ("trainer", "trainer/1" (rank 1), "buffer", "generator/0", ...) of the actor whose death `exc`
+        reports."""
         actor_id = getattr(exc, "actor_id", None)
         roles = {"buffer": self.buffer_actor, "trainer": self.trainer_actor,
+                 **{f"trainer/{r}": a for r, a in enumerate(self.rank_actors, start=1)},
                  **{f"generator/{i}": a for i, a in enumerate(self.generator_actors)},
                  **{f"scorer/{i}": a for i, a in enumerate(self.scorer_actors)}}
         current = next((role for role, a in roles.items() if a._actor_id.hex() == actor_id), None)

@@ -64,6 +64,9 @@ class LocalDeployment:
     restartable: tuple[str, ...] = ()  # in process, a role cannot die without the run: nothing to supervise
 
     def __init__(self, cfg: Config) -> None:
+        if cfg.trainer.num_ranks > 1:  # one process holds one trainer rank
+            raise ValueError(f"trainer.num_ranks = {cfg.trainer.num_ranks}: an in-process run (--local) trains in one "
+                             f"process — run it on Ray (drop --local), or set trainer.num_ranks = 1")
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.buffer_obj = build_buffer(cfg)

@@ -125,9 +125,11 @@ def check_placement(cfg: Config, *, cuda: bool, gpus_here: int) -> list[str]:
                           "fail ('Duplicate GPU detected') — give the trainer and each generator whole GPUs, or set "
                           "cluster.placement = 'colocated'")
         if local and cuda and backend == "nccl":
-            needed = int(wanted["trainer"]) + cfg.rollout.num_generators * int(wanted["generator"])
+            needed = (cfg.trainer.num_ranks * int(wanted["trainer"])
+                      + cfg.rollout.num_generators * int(wanted["generator"]))
             if needed > gpus_here:
-                errors.append(f"cluster.placement = 'disaggregated' needs {needed} GPUs (trainer_gpus + "
+                ranks = "trainer.num_ranks x " if cfg.trainer.num_ranks > 1 else ""
+                errors.append(f"cluster.placement = 'disaggregated' needs {needed} GPUs ({ranks}trainer_gpus + "
                               f"num_generators x generator_gpus) and this machine has {gpus_here} — use fewer, or "
                               f"cluster.placement = 'colocated'")
     return errors

@@ -235,7 +235,7 @@ class Supervisor:
         """Raise RoleFailed with the resume line if `exc` reports the trainer's or the buffer's death."""
         if is_actor_death(exc):
             role = self.d.dead_role(exc)
-            if role in ("trainer", "buffer"):
+            if role is not None and role.split("/")[0] in ("trainer", "buffer"):  # "trainer/1": another trainer rank
                 raise self.death(role, exc) from exc
 
     def death(self, role: str | None, exc: BaseException) -> RoleFailed:

@@ -22,6 +22,7 @@ from asyncrl import checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
+from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
 from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
@@ -51,6 +52,13 @@ class Trainer:
         self.recorder = recorder or SpanRecorder("trainer")
         # prefetch → update → send → release, in step order (asyncrl/pipeline.py)
         self.pipeline = UpdatePipeline(learner=learner, source=buffer, recorder=self.recorder)
+        self.ranks: RankedLearner | None = None  # trainer.num_ranks > 1: the other ranks train each step too
+
+    async def attach_ranks(self, ranks: RankedLearner) -> None:
+        """Rank 0 of several (asyncrl/roles/trainer_ranks.py): from now on every update and restore runs on every
+        rank, and the sends read the weights gathered after it. Before the weight-sync group forms."""
+        self.ranks = self.pipeline.learner = ranks
+        await ranks.gather_weights()
 
     @property
     def version(self) -> int:
@@ -104,6 +112,9 @@ class Trainer:
     def teacher_forced_logprobs(self, prompt_ids: list[int], response_ids: list[int],
                                 temperature: float = 1.0) -> list[float]:
         """The trainer's logprobs of a fixed sequence (the reference an engine's logprobs must match)."""
+        # a forward of a sharded model on rank 0 alone would wait forever for the other ranks
+        if self.ranks is not None and self.learner.dp.mode == "fsdp2":
+            raise RuntimeError("teacher_forced_logprobs: not available with trainer.parallel = 'fsdp2'")
         return self.learner.teacher_forced_logprobs(prompt_ids, response_ids, temperature)
 
     async def save_state(self, root: str, *, step: int, config_text: str, extra: dict[str, Any],
@@ -121,8 +132,15 @@ class Trainer:
     async def load_state(self, path: str) -> int:
         """Continue from the checkpoint at `path` (verified first: a corrupted one is never loaded)."""
         ck = await asyncio.to_thread(checkpoint.load, path)
-        self.learner.restore_state(ck.tensors, ck.state)
-        checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
+
+        def restore() -> None:
+            self.learner.restore_state(ck.tensors, ck.state)
+            checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
+
+        if self.ranks is None:
+            restore()
+        else:  # every rank loads the same checkpoint (under DDP rank 0's state is every rank's)
+            await self.ranks.load_state(path, restore)
         return self.learner.version
 
     def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str = "auto") -> str:

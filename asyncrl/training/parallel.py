@@ -1,8 +1,9 @@
 """Data-parallel training: one trainer rank's view of the trainer group (`trainer.num_ranks`, `trainer.parallel`).
 
-Place in the dataflow: the Trainer role of each rank holds a `Learner` built with a `DataParallel`; rank 0 takes
-the step's groups off the train store and hands the whole step (token ids: kilobytes) to every rank, so every
-rank knows every sample's loss mask, reward and group. The compute is what is split:
+Place in the dataflow: every trainer rank holds a `Learner` built with a `DataParallel` (rank 0 in its Trainer,
+the others in a TrainerRank: asyncrl/roles/trainer_ranks.py); rank 0 takes the step's groups off the train store
+and hands the whole step (token ids: kilobytes) to every rank, so every rank knows every sample's loss mask,
+reward and group. The compute is what is split:
 
     prepare   each rank forwards its contiguous 1/W of the step (proximal / reference logprobs, critic values),
               `all_gather_rows` joins the rows; advantages (group statistics, whitening) are then computed from

@@ -76,6 +76,10 @@ def test_colocated_roles_share_one_bundle_whose_gpus_are_the_sum_of_theirs(gpus)
     (2, {"cluster.scorer_gpus": 1, "cluster.scorer_placement": "buffer"}, "cluster.scorer_gpus: the scorers run "
                                                                           "inside the buffer actor"),
     (2, {"cluster.trainer_gpus": 1.5}, "cluster.trainer_gpus: 1.5 — more than one GPU must be a whole number"),
+    (2, {**TWO_GPUS, "trainer.num_ranks": 2}, "cluster.placement = 'disaggregated' needs 3 GPUs (trainer.num_ranks x "
+                                              "trainer_gpus + num_generators x generator_gpus) and this machine has 2"),
+    (2, {"cluster.trainer_gpus": 0.5, "trainer.num_ranks": 2}, "cluster.trainer_gpus: 0.5 with trainer.num_ranks = 2: "
+                                                               "each trainer rank needs a GPU of its own"),
 ])
 def test_an_impossible_placement_is_one_line_naming_the_fix(gpus, cuda, edits, error):
     gpus(cuda)

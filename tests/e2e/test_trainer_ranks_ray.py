@@ -1,0 +1,160 @@
+"""trainer.num_ranks = 2 on Ray (asyncrl/roles/trainer_ranks.py): two trainer actors train every step together
+and end with the weights one process gets from the same groups.
+
+Rank 1 records the groups rank 0 hands it; after the run the test replays them through a one-process Learner
+built from the same model folder and seed. The tiny config's step is 16 samples in micro-batches of 8, so each
+rank's half of the mini-batch is exactly one of the one-process micro-batches, and the summed gradient is the
+same two-term sum: the weights agree to float32 rounding (prepare's forwards pad the halves separately, which may
+move the last bits). 1e-5 relative (as an absolute bound on the tiny model's O(1) weights) leaves room for that
+and is far below what one step changes (lr = 1e-2: every weight moves ~1e-2 per AdamW step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _in_actor() -> dict[str, Any]:
+    """Functions for `actor.__ray_call__` (inside a RoleActor), made in a function so that Ray pickles them by
+    value (the actors cannot import this module)."""
+
+    def record_groups(actor: Any) -> None:  # rank 1: keep every step's groups as they arrive
+        rank, seen = actor.role, []
+        update = rank.update
+
+        async def recording(groups: list[Any]) -> int:
+            seen.append(groups)
+            return await update(groups)
+
+        rank.update, actor.seen = recording, seen
+
+    def seen(actor: Any) -> list[list[Any]]:
+        return actor.seen
+
+    def weights(actor: Any) -> dict[str, Any]:
+        """Rank 0's gathered weights (what it sends); rank 1's replica under DDP (under FSDP2 it holds shards)."""
+        role = actor.role
+        if hasattr(role, "pipeline"):  # the Trainer: rank 0
+            tensors = role.pipeline.learner.state_dict_for_sync()
+        else:
+            tensors = role.learner.state_dict_for_sync() if role.learner.dp.mode == "ddp" else {}
+        return {"version": role.learner.version, "tensors": {k: v.detach().clone() for k, v in tensors.items()}}
+
+    return {"record_groups": record_groups, "seen": seen, "weights": weights}
+
+
+def _replay(cfg: Any, steps: list[list[Any]]) -> dict[str, Any]:
+    import torch
+
+    from asyncrl.build import build_learner, derive_seed, tokenizer_fns
+    from engines.hf import load_model
+
+    torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
+    tok, _ = tokenizer_fns(cfg.model.path)
+    learner = build_learner(cfg, load_model(cfg.model.path), tok.pad_token_id or 0)
+    for groups in steps:
+        learner.update(groups)
+    return learner.state_dict_for_sync()
+
+
+def _run_capturing(cfg: Any, resume: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run `cfg` on Ray with two trainer ranks; -> (the train rows, what the ranks held at the end: "weights" of
+    each rank, "steps": the groups rank 1 was handed)."""
+    import ray
+
+    from asyncrl.aio import run_loop
+    from asyncrl.controller import Controller
+    from asyncrl.launch import RayDeployment
+
+    captured: dict[str, Any] = {}
+    call = _in_actor()
+
+    class Capturing(RayDeployment):
+        async def shutdown(self) -> None:  # before the actors go: what each rank holds now
+            captured["weights"] = ray.get([a.__ray_call__.remote(call["weights"])
+                                           for a in (self.trainer_actor, *self.rank_actors)])
+            captured["steps"] = ray.get(self.rank_actors[0].__ray_call__.remote(call["seen"]))
+            await super().shutdown()
+
+    deployment = Capturing(cfg)
+    try:
+        deployment.wait_ready()
+        ray.get(deployment.rank_actors[0].__ray_call__.remote(call["record_groups"]))
+    except BaseException:
+        run_loop(RayDeployment.shutdown(deployment))
+        raise
+    rows = [r for r in run_loop(Controller(cfg, deployment, resume=resume).run()) if "trainer/loss" in r]
+    return rows, captured
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(bool((a[k] == v).all()) for k, v in b.items())
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_trainer_ranks_train_every_step_to_the_weights_of_one_process(ray_cluster, make_config, tmp_path, mode):
+    cfg = make_config("trainer.num_ranks=2", f'trainer.parallel="{mode}"', "trainer.eval_every=0",
+                      "run.save_checkpoint=false", f'run.output_dir="{tmp_path / mode}"')
+    rows, captured = _run_capturing(cfg)
+
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["trainer/samples"] == 16 for r in rows), rows  # the whole step's metrics, not one rank's half
+    rank0, rank1 = captured["weights"]
+    assert rank0["version"] == rank1["version"] == 3  # both ranks trained every step
+    assert [sum(len(g.trajectories) for g in step) for step in captured["steps"]] == [16, 16, 16]
+    if mode == "ddp":  # replicas: the same gradients and the same AdamW steps, bit for bit
+        assert _same(rank1["tensors"], rank0["tensors"])
+    expected = _replay(cfg, captured["steps"])
+    assert expected.keys() == rank0["tensors"].keys()
+    worst = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items())
+    moved = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in _replay(cfg, []).items())
+    assert worst < 1e-5, worst
+    assert moved > 1e-3, moved  # the run trained: the tolerance is far below what it changed
+
+
+def test_a_resumed_ddp_run_restores_every_rank_from_the_checkpoint(ray_cluster, make_config, tmp_path):
+    run_dir = tmp_path / "resume"
+    sets = ("trainer.num_ranks=2", "trainer.eval_every=0", "run.save_checkpoint=false", "run.save_every=2",
+            f'run.output_dir="{run_dir}"')
+    _run_capturing(make_config(*sets, "trainer.total_steps=2"))
+    rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=3"), resume=True)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # steps 1-2 read back, step 3 trained after the resume
+    rank0, rank1 = captured["weights"]
+    assert rank0["version"] == rank1["version"] == 3 and len(captured["steps"]) == 1
+    # rank 1 trained from the checkpoint's weights and AdamW state too (not its freshly loaded model's)
+    assert _same(rank1["tensors"], rank0["tensors"])
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_resumes_on_both_ranks(
+        ray_cluster, make_config, tmp_path, caplog):
+    import asyncio
+    import os
+    import signal
+
+    from asyncrl.launch import run_with_ray
+
+    steps = 6
+    cfg = make_config("trainer.num_ranks=2", f"trainer.total_steps={steps}", "trainer.eval_every=0",
+                      "run.save_checkpoint=false", "run.save_every=2", "logging.live=false",
+                      f'run.output_dir="{tmp_path / "resumed"}"')
+    attempts = []
+
+    async def kill_rank_1_once(controller, deployment):
+        attempts.append(controller)
+        if len(attempts) > 1:
+            return
+        while max((r["step"] for r in controller.rows if "trainer/samples" in r), default=0) < 3:
+            await asyncio.sleep(0.02)
+        os.kill(await deployment.rank_actors[0].pid.remote(), signal.SIGKILL)
+
+    with caplog.at_level("WARNING", logger="asyncrl.launch"):
+        rows = run_with_ray(cfg, beside=kill_rank_1_once)
+    assert len(attempts) == 2 and attempts[1].first_step in (2, 4)  # resumed from a checkpoint before the kill
+    assert [r["step"] for r in rows if "trainer/samples" in r] == list(range(1, steps + 1))
+    resumed = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    assert len(resumed) == 1 and resumed[0].startswith("the trainer/1 actor died"), resumed
