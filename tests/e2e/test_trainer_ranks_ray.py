@@ -116,10 +116,15 @@ def test_two_trainer_ranks_train_every_step_to_the_weights_of_one_process(ray_cl
     assert moved > 1e-3, moved  # the run trained: the tolerance is far below what it changed
 
 
-def test_a_resumed_ddp_run_restores_every_rank_from_the_checkpoint(ray_cluster, make_config, tmp_path):
+def test_a_resumed_ddp_run_restores_every_rank_and_evaluates_and_exports_rank_0s_replica(ray_cluster, make_config,
+                                                                                        tmp_path):
+    import json
+
+    from engines.hf import load_model
+
     run_dir = tmp_path / "resume"
-    sets = ("trainer.num_ranks=2", "trainer.eval_every=0", "run.save_checkpoint=false", "run.save_every=2",
-            f'run.output_dir="{run_dir}"')
+    # the tiny config evaluates every 2 steps and at the end (on rank 0's replica) and exports rank 0's weights
+    sets = ("trainer.num_ranks=2", "run.save_every=2", f'run.output_dir="{run_dir}"')
     _run_capturing(make_config(*sets, "trainer.total_steps=2"))
     rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=3"), resume=True)
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps 1-2 read back, step 3 trained after the resume
@@ -127,6 +132,10 @@ def test_a_resumed_ddp_run_restores_every_rank_from_the_checkpoint(ray_cluster, 
     assert rank0["version"] == rank1["version"] == 3 and len(captured["steps"]) == 1
     # rank 1 trained from the checkpoint's weights and AdamW state too (not its freshly loaded model's)
     assert _same(rank1["tensors"], rank0["tensors"])
+    evaluated = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval/" in line]
+    assert [r["step"] for r in evaluated] == [0, 2, 3] and all(r["eval/prompts"] == 20 for r in evaluated)
+    exported = dict(load_model(str(run_dir / "checkpoint")).state_dict())
+    assert _same({k: exported[k] for k in rank0["tensors"]}, rank0["tensors"])
 
 
 @pytest.mark.timeout(300)
