@@ -80,6 +80,7 @@ class Deployment(Protocol):
         ...
     def holder_of(self, role: str) -> str: ...  # the name the role's current actor holds groups under (buffer)
     async def leave_weight_groups(self) -> None: ...  # supervision: every live member ends its group
+    async def generator_death(self) -> BaseException | None: ...  # supervision: a dead generator's error, if any
     async def restart(self, kind: str, index: int) -> None: ...  # supervision: a fresh actor for a dead one
 
 

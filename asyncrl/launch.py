@@ -228,6 +228,13 @@ class RayDeployment:
         """The name under which the current actor of `role` ("generator/0") holds groups at the buffer."""
         return f"{role}#{self._incarnations.get(role, 0)}"
 
+    async def generator_death(self, timeout_s: float = 10.0) -> BaseException | None:
+        """The error of a generator actor that is dead now (its `pid` call fails with Ray's actor death), else
+        None: a failed weight sync that named no death may still have been one."""
+        calls = [a.pid.remote() for a in self.generator_actors]
+        results = await asyncio.gather(*[asyncio.wait_for(c, timeout_s) for c in calls], return_exceptions=True)
+        return next((r for r in results if isinstance(r, BaseException) and self.dead_role(r) is not None), None)
+
     async def leave_weight_groups(self) -> None:
         """A generator died: every live member ends its group (sends and armed receives on it raise)."""
         members = [self.trainer_actor, *self.generator_actors]

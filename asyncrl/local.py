@@ -94,6 +94,9 @@ class LocalDeployment:
     async def leave_weight_groups(self) -> None:
         raise NotImplementedError("in-process runs are not supervised")
 
+    async def generator_death(self) -> BaseException | None:
+        raise NotImplementedError("in-process runs are not supervised")
+
     async def restart(self, kind: str, index: int) -> None:
         raise NotImplementedError("in-process runs are not supervised")
 

@@ -95,6 +95,9 @@ class _Embedded:
     async def leave_weight_groups(self) -> None:
         raise NotImplementedError("asyncrl.Runtime does not restart roles")
 
+    async def generator_death(self) -> BaseException | None:
+        raise NotImplementedError("asyncrl.Runtime does not restart roles")
+
     async def restart(self, kind: str, index: int) -> None:
         raise NotImplementedError("asyncrl.Runtime does not restart roles")
 

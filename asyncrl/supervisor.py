@@ -199,11 +199,30 @@ class Supervisor:
             log.info("re-forming the weight-sync group as %r", name)
             await self.d.setup_weight_sync(group_name=name)
             self.steps.group = name
-            await asyncio.gather(self.d.trainer.send_weights(),
-                                 *[g.receive_weights(group=name) for g in self.d.generators])
+            await self._send_to_every_generator(name)
         back, self._generators_back = self._generators_back, []
         for index in back:
             self._start(f"generator/{index}", self.d.generators[index])
+
+    async def _send_to_every_generator(self, group: str) -> None:
+        """The trainer's current weights to every generator on the re-formed group. When one call fails (a
+        generator killed meanwhile), every member leaves the group so the others fail at once instead of
+        waiting out the group's timeout, and a generator's death is what is raised (it is restarted again,
+        `ended`); a failure that names no death is checked against the generators' liveness first."""
+        calls = [asyncio.ensure_future(self.d.trainer.send_weights()),
+                 *[asyncio.ensure_future(g.receive_weights(group=group)) for g in self.d.generators]]
+        done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        if not pending:
+            for fut in calls:
+                fut.result()
+            return
+        await self.d.leave_weight_groups()
+        await asyncio.wait(pending, timeout=RECOVER_WAIT_S)
+        errors = [f.exception() for f in calls if f.done() and not f.cancelled() and f.exception() is not None]
+        for fut in calls:
+            discard(fut)  # cancels a call still waiting; retrieves every outcome
+        death = next((e for e in errors if is_actor_death(e)), None) or await self.d.generator_death()
+        raise death if death is not None else errors[0]
 
     # -- the step pipeline's hook ----------------------------------------------------------------------
     async def recover(self, exc: BaseException) -> None:
