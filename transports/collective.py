@@ -204,6 +204,9 @@ def close_process_group(pg: Any, what: str) -> None:
             logger.debug("%s: %s() failed", what, method, exc_info=True)
 
 
+CLOSED_POLL_S = 0.05  # a gloo broadcast in flight notices its group's close() this fast (WeightSyncGroup._finish)
+
+
 class WeightSyncGroup:
     """One member's handle on the weight-sync group. Calls are serialised by a lock: collectives must
     be issued in the same order on every member."""
@@ -230,6 +233,7 @@ class WeightSyncGroup:
         # a receiver's CPU staging memory per bucket, reused by the next sync once nothing views the last one's
         # tensors (`_staging`): (the memory, a weak reference to the storage handed out over it)
         self._kept: dict[int, tuple[mmap.mmap, Any]] = {}
+        self._in_flight: Any = None  # the last broadcast posted (`close` tears the group down after it ends)
 
     @property
     def is_source(self) -> bool:
@@ -249,15 +253,30 @@ class WeightSyncGroup:
         if tensor.numel() == 0:
             return None
         try:
-            return self._pg.broadcast(tensor.view(torch.uint8), SOURCE_RANK, self._timeout)
+            self._in_flight = self._pg.broadcast(tensor.view(torch.uint8), SOURCE_RANK, self._timeout)
         except Exception as exc:
             raise self._failed(what, exc) from exc
+        return self._in_flight
 
     def _finish(self, work: Any, what: str) -> None:
+        """Wait for a posted broadcast. gloo: `close()` is noticed within CLOSED_POLL_S (a member died:
+        supervision makes every member leave) ends the wait at once; a blocking wait on gloo cannot be
+        interrupted and would hold this member, and every sync queued behind it, until the group's timeout.
+        The abandoned op runs on in gloo's thread, which keeps its tensors alive until it ends."""
         if work is None:
             return
+        if self.backend == "gloo":
+            done = threading.Event()  # set by gloo's thread the moment the op ends: no polling delay
+            work.get_future().add_done_callback(lambda _: done.set())
+            deadline = time.monotonic() + self.timeout_s
+            while not done.wait(CLOSED_POLL_S):
+                if self._pg is None:
+                    self._broken = f"{what} abandoned on rank {self.rank}"
+                    raise RuntimeError("weight-sync group is closed")
+                if time.monotonic() >= deadline:
+                    raise self._failed(what, TimeoutError("timed out"))
         try:
-            work.wait(self._timeout)
+            work.wait(self._timeout)  # gloo: completed, so this raises the op's own error if it failed
         except Exception as exc:
             raise self._failed(what, exc) from exc
 
@@ -443,10 +462,25 @@ class WeightSyncGroup:
         return flat
 
     def close(self) -> None:
-        """Tear the group down (best effort, idempotent). Members blocked in a collective get an error."""
-        pg, self._pg = self._pg, None  # an armed receiver sees this within ANNOUNCE_POLL_MAX_S and raises
-        close_process_group(pg, f"weight-sync group rank {self.rank}")
+        """Tear the group down (best effort, idempotent). Members blocked in a collective get an error: an armed
+        receiver within ANNOUNCE_POLL_MAX_S, a gloo broadcast in flight within CLOSED_POLL_S (`_finish`). Tearing the
+        process group down blocks the whole interpreter until an op in flight ends (a peer that died: the
+        group's timeout), so with one in flight the teardown waits for it on a thread of its own."""
+        pg, self._pg = self._pg, None
         self._store = None
+        if pg is None:
+            return
+        what, work = f"weight-sync group rank {self.rank}", self._in_flight
+        if work is None or work.is_completed():
+            close_process_group(pg, what)
+            return
+
+        def after_the_op() -> None:
+            while not work.is_completed():
+                time.sleep(0.05)
+            close_process_group(pg, what)
+
+        threading.Thread(target=after_the_op, name="weight-group-close", daemon=True).start()
 
     def __enter__(self) -> WeightSyncGroup:
         return self

@@ -211,6 +211,27 @@ def test_an_armed_receiver_ends_with_an_error_when_its_group_is_closed():
             g.close()
 
 
+def test_a_send_whose_receiver_never_comes_ends_at_once_when_its_group_is_closed():
+    # A receiver killed mid-sync never takes part; supervision makes every member leave (close) the group. The
+    # source's broadcast in flight ends then, not at the group's timeout: a blocked trainer would hold every
+    # later sync, the re-formed group's too.
+    groups = _form_group(2, timeout_s=60.0)
+    try:
+        sender = CollectiveSender(groups[0], plan_buckets(_state(0), 512))
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(sender.send, _state(0), 1)
+            time.sleep(0.3)
+            assert not sending.done()  # the header waits for the receiver that never comes
+            t0 = time.monotonic()
+            groups[0].close()
+            with pytest.raises(RuntimeError, match="weight-sync group is closed"):
+                sending.result(timeout=10)
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_receiver_holding_a_different_meta_fails_loudly_instead_of_misreading():
     groups = _form_group(2, timeout_s=1.0)
     try:
