@@ -188,7 +188,15 @@ class Supervisor:
         self._generators_back.append(index)  # its loop starts once it holds the current weights
         self._generators_down.discard(index)
         if not self._generators_down:  # the last one back: every member can join
-            await self._regroup()
+            try:
+                await self._regroup()
+            except Exception as exc:  # noqa: BLE001 - a death is restarted again (`ended`); else one more try
+                if is_actor_death(exc):
+                    raise
+                log.warning("re-forming the weight-sync group failed with every generator alive (%s): forming a "
+                            "fresh one", first_line(exc))
+                await self.d.leave_weight_groups()
+                await self._regroup()
 
     async def _regroup(self) -> None:
         """Re-form the weight group under a fresh name, send the current weights to every generator, start

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"run.save_every={SAVE_EVERY}", "cluster.num_cpus=4", *args.set]
     if args.quick:
         sets += ["trainer.prompts_per_step=4", "rollout.group_size=4", "rollout.concurrency=4",
-                 "trainer.micro_batch_size=16", "model.build_tiny.hidden_size=32",
+                 "weight_sync.timeout_s=30", "trainer.micro_batch_size=16", "model.build_tiny.hidden_size=32",
                  "model.build_tiny.intermediate_size=64", f'model.path="{root / "tiny-model"}"']
     steps = args.steps or (12 if args.quick else None)
     if steps:
