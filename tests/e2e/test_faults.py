@@ -184,9 +184,12 @@ def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_do
     assert isinstance(exc, (RoleFailed, ray.exceptions.RayActorError)), repr(exc)
     assert elapsed < 30, f"took {elapsed:.1f}s to fail"
     assert controller.rows_written < 200
-    for actor in deployment.actors:  # shutdown killed every actor of the run
+    for actor in deployment.actors:  # shutdown killed every actor of the run (ray.kill is asynchronous: a call
+        deadline = time.monotonic() + 30  # made just after it may still be answered before the actor dies)
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.ready.remote(), timeout=30)
+            while time.monotonic() < deadline:
+                ray.get(actor.ready.remote(), timeout=30)
+                time.sleep(0.2)
 
 
 @pytest.mark.ray
