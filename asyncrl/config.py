@@ -6,8 +6,8 @@ Controller builds every role from the returned `Config`, places actors with `pla
 `config_to_toml(cfg)` into the run directory. `asyncrl launch --dry-run` prints `derived(cfg)`.
 
 Validation reports every problem at once, one line each, naming the TOML path and the fix:
-1. TOML syntax (one line, `file:line`), then `--set section.key=value` overrides (values parsed as TOML,
-   falling back to a plain string);
+1. TOML syntax (one line, `file:line`), `extends` and `${env:VAR}` (`config_include.py`), then
+   `--set section.key=value` overrides (values parsed as TOML, falling back to a plain string);
 2. field by field: unknown keys (with a did-you-mean), missing required keys, and each value converted
    alone with `msgspec.convert` against its annotated type (msgspec stops at the first error, so a whole
    struct is never converted in one go); the field's `Meta(description=...)` is quoted as the hint;
@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
 
-from asyncrl.config_fields import ConfigError, convert_struct, drop_none, parse_value, read_toml
+from asyncrl.config_fields import ConfigError, convert_struct, drop_none, parse_value
+from asyncrl.config_include import blame, escape_interpolation, forget, read_config
 from asyncrl.config_schema import Config
 
 if TYPE_CHECKING:  # the registry imports torch; config loading imports it only when it checks algorithms
@@ -64,14 +65,16 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), *, cross_checks
 
     `cross_checks=False` checks each field (unknown keys, types, bounds) but not the cross-field checks,
     which look at the machine a run starts on (model and data paths, reward imports, CUDA, CPU ids)."""
-    raw = read_toml(Path(path))
+    raw, origins = read_config(Path(path))
     errors = apply_overrides(raw, overrides)
+    for item in overrides:
+        forget(origins, item.partition("=")[0].strip())
     try:
         cfg = config_from_dict(raw, cross_checks=cross_checks)
     except ConfigError as exc:
         errors += exc.errors
     if errors:
-        raise ConfigError(errors)
+        raise ConfigError(blame(errors, origins, Path(path)))  # a value a base file set: that file and line
     return cfg
 
 
@@ -122,8 +125,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[str]:
 
 
 def config_to_toml(cfg: Config) -> str:
-    """The resolved config as TOML text; `load_config` of it gives back an equal Config."""
-    return msgspec.toml.encode(drop_none(msgspec.to_builtins(cfg))).decode()
+    """The resolved config as TOML text (no `extends`, a literal `${` escaped); `load_config` of it gives back an
+    equal Config."""
+    return msgspec.toml.encode(escape_interpolation(drop_none(msgspec.to_builtins(cfg)))).decode()
 
 
 def plan_resources(cfg: Config) -> list[ActorPlan]:
