@@ -9,6 +9,10 @@
   asyncrl plan RUN_DIR|CONFIG [--local] [--generators 1,2] [--max-staleness 0,1,2,4] [--steps N]
                                                       predict throughput/staleness, recommend a setting
                                                       (a CONFIG gets a short calibration run first)
+  asyncrl config schema [--out FILE]                  the config's JSON schema (TOML editors)
+  asyncrl config show CONFIG [--set k=v ...]          the resolved config as TOML, every default included
+  asyncrl config init [--out FILE] [--force]          a commented starter config
+  asyncrl --version
 """
 
 from __future__ import annotations
@@ -18,15 +22,37 @@ import asyncio
 import json
 import logging
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from asyncrl.config import ConfigError, config_to_toml, derived, load_config
 from asyncrl.telemetry.runlog import FORMAT as LOG_FORMAT
 
+EPILOG = """\
+examples:
+  asyncrl config init --out my.toml                        a commented starter config
+  asyncrl validate examples/first_digit/config.toml        every problem at once, one line each
+  asyncrl config show examples/grpo/config.toml --set trainer.lr=1e-4
+                                                           the resolved config, defaults included
+  asyncrl launch examples/first_digit/config.toml --local  run every role in this process
+  asyncrl launch --resume runs/first_digit                 continue from the newest checkpoint
+  asyncrl report runs/first_digit                          report.md and plots of a finished run
+docs: README.md, docs/config.md (extends, ${env:VAR}, the schema, names in TRL / OpenRLHF / verl)"""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("asyncrl")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training runtime")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training runtime",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"asyncrl {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="what to do; `asyncrl COMMAND --help` lists its arguments")
     for name, text in (("validate", "check a config file"), ("launch", "run a config")):
         s = sub.add_parser(name, help=text)
         s.add_argument("config", nargs="?" if name == "launch" else None,
@@ -43,14 +69,14 @@ def _parser() -> argparse.ArgumentParser:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="console and RUN_DIR/run.log (default INFO)")
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory")
-    plot.add_argument("run_dir")
-    plot.add_argument("--out", default=None)
+    plot.add_argument("run_dir", help="a run directory (its metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
     report = sub.add_parser("report", help="write report.md and plots into a finished run directory")
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", help="a finished run directory (metrics.jsonl, trace.json, config.toml)")
     report.add_argument("--target-reward", type=float, default=None,
                         help="also report the wall time until the 5-step mean reward reached this")
     sweep = sub.add_parser("sweep", help="run a grid of settings and tabulate/plot the results")
-    sweep.add_argument("config")
+    sweep.add_argument("config", help="the TOML file every grid point starts from")
     sweep.add_argument("--set", dest="axes", action="append", default=[], metavar="KEY=V1,V2",
                        help="a grid axis, e.g. --set staleness.max_staleness=0,1,2 (repeatable; one value = fixed)")
     sweep.add_argument("--out", default=None, help="sweep directory (default: <run.output_dir>-sweep)")
@@ -70,7 +96,54 @@ def _parser() -> argparse.ArgumentParser:
     planp.add_argument("--local", action="store_true",
                        help="RUN_DIR was run in-process (launch --local, the sweep's default): every role shares one "
                             "interpreter; implied when CONFIG is given (its calibration run is in-process)")
+    _config_parser(sub)
     return p
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    cfg = sub.add_parser("config", help="the config's JSON schema, a resolved config, a starter config")
+    what = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION",
+                              help="`asyncrl config ACTION --help` lists its arguments")
+    schema = what.add_parser("schema", help="print (or write) the JSON schema of a config file, for TOML editors")
+    schema.add_argument("--out", help="write it to this file instead of stdout, e.g. asyncrl.schema.json")
+    show = what.add_parser("show", help="print the resolved config as TOML: extends merged, ${env:VAR} replaced, "
+                                        "--set applied, every default included (checked field by field; "
+                                        "`asyncrl validate` also checks it against this machine)")
+    show.add_argument("config", help="path to the run's TOML file")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set trainer.lr=1e-4 (repeatable)")
+    init = what.add_parser("init", help="write a commented starter config (every key with its description)")
+    init.add_argument("--out", default="config.toml", help="file to write (default: config.toml)")
+    init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    """asyncrl config schema | show | init."""
+    from asyncrl.config_tools import config_schema, starter_config
+
+    if args.config_command == "show":
+        try:
+            cfg = load_config(args.config, args.overrides, cross_checks=False)
+        except ConfigError as err:
+            return _config_errors(err)
+        sys.stdout.write(config_to_toml(cfg))
+        return 0
+    if args.config_command == "schema":
+        text = json.dumps(config_schema(), indent=2) + "\n"
+        if args.out is None:
+            sys.stdout.write(text)
+            return 0
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}")
+        return 0
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"config init: {out} exists — pass --force to overwrite it, or --out another file", file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(starter_config(), encoding="utf-8")
+    print(f"wrote {out}; check it with: asyncrl validate {out}")
+    return 0
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -147,6 +220,8 @@ def _config_errors(err: ConfigError) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
+    if args.command == "config":
+        return _config_command(args)
     if args.command == "plot":
         from asyncrl.telemetry.plot import plot_run
 

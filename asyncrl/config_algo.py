@@ -24,6 +24,8 @@ class RewardFunctionConfig(Section):
 
 
 class RewardConfig(Section):
+    """How a completion is scored: the reward function(s), a reward model, the cost of Safe-RLHF, the scorers."""
+
     fn: Annotated[
         str,
         _d("the reward function: a built-in rule name (exact_match, prefix_match, contains, gsm8k, boxed, "

@@ -37,6 +37,8 @@ class TinyModelConfig(Section):
 
 
 class ModelConfig(Section):
+    """The policy model: a local Hugging Face folder (or a tiny random one built there), and its dtype."""
+
     path: Annotated[str, _d("local Hugging Face model folder (config.json + safetensors + tokenizer)", min_length=1)]
     build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
     dtype: Annotated[
@@ -115,6 +117,8 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
+    """How the generators sample: the engine, how many generators and groups in flight, sampling settings."""
+
     engine: Annotated[str, _d("rollout engine name: 'torch' (native), 'vllm' or 'sglang'", min_length=1)] = "torch"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
@@ -186,6 +190,8 @@ class ReferenceConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The train steps: batch sizes, optimizer, evaluation, precision and trainer ranks."""
+
     total_steps: Annotated[int, _d("train steps (policy versions) of the run", ge=1)] = 100
     prompts_per_step: Annotated[int, _d("groups consumed per train step", ge=1)] = 16
     mini_batches: Annotated[
@@ -230,6 +236,8 @@ class TrainerConfig(Section):
 
 
 class BufferConfig(Section):
+    """Capacities of the replay buffer's rollout queue and train store (the bounded queues between roles)."""
+
     rollout_capacity: Annotated[
         int,
         _d("trajectories the rollout queue holds (it queues and hands out whole groups); >= one step's samples",
@@ -239,6 +247,8 @@ class BufferConfig(Section):
 
 
 class WeightSyncConfig(Section):
+    """How the trainer's new weights reach the generators after each step."""
+
     backend: Annotated[
         Literal["auto", "gloo", "nccl", "ipc"],
         _d("how weights reach the generators: gloo (CPU broadcast), nccl (GPU broadcast), ipc (colocated roles "
@@ -253,6 +263,8 @@ class WeightSyncConfig(Section):
 
 
 class StalenessConfig(Section):
+    """How far behind the trainer a trajectory's policy version may be (bounded asynchrony)."""
+
     max_staleness: Annotated[
         int,
         _d("k: trainer version minus a trajectory's min_version never exceeds this; 0 = on-policy", ge=0),
@@ -279,13 +291,27 @@ class ResourcesConfig(Section):
     """Custom Ray resources each actor of a role asks for, e.g. `trainer = {gpu_node = 1}`: the role runs only on
     nodes that offer them (`ray start --resources '{"gpu_node": 1}'`), which pins roles to nodes or node types."""
 
-    trainer: dict[str, Annotated[float, Meta(gt=0)]] = {}
-    generator: dict[str, Annotated[float, Meta(gt=0)]] = {}
-    scorer: dict[str, Annotated[float, Meta(gt=0)]] = {}
-    buffer: dict[str, Annotated[float, Meta(gt=0)]] = {}
+    trainer: Annotated[
+        dict[str, Annotated[float, Meta(gt=0)]],
+        _d("custom Ray resources of the trainer actor (each rank), e.g. {gpu_node = 1}"),
+    ] = {}
+    generator: Annotated[
+        dict[str, Annotated[float, Meta(gt=0)]],
+        _d("custom Ray resources of every generator actor, e.g. {gpu_node = 1}"),
+    ] = {}
+    scorer: Annotated[
+        dict[str, Annotated[float, Meta(gt=0)]],
+        _d("custom Ray resources of every scorer actor, e.g. {gpu_node = 1}"),
+    ] = {}
+    buffer: Annotated[
+        dict[str, Annotated[float, Meta(gt=0)]],
+        _d("custom Ray resources of the replay buffer actor, e.g. {gpu_node = 1}"),
+    ] = {}
 
 
 class ClusterConfig(Section):
+    """The Ray cluster and what each role asks of it: CPUs, GPUs, placement, affinity, custom resources."""
+
     address: Annotated[str, _d("existing Ray cluster address; empty = start a local one")] = ""
     num_cpus: Annotated[float, _d("logical CPUs of the local Ray cluster", gt=0)] = 2.0
     object_store_mb: Annotated[int, _d("object store size of the local cluster in MiB", ge=64)] = 256
@@ -344,6 +370,8 @@ class ClusterConfig(Section):
 
 
 class RunConfig(Section):
+    """The run directory, seed, checkpoints, and the limits that stop a run."""
+
     output_dir: Annotated[str, _d("run directory (config, metrics.jsonl, checkpoint)", min_length=1)] = "runs/default"
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
@@ -443,6 +471,8 @@ class EnvConfig(Section):
 
 
 class Config(Section):
+    """An asyncrl run: one table per section; only [model] is required, every other key has a default."""
+
     model: ModelConfig
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
