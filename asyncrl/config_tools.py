@@ -65,7 +65,8 @@ def config_schema() -> dict[str, Any]:
         "anyOf": [{"type": "string", "minLength": 1},
                   {"type": "array", "items": {"type": "string", "minLength": 1}}],
     }
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "asyncrl run config", **schema}
+    # draft-07: what TOML editors (Taplo) read; the schema uses nothing newer, and is valid 2020-12 too
+    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "asyncrl run config", **schema}
 
 
 def starter_config() -> str:

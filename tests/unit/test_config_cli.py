@@ -72,18 +72,20 @@ def test_the_schema_gives_every_key_of_every_table_its_description():
     assert "extends" in defs["Config"]["properties"]
 
 
-def test_the_schema_accepts_every_example_file_and_rejects_a_typo_and_a_wrong_type():
+@pytest.mark.parametrize("draft", ["declared", "Draft202012Validator"])
+def test_the_schema_accepts_every_example_file_and_rejects_a_typo_and_a_wrong_type(draft):
     jsonschema = pytest.importorskip("jsonschema")
     schema = config_schema()
-    jsonschema.Draft202012Validator.check_schema(schema)
-    validator = jsonschema.Draft202012Validator(schema)
+    cls = jsonschema.validators.validator_for(schema) if draft == "declared" else getattr(jsonschema, draft)
+    cls.check_schema(schema)
+    validator = cls(schema)
     for path in sorted(EXAMPLES.rglob("*.toml")):  # as an editor sees them: bases and files with extends
         assert [e.message for e in validator.iter_errors(tomllib.loads(path.read_text()))] == [], path
         resolved = tomllib.loads(config_to_toml(load_config(path, cross_checks=False))) if path in RUN_CONFIGS else {}
         assert [e.message for e in validator.iter_errors(resolved)] == [], path
-    bad = {"trainer": {"lrr": 1e-3, "total_steps": "ten"}, "extends": 3}
+    bad = {"trainer": {"lrr": 1e-3, "total_steps": "ten"}, "extends": 3, "env": {"env": "guess", "max_turns": 0}}
     messages = sorted(e.message for e in validator.iter_errors(bad))
-    assert len(messages) == 3 and any("'lrr' was unexpected" in m for m in messages)
+    assert len(messages) == 4 and any("'lrr' was unexpected" in m for m in messages)
 
 
 def test_config_schema_prints_json_or_writes_the_file(tmp_path, capsys):
