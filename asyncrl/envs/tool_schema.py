@@ -105,17 +105,29 @@ class Tool:
         return await result if inspect.isawaitable(result) else result
 
 
+# Tools named by a string, built once per process: an env builds its tool set for every episode, and building a
+# PythonTool probes the machine's namespaces with subprocesses (and a schema parses a docstring). Tools keep no
+# per-call state, so the episodes of a process share them.
+_NAMED: dict[str, Tool] = {}
+
+
 def resolve_tool(spec: str | Callable[..., Any] | Tool) -> Tool:
     """A Tool from a registered name ("calculator", "python"), an import path "pkg.module:function", a
     callable or a Tool. ValueError with one line otherwise."""
-    from asyncrl.envs.tools import TOOLS
-
     if isinstance(spec, Tool):
         return spec
     if callable(spec):
         return Tool(spec)
     if not isinstance(spec, str):
         raise ValueError(f"a tool is a registered name, 'pkg.module:function' or a callable, got {spec!r:.60}")
+    if spec not in _NAMED:
+        _NAMED[spec] = _named_tool(spec)
+    return _NAMED[spec]
+
+
+def _named_tool(spec: str) -> Tool:
+    from asyncrl.envs.tools import TOOLS
+
     if spec in TOOLS:
         return Tool(TOOLS[spec](), name=spec)
     if ":" not in spec:

@@ -200,6 +200,15 @@ def test_every_failure_is_answered_with_an_error_tool_message_and_counted():
     assert result.message == {"role": "tool", "name": "calculator", "content": "2", "tool_call_id": "call_9"}
 
 
+def test_the_python_tool_runs_code_from_its_json_arguments_and_named_tools_are_built_once_per_process():
+    first, second = ToolSet(["python"]), ToolSet(["python"])
+    assert first.tools["python"] is second.tools["python"]  # episodes share it: no namespace probe per episode
+    out = run(first.call(ToolCall("python", {"code": "print(6*7)"})))
+    assert (out.content.strip(), out.error) == ("42", False)
+    out = run(first.call(ToolCall("python", {"code": "1/0"})))
+    assert out.error and "ZeroDivisionError" in out.content and first.errors == 1
+
+
 def test_a_slow_sync_tool_does_not_stall_other_episodes_on_the_loop():
     tools = ToolSet([slow_sync], timeout_s=5)
     order: list[str] = []
