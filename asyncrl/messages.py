@@ -97,6 +97,8 @@ class Trajectory(Message):
                                      # calling reward.fn (None = not an env episode)
     turns: int = 0                   # model turns of an env episode
     env_error: str = ""              # what the env did wrong (raised, hung, garbage), if anything; counted
+    tool_calls: int = 0              # tool calls the model made in an env episode (asyncrl/envs/tool_env.py)
+    tool_errors: int = 0             # of those, answered with an error (unreadable, unknown, bad arguments, ...)
 
 
 class Group(Message):

@@ -44,6 +44,7 @@ from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.envs.tool_env import ToolTurn, ToolUse
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from engines.hf import ensure_model, eos_token_ids, load_tokenizer
@@ -130,13 +131,18 @@ class _PublishHook:
 
 class AgentEpisode:
     """A token-in/token-out episode driven by the user's loop: `act` samples a model turn on the exact
-    context, `observe` appends environment text (never trained), `reward` is the episode's reward."""
+    context, `observe` appends environment text or messages (never trained), `reward` is the episode's reward.
+    With `tools` (a ToolUse), the prompt carries their schemas and `call_tools` runs the calls of a turn."""
 
-    def __init__(self, rt: "Runtime", prompt: str) -> None:
+    def __init__(self, rt: "Runtime", prompt: str | list[dict[str, str]], tools: ToolUse | None = None) -> None:
         self._rt = rt
+        self.tools = tools
         self.transcript = Transcript(rt.codec, rt.chat_format, stop_ids=rt.stop_ids)
-        self.transcript.start(prompt)
-        self.prompt = prompt
+        if tools is None:
+            self.transcript.start(prompt)
+        else:
+            self.transcript.start(prompt, tools=tools.schemas, tools_prompt=tools.prompt)
+        self.prompt = prompt if isinstance(prompt, str) else rt.codec.decode(self.transcript.prompt_ids)
         self.reward = 0.0
         self.temperature: float | None = None
         self.finish_reason = "stop"
@@ -151,8 +157,19 @@ class AgentEpisode:
         self.finish_reason = c.finish_reason
         return self.transcript.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions))
 
-    def observe(self, text: str) -> None:
-        self.transcript.add_observation(text, self.transcript.observation_ids(text), self._rt.version)
+    def observe(self, observation: str | list[dict[str, str]]) -> None:
+        """Append text (a user message) or messages (e.g. role "tool") through the chat template."""
+        self.transcript.add_observation(observation, self.transcript.observation_ids(observation), self._rt.version)
+
+    async def call_tools(self, text: str) -> ToolTurn:
+        """Run the tool calls in model turn `text` and observe their tool messages (results or errors); a
+        turn without calls observes nothing (`turn.calls` is empty: it is the final answer)."""
+        if self.tools is None:
+            raise ValueError("this episode has no tools — start it with rt.episode(prompt, tools=[...])")
+        turn = await self.tools.respond(text)
+        if turn.messages:
+            self.observe(turn.messages)
+        return turn
 
     def to_trajectory(self) -> Trajectory:
         t = self.transcript
@@ -164,7 +181,9 @@ class AgentEpisode:
                           min_version=min(model_versions), max_version=max(model_versions),
                           finish_reason="length" if self.finish_reason == "length" else "stop",
                           temperature=self.temperature if self.temperature is not None else 1.0,
-                          prompt_text=self.prompt, env_reward=float(self.reward), turns=t.turns)
+                          prompt_text=self.prompt, env_reward=float(self.reward), turns=t.turns,
+                          tool_calls=self.tools.tools.calls if self.tools else 0,
+                          tool_errors=self.tools.tools.errors if self.tools else 0)
 
 
 class Runtime:
@@ -321,9 +340,14 @@ class Runtime:
         self._next_gen += 1
         return (await gen.generate([ids], self.sampling(**sampling)))[0][0]
 
-    def episode(self, prompt: str) -> AgentEpisode:
-        """A new token-in/token-out episode whose initial observation is `prompt`."""
-        return AgentEpisode(self, prompt)
+    def episode(self, prompt: str | list[dict[str, str]], tools: Sequence[Any] | ToolUse | None = None,
+                parser: str = "hermes") -> AgentEpisode:
+        """A new token-in/token-out episode whose initial observation is `prompt` (text or chat messages).
+        `tools`: registered names, 'pkg.module:function' paths, callables, or a ToolUse; their JSON schemas
+        go to the chat template's `tools=`, and `ep.call_tools(text)` reads calls in the `parser` format."""
+        if tools is not None and not isinstance(tools, ToolUse):
+            tools = ToolUse(list(tools), parser)
+        return AgentEpisode(self, prompt, tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.codec.decode(ids)

@@ -113,7 +113,8 @@ class ReplayBuffer:
         self._train_room = Signal()
         self._closed = False
         self.train_put_wait_s = 0.0
-        self.env_counts = {"episodes": 0, "errors": 0, "turns": 0, "truncated": 0}  # env episodes seen (asyncrl/envs)
+        self.env_counts = {"episodes": 0, "errors": 0, "turns": 0, "truncated": 0,
+                           "tool_calls": 0, "tool_errors": 0}  # env episodes seen (asyncrl/envs)
         self.report_filtered = report_filtered  # DAPO dynamic sampling: filtered groups are refilled, report them
         self._window = Window()  # what stats() reported so far: its next report is the increment
         self.submitted = {"groups": 0, "dropped_stale": 0}  # groups from asyncrl.Runtime.submit
@@ -159,6 +160,8 @@ class ReplayBuffer:
                 c["errors"] += bool(t.env_error)
                 c["turns"] += t.turns
                 c["truncated"] += t.truncated
+                c["tool_calls"] += t.tool_calls
+                c["tool_errors"] += t.tool_errors
 
     async def submit_group(self, trajs: list[Trajectory], timeout: float | None = None) -> int | None:
         """Admit a group generated outside the generators (`asyncrl.Runtime.submit`) and queue it for scoring.
@@ -369,7 +372,10 @@ class ReplayBuffer:
                 "env/truncated": Sum(window["truncated"]),
                 "env/turns_mean": Mean(window["turns"] / episodes if episodes else 0.0, weight=episodes),
                 "env/episodes_total": Total(episodes), "env/errors_total": Total(window["errors"]),
-                "env/truncated_total": Total(window["truncated"])}
+                "env/truncated_total": Total(window["truncated"]),
+                "env/tool_calls": Sum(window["tool_calls"]), "env/tool_errors": Sum(window["tool_errors"]),
+                "env/tool_calls_total": Total(window["tool_calls"]),
+                "env/tool_errors_total": Total(window["tool_errors"])}
 
 
 def whole_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:

@@ -12,6 +12,11 @@ An environment is any class with `async def reset(self, row)` and `async def ste
 constructor keywords, one instance built with `env.kwargs`), one line per problem. Optional class
 attribute `stop: list[str]`: strings that end a model turn (added to `rollout.stop` for its episodes),
 e.g. ["="] for a calculator call.
+
+Tools (asyncrl/envs/tool_env.py): after `reset`, the runner reads the optional instance attributes
+`tool_schemas` (the tools' JSON schemas, passed to the chat template's `tools=`) and `tool_prompt` (their
+description for templates that ignore `tools=`); after the episode, `tool_calls` and `tool_errors` (ints,
+counted into `env/tool_calls` and `env/tool_errors`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ log = logging.getLogger(__name__)
 class StepResult:
     """What `Env.step` returns. A plain tuple (observation, reward, done) is accepted too."""
 
-    observation: str = ""   # text appended after the model's turn (never trained); "" appends nothing
+    observation: str | list[dict[str, str]] = ""  # appended after the model's turn (never trained): text (a user
+                            # message) or chat messages (e.g. role "tool" results); "" or [] appends nothing
     reward: float = 0.0     # the episode's reward is the sum over its steps
     done: bool = False      # True ends the episode after this step
 
@@ -57,6 +63,7 @@ ENVS: Registry[type] = Registry("environment")
 ENVS.register_lazy("first_digit", "asyncrl.envs.builtin:FirstDigitEnv")
 ENVS.register_lazy("tool_arith", "asyncrl.envs.builtin:ToolArithEnv")
 ENVS.register_lazy("guess", "asyncrl.envs.builtin:GuessEnv")
+ENVS.register_lazy("tools", "asyncrl.envs.tool_env:ToolEnv")
 
 
 class EnvGarbage(ValueError):
@@ -72,8 +79,12 @@ def as_step_result(value: Any) -> StepResult:
     else:
         raise EnvGarbage(f"step returned {type(value).__name__} {value!r:.80}; "
                          f"expected StepResult(observation, reward, done)")
-    if not isinstance(result.observation, str):
-        raise EnvGarbage(f"step observation is {type(result.observation).__name__}, not str")
+    obs = result.observation
+    if not isinstance(obs, str) and not (isinstance(obs, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in obs)):
+        raise EnvGarbage(f"step observation is {type(obs).__name__} {obs!r:.60}; expected text or a list of "
+                         f"messages with string 'role' and 'content'")
     if (isinstance(result.reward, bool) or not isinstance(result.reward, (int, float))
             or not math.isfinite(result.reward)):
         raise EnvGarbage(f"step reward is {result.reward!r:.40}; expected a finite number")

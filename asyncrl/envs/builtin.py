@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from asyncrl.envs.base import StepResult
-from asyncrl.envs.tools import ToolBox, ToolCall, make_toolbox, parse_call
+from asyncrl.envs.tools import TextCall, ToolBox, make_toolbox, parse_call
 
 
 class FirstDigitEnv:
@@ -50,6 +50,14 @@ class ToolArithEnv:
         self.partial = partial
         self.tools: ToolBox = make_toolbox(["calculator"], timeout_s=timeout_s)
 
+    @property
+    def tool_calls(self) -> int:  # env/tool_calls
+        return self.tools.calls
+
+    @property
+    def tool_errors(self) -> int:  # env/tool_errors
+        return self.tools.errors
+
     async def reset(self, row: dict[str, Any]) -> str:
         self.answer = str(row["answer"])
         self.display = str(row["prompt"])
@@ -63,7 +71,7 @@ class ToolArithEnv:
         if call is not None and self.calls < self.max_calls:
             self.calls += 1
             if call.name == "=":  # "=" pressed: evaluate the display plus what the turn typed
-                call = ToolCall("calculator", self.display + call.args)
+                call = TextCall("calculator", self.display + call.args)
             result = await self.tools.call(call)
             ok = not result.startswith("error")
             self.last_result = result if ok else None

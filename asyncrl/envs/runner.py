@@ -57,6 +57,8 @@ class Episode:
     env_error: str = ""           # what the env did wrong (any finish_reason)
     prompt_text: str = ""
     prompt_truncated: bool = False
+    tool_calls: int = 0           # the env's `tool_calls` / `tool_errors` at the end of the episode
+    tool_errors: int = 0
 
 
 class EpisodeRunner:
@@ -86,11 +88,12 @@ class EpisodeRunner:
         try:
             env = self.env_cls(**self.env_kwargs)
             obs = await asyncio.wait_for(env.reset(row), self.limits.step_timeout_s)
-            if not isinstance(obs, str):
-                raise TypeError(f"reset returned {type(obs).__name__}, not the initial observation text")
-            ep.prompt_text = obs
-            if not ep.transcript.start(obs):
+            if not isinstance(obs, (str, list)):
+                raise TypeError(f"reset returned {type(obs).__name__}, not the initial observation text or messages")
+            tools, tools_prompt = _env_tools(env)
+            if not ep.transcript.start(obs, tools=tools, tools_prompt=tools_prompt):
                 raise ValueError("reset returned an observation that encodes to no tokens")
+            ep.prompt_text = obs if isinstance(obs, str) else self.codec.decode(ep.transcript.prompt_ids)
         except Exception as exc:  # noqa: BLE001 — user env: contained, counted, the group fails
             self.counters["reset_errors"] += 1
             ep.finish_reason, ep.error = "error", f"env reset: {_why(exc)}"
@@ -100,6 +103,7 @@ class EpisodeRunner:
         try:
             await self._play(env, ep)
         finally:
+            ep.tool_calls, ep.tool_errors = _count(env, "tool_calls"), _count(env, "tool_errors")
             await _close(env)
         return ep
 
@@ -181,7 +185,25 @@ class EpisodeRunner:
             prompt_truncated=ep.prompt_truncated, temperature=self.sampling.temperature,
             prompt_text=ep.prompt_text, row_json=row_json, generator_id=generator_id, error=ep.error,
             env_reward=ep.reward if math.isfinite(ep.reward) else 0.0, turns=t.turns, env_error=ep.env_error,
+            tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
         )
+
+
+def _env_tools(env: Any) -> tuple[list[dict] | None, str]:
+    """The env's optional `tool_schemas` (for the template's `tools=`) and `tool_prompt`; TypeError if malformed."""
+    tools = getattr(env, "tool_schemas", None)
+    prompt = getattr(env, "tool_prompt", "")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise TypeError(f"tool_schemas is {type(tools).__name__}; expected a list of JSON schemas (dicts)")
+    if not isinstance(prompt, str):
+        raise TypeError(f"tool_prompt is {type(prompt).__name__}, not str")
+    return tools or None, prompt
+
+
+def _count(env: Any, name: str) -> int:
+    """An optional int counter of the env (tool_calls, tool_errors); 0 when absent or not an int."""
+    value = getattr(env, name, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _why(exc: BaseException) -> str:

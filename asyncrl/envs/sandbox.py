@@ -114,6 +114,11 @@ class PythonTool:
             "python tool confinement: %s", self.confinement)
 
     async def __call__(self, code: str) -> str:
+        """Run a Python program in a fresh, limited interpreter and return what it printed.
+
+        Args:
+            code: The program's source; print the values you want to see.
+        """
         features = ",".join(([f"landlock={self._landlock}"] if self._landlock else [])
                             + ([] if self._unshare else ["socket_block"]))
         argv = [*self._unshare, sys.executable, "-I", "-B", _BOOT, features, code]

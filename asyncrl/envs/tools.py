@@ -10,6 +10,9 @@ Call format (compact, so that a character-level model over "0123456789+-*=..." c
     ARGS=              with a default tool: a turn ending in "=" calls it, e.g. "7*8=" -> calculator("7*8")
 Results come back as text; errors as "error: <one line>".
 
+The same tools serve chat models through JSON schemas and their own call formats (hermes `<tool_call>`
+blocks, ...): asyncrl/envs/tool_schema.py and tool_parsers.py; `TOOLS` below is the registry of both.
+
 The Python tool (`PythonTool`: a fresh interpreter under resource limits, namespaces and Landlock where
 the machine allows them) lives in asyncrl/envs/sandbox.py; its docstring says what is and is not confined.
 """
@@ -34,19 +37,21 @@ _CALL = re.compile(r"^\s*([a-z_][a-z0-9_]*):(.*)$", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
+class TextCall:
+    """A NAME:ARGS call: the tool's name and its one text argument (JSON-schema calls: tool_parsers.ToolCall)."""
+
     name: str
     args: str
 
 
-def parse_call(text: str, names: set[str] | frozenset[str], default: str | None = None) -> ToolCall | None:
+def parse_call(text: str, names: set[str] | frozenset[str], default: str | None = None) -> TextCall | None:
     """The tool call in a model turn, or None when the turn is not a call (e.g. a final answer)."""
     m = _CALL.match(text)
     if m and m.group(1) in names:
-        return ToolCall(m.group(1), m.group(2).strip())
+        return TextCall(m.group(1), m.group(2).strip())
     stripped = text.strip()
     if default is not None and stripped.endswith("="):
-        return ToolCall(default, stripped[:-1])
+        return TextCall(default, stripped[:-1])
     return None
 
 
@@ -64,7 +69,7 @@ class ToolBox:
     def names(self) -> frozenset[str]:
         return frozenset(self.tools)
 
-    async def call(self, call: ToolCall) -> str:
+    async def call(self, call: TextCall) -> str:
         self.calls += 1
         fn = self.tools.get(call.name)
         if fn is None:
@@ -150,10 +155,17 @@ def format_number(value: int | float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
-async def calculator(args: str) -> str:
-    return format_number(calculate(args))
+async def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: The expression to evaluate, e.g. "(2+3)*4".
+    """
+    return format_number(calculate(expression))
 
 
+# Tools by name: each entry makes a fresh tool (a PythonTool holds its limits). Every one takes a single text
+# argument (NAME:ARGS) and has type hints and a docstring (its JSON schema, tool_schema.py).
 TOOLS: dict[str, Callable[[], ToolFn]] = {"calculator": lambda: calculator, "python": PythonTool}
 
 

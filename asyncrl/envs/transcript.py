@@ -18,6 +18,11 @@ Formats (`[env] chat_template`):
 * "concat" — the fallback for such templates: each message rendered alone, renderings concatenated.
 * "auto"   — "strict" when the template passes a probe conversation, else "concat" (with a warning);
              "none" without a template.
+
+Observations are text (a user message) or a list of messages (e.g. role "tool": tool results), rendered
+together. Tools: `start(..., tools=schemas)` passes the tools' JSON schemas to every rendering as the
+template's `tools=` argument; a template that ignores `tools` gets `tools_prompt` (the call format's own
+description of the tools) as a system message instead, so the model is told about them either way.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from asyncrl.prompts import plain_text_bos
 log = logging.getLogger(__name__)
 
 Message = dict[str, str]
+Observation = str | list[Message]   # a user message's text, or messages (tool results) in order
 FORMATS = ("auto", "none", "strict", "concat")
 
 
@@ -45,7 +51,8 @@ class Codec(Protocol):
     def encode_prompt(self, text: str) -> list[int]: ...       # an episode's first text: plus the BOS, if expected
     def decode(self, ids: list[int]) -> str: ...               # special tokens skipped (what the env sees)
     def decode_raw(self, ids: list[int]) -> str: ...           # special tokens kept (to match template text)
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> str: ...  # chat template
+    def render(self, messages: list[Message], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> str: ...  # chat template (`tools` only when there are some)
 
 
 @dataclass
@@ -73,8 +80,9 @@ class HFCodec:
     def decode_raw(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
 
     @property
     def has_template(self) -> bool:
@@ -111,11 +119,20 @@ def probe_append_only(codec: Any) -> None:
         _check_prefix(codec, msgs[:k], msgs[: k + 1], k)
 
 
-def _check_prefix(codec: Any, before: list[Message], after: list[Message], turn: int) -> tuple[str, str]:
-    """Renderings (before, after) of two conversations; raise unless `after` extends `before` (text and ids)."""
-    gen_before = before[-1]["role"] == "user"
-    gen_after = after[-1]["role"] == "user"
-    a, b = codec.render(before, gen_before), codec.render(after, gen_after)
+def _render(codec: Any, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+    """The template's rendering; `tools` is passed only when there are some (a Codec may not take it)."""
+    if tools:
+        return codec.render(messages, add_generation_prompt, tools=tools)
+    return codec.render(messages, add_generation_prompt)
+
+
+def _check_prefix(codec: Any, before: list[Message], after: list[Message], turn: int,
+                  tools: list[dict] | None = None) -> tuple[str, str]:
+    """Renderings (before, after) of two conversations, each with the generation prompt when the model speaks
+    next; raise unless `after` extends `before` (text and ids)."""
+    gen_before = before[-1]["role"] != "assistant"
+    gen_after = after[-1]["role"] != "assistant"
+    a, b = _render(codec, before, gen_before, tools), _render(codec, after, gen_after, tools)
     ids_a, ids_b = codec.encode(a), codec.encode(b)
     if not b.startswith(a) or ids_b[: len(ids_a)] != ids_a:
         at = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
@@ -140,6 +157,7 @@ class Transcript:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
+    tools: list[dict] | None = None          # JSON schemas passed to every rendering (`start`)
     turns: int = 0
     _last_turn: list[int] = field(default_factory=list)
 
@@ -152,15 +170,37 @@ class Transcript:
         """The exact token context of the next model turn."""
         return self.prompt_ids + self.response_ids
 
-    def start(self, observation: str) -> list[int]:
-        self.messages = [{"role": "user", "content": observation}]
+    def start(self, observation: Observation, tools: list[dict] | None = None, tools_prompt: str = "") -> list[int]:
+        """Encode the initial observation (a user message's text, or messages ending the prompt) as the prompt.
+        `tools`: JSON schemas for the template's `tools=`; where the template ignores them, `tools_prompt` goes
+        in as (the start of) the system message. Without a template ("none") neither is used."""
+        self.messages = _as_messages(observation)
         if self.fmt == "none":
-            self.prompt_ids = self.codec.encode_prompt(observation)
-        elif self.fmt == "strict":
-            self.prompt_ids = self.codec.encode(self.codec.render(self.messages, True))
+            self.prompt_ids = self.codec.encode_prompt("".join(m["content"] for m in self.messages))
+            return self.prompt_ids
+        if tools:
+            self._use_tools(tools, tools_prompt)
+        if self.fmt == "strict":
+            self.prompt_ids = self.codec.encode(self._render(self.messages, True))
         else:
-            self.prompt_ids = self.codec.encode(self._one(self.messages[0]) + self._gen_prompt())
+            self.prompt_ids = self.codec.encode(self._render(self.messages, False) + self._gen_prompt())
         return self.prompt_ids
+
+    def _use_tools(self, tools: list[dict], tools_prompt: str) -> None:
+        probe = [{"role": "user", "content": "x"}]
+        if self.codec.render(probe, False, tools=tools) != self.codec.render(probe, False):
+            self.tools = list(tools)
+            return
+        if not tools_prompt:
+            log.warning("the chat template ignores `tools` and no tools prompt was given: the model is not told "
+                        "which tools it has")
+            return
+        log.debug("the chat template ignores `tools`: describing them in the system message")
+        if self.messages[0]["role"] == "system":
+            first = self.messages[0]
+            self.messages[0] = {**first, "content": f"{tools_prompt}\n\n{first['content']}"}
+        else:
+            self.messages.insert(0, {"role": "system", "content": tools_prompt})
 
     def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> str:
         """Append the sampled ids as they are; return the turn's text for the env."""
@@ -176,30 +216,33 @@ class Transcript:
         self.messages.append({"role": "assistant", "content": text})
         return text
 
-    def observation_ids(self, text: str) -> list[int]:
+    def observation_ids(self, observation: Observation) -> list[int]:
         """The ids an observation appends (not yet appended); raises ChatTemplateError in strict mode."""
+        msgs = _as_messages(observation)
         if self.fmt == "none":
-            return self.codec.encode(text)
-        msg = {"role": "user", "content": text}
+            return self.codec.encode("".join(m["content"] for m in msgs))
         if self.fmt == "strict":
             closer = self._strict_closer()
-            prev, full = _check_prefix(self.codec, self.messages, [*self.messages, msg], self.turns)
+            prev, full = _check_prefix(self.codec, self.messages, [*self.messages, *msgs], self.turns, self.tools)
             return self.codec.encode(closer + full[len(prev):])
         # The model's message rendered alone: its header is the generation prompt the context already
         # holds, so its content is searched for after that (a short content like "a" may occur in the header).
         rendered, gen = self._one(self.messages[-1]), self._gen_prompt()
         head = rendered.find(gen) if gen else -1
         closer = self._closer(rendered, self.messages[-1]["content"], head + len(gen) if head >= 0 else 0)
-        return self.codec.encode(closer + self._one(msg) + gen)
+        return self.codec.encode(closer + self.codec.render(msgs, False) + gen)
 
-    def add_observation(self, text: str, ids: list[int], version: int) -> None:
+    def add_observation(self, observation: Observation, ids: list[int], version: int) -> None:
         self.response_ids += ids
         self.loss_mask += [False] * len(ids)
         self.logprobs += [0.0] * len(ids)  # placeholder: the learner masks env tokens out
         self.versions += [version] * len(ids)
-        self.messages.append({"role": "user", "content": text})
+        self.messages += _as_messages(observation)
 
     # -- template pieces ---------------------------------------------------------------------------
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return _render(self.codec, messages, add_generation_prompt, self.tools)
+
     def _one(self, msg: Message) -> str:
         return self.codec.render([msg], False)
 
@@ -210,8 +253,8 @@ class Transcript:
 
     def _strict_closer(self) -> str:
         """Template text after the model's message content (e.g. '<|im_end|>\\n'), minus what it sampled."""
-        head = self.codec.render(self.messages[:-1], True)
-        full = self.codec.render(self.messages, False)
+        head = self._render(self.messages[:-1], True)
+        full = self._render(self.messages, False)
         if not full.startswith(head):
             raise ChatTemplateError(
                 f"chat template is not append-only at turn {self.turns}: the rendering with the model's message "
@@ -228,3 +271,13 @@ class Transcript:
         if sampled and closer.startswith(sampled):
             closer = closer[len(sampled):]
         return closer
+
+
+def _as_messages(observation: Observation) -> list[Message]:
+    """An observation as chat messages: text is one user message; a list is checked and copied."""
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if not observation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                  and isinstance(m.get("content"), str) for m in observation):
+        raise ValueError("an observation is text or a non-empty list of messages with string 'role' and 'content'")
+    return [dict(m) for m in observation]

@@ -412,10 +412,12 @@ def test_buffer_env_metrics_count_the_window_since_the_previous_stats_and_the_to
     from asyncrl.telemetry.metrics import WindowReducer
     from buffers.replay import ReplayBuffer
 
-    def episode(error: str = "", turns: int = 2, truncated: bool = False) -> Trajectory:
+    def episode(error: str = "", turns: int = 2, truncated: bool = False,
+                tools: tuple[int, int] = (0, 0)) -> Trajectory:
         return Trajectory(seq_id=0, group_id=0, group_size=1, prompt_ids=[1], response_ids=[2], loss_mask=[True],
                           behavior_logprobs=[0.0], versions=[0], min_version=0, max_version=0, finish_reason="stop",
-                          env_reward=1.0, env_error=error, turns=turns, truncated=truncated)
+                          env_reward=1.0, env_error=error, turns=turns, truncated=truncated,
+                          tool_calls=tools[0], tool_errors=tools[1])
 
     async def main() -> list[dict[str, float]]:
         buffer = ReplayBuffer(prompts_per_step=1, group_size=1, max_staleness=0, rollout_capacity=16, train_capacity=4)
@@ -425,9 +427,9 @@ def test_buffer_env_metrics_count_the_window_since_the_previous_stats_and_the_to
             return reducer.reduce([(await buffer.stats()).metrics], window_s=1.0)
 
         out = [await read()]
-        await buffer.put_rollouts([episode(), episode(turns=4, error="env step 1: boom")])
+        await buffer.put_rollouts([episode(tools=(3, 1)), episode(turns=4, error="env step 1: boom")])
         out += [await read(), await read()]  # the second read: nothing since the first, an empty window
-        await buffer.put_rollouts([episode(truncated=True)])
+        await buffer.put_rollouts([episode(truncated=True, tools=(2, 2))])
         out.append(await read())
         return out
 
@@ -439,3 +441,5 @@ def test_buffer_env_metrics_count_the_window_since_the_previous_stats_and_the_to
     assert math.isnan(empty["env/turns_mean"])  # no episodes, no mean (null in metrics.jsonl)
     assert (second["env/episodes"], second["env/truncated"], second["env/errors"]) == (1, 1, 0)
     assert (second["env/episodes_total"], second["env/errors_total"], second["env/truncated_total"]) == (3, 1, 1)
+    assert (first["env/tool_calls"], first["env/tool_errors"], second["env/tool_calls"]) == (3, 1, 2)
+    assert (second["env/tool_calls_total"], second["env/tool_errors_total"]) == (5, 3)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.envs.tools import ToolBox, ToolCall, calculate, calculator, make_toolbox, parse_call
+from asyncrl.envs.tools import TextCall, ToolBox, calculate, calculator, make_toolbox, parse_call
 
 
 def run(coro):
@@ -16,8 +16,8 @@ def run(coro):
 
 def test_parse_call_named_default_and_plain_answers():
     names = frozenset({"calculator", "python"})
-    assert parse_call("calculator:2+3*4", names) == ToolCall("calculator", "2+3*4")
-    assert parse_call("7*8=", names, default="calculator") == ToolCall("calculator", "7*8")
+    assert parse_call("calculator:2+3*4", names) == TextCall("calculator", "2+3*4")
+    assert parse_call("7*8=", names, default="calculator") == TextCall("calculator", "7*8")
     assert parse_call("56", names, default="calculator") is None
     assert parse_call("nosuch:1", names) is None
 
@@ -57,17 +57,17 @@ def test_toolbox_turns_raise_hang_and_garbage_into_error_observations():
         return 42
 
     box = ToolBox({"boom": boom, "hang": hang, "garbage": garbage, "calc": calculator}, timeout_s=0.05)
-    assert run(box.call(ToolCall("boom", ""))) == "error: RuntimeError: tool broke"
-    assert "timed out" in run(box.call(ToolCall("hang", "")))
-    assert "returned int" in run(box.call(ToolCall("garbage", "")))
-    assert "unknown tool" in run(box.call(ToolCall("nope", "")))
-    assert run(box.call(ToolCall("calc", "1/0"))) == "error: ValueError: division by zero"
-    assert run(box.call(ToolCall("calc", "2+2"))) == "4"
+    assert run(box.call(TextCall("boom", ""))) == "error: RuntimeError: tool broke"
+    assert "timed out" in run(box.call(TextCall("hang", "")))
+    assert "returned int" in run(box.call(TextCall("garbage", "")))
+    assert "unknown tool" in run(box.call(TextCall("nope", "")))
+    assert run(box.call(TextCall("calc", "1/0"))) == "error: ValueError: division by zero"
+    assert run(box.call(TextCall("calc", "2+2"))) == "4"
     assert box.calls == 6 and box.errors == 5
 
 
 def test_make_toolbox_by_name_with_aliases():
     box = make_toolbox(["calculator"], aliases={"c": "calculator"})
-    assert box.names == {"calculator", "c"} and run(box.call(ToolCall("c", "3*3"))) == "9"
+    assert box.names == {"calculator", "c"} and run(box.call(TextCall("c", "3*3"))) == "9"
     with pytest.raises(ValueError, match="unknown tool"):
         make_toolbox(["shell"])
