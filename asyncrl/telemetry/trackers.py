@@ -163,11 +163,14 @@ class MlflowSink:
         self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS[outcome])
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes: plain text in run.log
+
+
 class _LogLines(io.TextIOBase):
     """A text stream whose lines become INFO log records (trackio prints its banner to stdout)."""
 
     def write(self, text: str) -> int:
-        for line in text.splitlines():
+        for line in _ANSI.sub("", text).splitlines():
             if line.strip():
                 log.info("trackio: %s", line.strip())
         return len(text)

@@ -319,3 +319,48 @@ def test_a_failing_tracker_is_counted_once_warned_and_never_ends_the_run(tmp_pat
     assert len(failed) == 2, failed  # the first failure (with its traceback) and the count at the end
     assert "logging.flaky: log failed" in failed[0] and "logging.flaky: 4 call(s) failed" in failed[1]
     assert caplog.records[0].exc_info is not None
+
+
+class Outcome:
+    """A sink that records how the Controller closed it."""
+
+    def __init__(self):
+        self.outcomes = []
+
+    def log(self, row):
+        pass
+
+    def log_samples(self, step, samples):
+        pass
+
+    def close(self, outcome="finished"):
+        self.outcomes.append(outcome)
+
+
+class Buffer:
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error, outcome", [("failed", "failed"), ("stopped", "stopped")])
+def test_the_controller_tells_the_trackers_a_run_failed_or_was_stopped(tmp_path, monkeypatch, error, outcome):
+    import asyncio
+
+    from asyncrl.controller import Controller, RunStopped
+    from asyncrl.telemetry import loggers
+
+    sink = Outcome()
+    monkeypatch.setitem(loggers.OPTIONAL_SINKS, "outcome", (lambda c: True, lambda c, d: sink))
+
+    async def setup_weight_sync():  # the first thing a run does after opening its sinks
+        raise (RuntimeError("weight group failed") if error == "failed" else RunStopped("stopped by SIGTERM"))
+
+    async def shutdown():
+        pass
+
+    d = types.SimpleNamespace(generators=[], scorers=[], trainer=None, buffer=Buffer(), restartable=(),
+                              setup_weight_sync=setup_weight_sync, shutdown=shutdown)
+    controller = Controller(cfg(tmp_path), d, run_dir=tmp_path / "run")
+    with pytest.raises((RuntimeError, RunStopped)):
+        asyncio.run(controller.run())
+    assert sink.outcomes == [outcome]
