@@ -2,7 +2,9 @@
 
   asyncrl validate CONFIG [--set k=v ...]            check a config; one line per problem
   asyncrl launch CONFIG [--set k=v ...] [--dry-run] [--local] [--address ADDR]
-  asyncrl plot RUN_DIR [--out PNG]                    reward curve from metrics.jsonl
+  asyncrl plot RUN_DIR [RUN_DIR ...] [--metric KEY ...] [--out PNG]
+                                                      reward curve from metrics.jsonl; several runs or
+                                                      chosen keys overlaid, one line per run
   asyncrl report RUN_DIR [--target-reward R]          plots + one-page report.md of a finished run
   asyncrl sweep CONFIG --set k=v1,v2 ... [--out DIR] [--ray] [--target-reward R]
                                                       one run per grid point, results table + plots
@@ -68,9 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="console and RUN_DIR/run.log (default INFO)")
-    plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory")
-    plot.add_argument("run_dir", help="a run directory (its metrics.jsonl)")
-    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
+    plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory, or overlay several runs")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                      help="run directories (their metrics.jsonl); several are overlaid, one colour each")
+    plot.add_argument("--metric", dest="metrics", action="append", default=[], metavar="KEY",
+                      help="a metrics.jsonl key to draw, e.g. staleness/mean (repeatable; default: the rewards)")
+    plot.add_argument("--out", default=None,
+                      help="the PNG (default: RUN_DIR/reward_curve.png for one run, ./compare.png for several)")
     report = sub.add_parser("report", help="write report.md and plots into a finished run directory")
     report.add_argument("run_dir", help="a finished run directory (metrics.jsonl, trace.json, config.toml)")
     report.add_argument("--target-reward", type=float, default=None,
@@ -223,9 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return _config_command(args)
     if args.command == "plot":
-        from asyncrl.telemetry.plot import plot_run
+        from asyncrl.telemetry.plot import plot_runs
 
-        print(plot_run(args.run_dir, args.out))
+        try:
+            print(plot_runs(args.run_dirs, args.out, args.metrics))
+        except (FileNotFoundError, ValueError, ImportError) as err:
+            print(f"plot error: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command in ("report", "sweep", "plan"):
         try:

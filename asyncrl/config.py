@@ -31,6 +31,7 @@ import msgspec
 from asyncrl.config_fields import ConfigError, convert_struct, drop_none, parse_value
 from asyncrl.config_include import blame, escape_interpolation, forget, read_config
 from asyncrl.config_schema import Config
+from asyncrl.config_trackers import check_trackers
 
 if TYPE_CHECKING:  # the registry imports torch; config loading imports it only when it checks algorithms
     from asyncrl.algorithms.registry import AlgorithmNeeds
@@ -542,4 +543,5 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("cluster.affinity", "cluster.address"), _check_affinity),
     (("cluster.placement", "rollout.engine"), _check_colocated),
     (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), _check_env),
+    (("logging",), lambda cfg: check_trackers(cfg.logging)),
 ]

@@ -96,11 +96,12 @@ def convert_struct(cls: type, raw: Any, path: str, errors: list[str], broken: se
                 kwargs[f.name] = [convert_struct(item, v, f"{fpath}[{i}]", errors, broken) for i, v in enumerate(value)]
                 continue
             errors.append(_line(fpath, f"expected a list of tables [[{fpath}]], got {_show(value)}", f.type))
-        elif sub is not None:
+        elif sub is not None and not (isinstance(value, bool) and _is_switch(f.type)):
             if isinstance(value, dict):
                 kwargs[f.name] = convert_struct(sub, value, fpath, errors, broken)
                 continue
-            errors.append(_line(fpath, f"expected a table [{fpath}], got {_show(value)}", f.type))
+            either = "true, false or " if _is_switch(f.type) else ""
+            errors.append(_line(fpath, f"expected {either}a table [{fpath}], got {_show(value)}", f.type))
         else:
             try:
                 kwargs[f.name] = msgspec.convert(value, f.type)
@@ -153,6 +154,8 @@ def _choices(tp: Any) -> list[str]:
             out += _choices(arg)
         elif arg is bool:
             out += ["true", "false"]
+        elif arg is type(None):  # an optional choice: leaving the key out is how TOML says "unset"
+            continue
         elif isinstance(arg, type):
             out.append(f"a {arg.__name__}")
         else:
@@ -190,6 +193,11 @@ def _struct_type(tp: Any) -> type | None:
         if isinstance(t, type) and issubclass(t, msgspec.Struct):
             return t
     return None
+
+
+def _is_switch(tp: Any) -> bool:
+    """A table that `true` / `false` may stand for (`SomeStruct | bool | None`, e.g. logging.wandb)."""
+    return bool in typing.get_args(_unwrap(tp))
 
 
 def _description(tp: Any) -> str:

@@ -13,6 +13,14 @@ from msgspec import Meta
 
 from asyncrl.config_algo import AlgorithmConfig, RewardConfig, RewardFunctionConfig  # noqa: F401 (re-exported)
 from asyncrl.config_section import Section, _d  # noqa: F401 (re-exported)
+from asyncrl.config_trackers import (  # noqa: F401 (re-exported)
+    MlflowConfig,
+    MlflowSwitch,
+    TrackioConfig,
+    TrackioSwitch,
+    WandbConfig,
+    WandbSwitch,
+)
 
 
 class TinyModelConfig(Section):
@@ -430,16 +438,33 @@ class LoggingConfig(Section):
         bool,
         _d("also write TensorBoard scalars to <run_dir>/tensorboard (needs: pip install 'asyncrl[loggers]')"),
     ] = False
-    wandb: Annotated[
-        bool,
-        _d("also log to Weights & Biases in offline mode under <run_dir>/wandb (needs: pip install "
-           "'asyncrl[loggers]')"),
-    ] = False
-    wandb_project: Annotated[str, _d("W&B project name of the offline run", min_length=1)] = "asyncrl"
+    wandb: WandbSwitch = None
+    wandb_project: Annotated[
+        str | None,
+        _d("older spelling of [logging.wandb] project, read with `wandb = true`"),
+    ] = None
+    mlflow: MlflowSwitch = None
+    trackio: TrackioSwitch = None
     rollouts_every: Annotated[int, _d("every N train steps, write the step's trained samples (prompt, completion, "
                                       "reward and its components, versions, finish reason) to <run_dir>/rollouts."
                                       "jsonl, and at each evaluation its held-out completions; 0 = neither", ge=0)] = 10
     rollouts_shown: Annotated[int, _d("of those samples, how many the console shows", ge=0)] = 2
+
+    def __post_init__(self) -> None:
+        # `wandb = true` -> the table of defaults, `false` -> None (asyncrl/config_trackers.py); the older
+        # `wandb_project` goes into the table it meant, so the resolved config spells it one way.
+        if self.wandb is True:
+            self.wandb = WandbConfig(project=self.wandb_project or "asyncrl")
+            self.wandb_project = None
+        elif self.wandb is False or self.wandb is None:
+            self.wandb, self.wandb_project = None, None
+        elif self.wandb_project == self.wandb.project:
+            self.wandb_project = None
+        # (a table and a different wandb_project both given: asyncrl/config.py reports it)
+        for name, section in (("mlflow", MlflowConfig), ("trackio", TrackioConfig)):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                setattr(self, name, section() if value else None)
 
 
 class EnvConfig(Section):

@@ -47,7 +47,7 @@ from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
-from asyncrl.telemetry.loggers import MetricSink, build_sinks, close_sinks, live_enabled
+from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
 from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
@@ -145,6 +145,7 @@ class Controller:
                                                   else config_to_toml(cfg))
         t_start = time.time()
         sinks: list[MetricSink] = []
+        outcome = FAILED
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         remove_handler = self._on_sigterm()
         try:
@@ -190,12 +191,15 @@ class Controller:
             if cfg.run.save_checkpoint:
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return rows
+        except BaseException as exc:  # the trackers record how the run ended
+            outcome = STOPPED if isinstance(exc, (RunStopped, KeyboardInterrupt, asyncio.CancelledError)) else FAILED
+            raise
         finally:
             remove_handler()
             if self._watching is not None:
                 discard(self._watching)
             self.steps.close()  # a step asked for ahead of a failure (or Ctrl-C) elsewhere
-            close_sinks(sinks)
+            close_sinks(sinks, outcome)  # (none left open when the run finished)
             if self._trace is not None:
                 self._trace.close()
             try:
@@ -245,7 +249,7 @@ class Controller:
 
     def _keep_row(self, sinks: list[MetricSink], row: dict[str, Any]) -> None:
         """Stream `row` to the sinks (metrics.jsonl among them); keep it among the newest ROWS_KEPT."""
-        _log_row(sinks, row)
+        log_row(sinks, row)
         self.rows.append(row)
         self.rows_written += 1
 
@@ -445,11 +449,6 @@ def _truncate_rows(path: Path, step: int) -> list[dict[str, Any]]:
             if line.strip() and json.loads(line).get("step", 0) <= step]
     path.write_text("".join(f"{line}\n" for line in kept))
     return [json.loads(line) for line in kept]
-
-
-def _log_row(sinks: list[MetricSink], row: dict[str, Any]) -> None:
-    for sink in sinks:
-        sink.log(row)
 
 
 def _progress_line(row: dict[str, Any], total: int) -> str:

@@ -1,7 +1,7 @@
 """Telemetry: spans (busy/idle, overlap), the Perfetto trace, typed metrics and metrics.jsonl, run
-summaries, metric sinks (TensorBoard, W&B, live view), reward plots.
+summaries, metric sinks (TensorBoard, W&B, MLflow, trackio, live view), reward plots.
 
-matplotlib, rich, tensorboard and wandb are imported only where used, so importing this package needs
+matplotlib, rich, tensorboard, wandb, mlflow and trackio are imported only where used, so importing this package needs
 none of them.
 """
 

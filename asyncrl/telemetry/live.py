@@ -89,7 +89,7 @@ class LiveView:
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Shown above the panel as log lines (RolloutLog logs the first `logging.rollouts_shown`)."""
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
         for h, stream in self._handlers:
             h.setStream(stream)
         self._live.stop()

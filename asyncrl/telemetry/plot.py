@@ -1,7 +1,9 @@
-"""Reward curves from a run directory: `<run_dir>/metrics.jsonl` -> a PNG.
+"""Reward curves from run directories: `<run_dir>/metrics.jsonl` -> a PNG (`asyncrl plot`).
 
 Place in the dataflow: the last consumer of the controller's metrics file (after the run, or while it
-runs). matplotlib is an optional extra, imported inside `plot_run` so the core runtime never needs it.
+runs). `plot_run` draws one run's rewards; `plot_runs` overlays several runs (or chosen metric keys),
+one line per run labelled by its directory's name. matplotlib is an optional extra, imported inside
+these functions so the core runtime never needs it.
 
 Keys read (each optional; absent series are skipped):
   "step"                    train step (x-axis of the left panel)
@@ -13,7 +15,9 @@ Keys read (each optional; absent series are skipped):
 
 from __future__ import annotations
 
+import difflib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +112,77 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png", dpi=100)
     return out_path
+
+
+COMPARE_OUT = "compare.png"  # `asyncrl plot A B` without --out: in the current directory
+
+
+def _run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Each run's directory name; the paths as given where two names are the same (runs/a/x, runs/b/x)."""
+    names = [d.resolve().name for d in run_dirs]
+    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+
+
+def _read_runs(run_dirs: Sequence[str | Path]) -> list[tuple[Path, list[dict[str, Scalar]]]]:
+    runs = []
+    for d in map(Path, run_dirs):
+        if not (d / "metrics.jsonl").exists():
+            raise FileNotFoundError(f"no metrics file at {d / 'metrics.jsonl'}: is {d} a run directory?")
+        runs.append((d, read_metrics(d / "metrics.jsonl")))
+    return runs
+
+
+def _check_metrics(runs: list[tuple[Path, list[dict[str, Scalar]]]], metrics: Sequence[str]) -> None:
+    """A chosen key that no run has is a mistake: name it, and the nearest key the runs do have."""
+    known = sorted({k for _, records in runs for r in records for k, v in r.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    for key in metrics:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "docs/metrics.md lists the keys"
+            raise ValueError(f"--metric {key}: no run has this key — {hint}")
+
+
+def compare_figure(run_dirs: Sequence[str | Path], metrics: Sequence[str] = ()) -> Any:
+    """A Figure with one row of panels per metric (default: the training reward, and the greedy held-out
+    reward when a run has it), against train step (left) and wall clock (right); one line per run, in
+    the same colour in every panel, labelled by its directory's name."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(f"plots need matplotlib ({err}); install it with: pip install 'asyncrl[plot]'") from err
+    runs = _read_runs(run_dirs)
+    _check_metrics(runs, metrics)
+    if not metrics:
+        has_eval = any(EVAL_KEYS[0] in r for _, records in runs for r in records)
+        metrics = [TRAIN_REWARD_KEY, *([EVAL_KEYS[0]] if has_eval else [])]
+    labels = _run_labels([d for d, _ in runs])
+    height = 1.0 + 3.2 * len(metrics)  # inches: 3.2 per row of panels, the title and x labels in the rest
+    fig = Figure(figsize=(11, height))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(metrics), 2, squeeze=False)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.6 / height, wspace=0.2, hspace=0.45)
+    for row, key in zip(axes, metrics):
+        for ax, x_key, x_label in ((row[0], STEP_KEY, "train step"), (row[1], TIME_KEY, "wall clock (s)")):
+            for i, ((_, records), label) in enumerate(zip(runs, labels)):
+                xs, ys = _series(records, x_key, key)
+                if xs:
+                    ax.plot(xs, ys, label=label, color=f"C{i % 10}", marker="o" if len(xs) < 12 else None)
+            if ax.lines:
+                ax.legend(loc="best", fontsize="small")
+            else:
+                ax.text(0.5, 0.5, f"no {key!r} against {x_key!r}", ha="center", va="center", transform=ax.transAxes)
+            ax.set_title(f"{key} vs {x_label.split(' (')[0]}", fontsize="medium")
+            ax.set_xlabel(x_label)
+            ax.grid(alpha=0.3)
+    fig.suptitle("runs: " + ", ".join(labels))
+    return fig
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None, metrics: Sequence[str] = ()) -> Path:
+    """`asyncrl plot RUN_DIR [RUN_DIR ...] [--metric KEY ...]`: one run without --metric is `plot_run`;
+    otherwise the runs overlaid (`compare_figure`) in `out`, default ./compare.png. Returns the path."""
+    if len(run_dirs) == 1 and not metrics:
+        return plot_run(run_dirs[0], out)
+    return save_figure(compare_figure(run_dirs, metrics), out if out is not None else COMPARE_OUT)

@@ -1,10 +1,11 @@
-"""What the model writes: RUN_DIR/rollouts.jsonl, a few samples in the console, a W&B table.
+"""What the model writes: RUN_DIR/rollouts.jsonl, a few samples in the console, the trackers.
 
 Place in the dataflow: every `logging.rollouts_every` steps the Trainer decodes the trajectories it
 trained on and puts them in its step metrics under `ROLLOUTS_KEY`; at each evaluation the Evaluator puts
 its held-out completions under `EVAL_SAMPLES_KEY`. The Controller takes both out of the row (they are not
 metrics) and hands them to `RolloutLog`, which appends one JSON line per sample and logs the first
-`logging.rollouts_shown` of them; the metric sinks get them too (`log_samples`: a W&B table, TensorBoard text).
+`logging.rollouts_shown` of them; the metric sinks get them too (`log_samples`: W&B and trackio tables,
+TensorBoard text, MLflow artifacts).
 
 A line of rollouts.jsonl:
 

@@ -5,6 +5,7 @@ and records a failing point without stopping."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 
 import pytest
@@ -25,8 +26,10 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("obs")
     path = root / "config.toml"
     path.write_text(TINY_TOML.format(model_dir=tiny_model_dir, run_dir=root / "run"))
+    # an MLflow run beside metrics.jsonl (its default store, <run_dir>/mlruns) where mlflow is installed
+    tracker = ['logging.mlflow.experiment="obs"'] if importlib.util.find_spec("mlflow") else []
     cfg = load_config(path, ["trainer.total_steps=4", "run.save_checkpoint=false", "logging.live=false",
-                             "logging.rollouts_every=2"])
+                             "logging.rollouts_every=2", *tracker])
     run_local(cfg)
     return root / "run"
 
@@ -57,6 +60,22 @@ def test_run_writes_rollouts_of_every_second_step_and_each_evaluation(run_dir):
         assert sum(greedy) / len(greedy) == pytest.approx(row["eval/greedy_reward"])
     assert not any(key in row for row in read_metrics(run_dir / "metrics.jsonl")
                    for key in ("rollouts/samples", "eval/samples"))  # taken out of the rows
+
+
+def test_run_reaches_its_tracker_row_by_row_and_closes_it_finished(run_dir):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
+    assert (run.info.run_name, run.info.status) == ("run", "FINISHED")
+    assert run.data.params["trainer.total_steps"] == "4"
+    rows = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r}
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert {m.step: m.value for m in history} == pytest.approx({s: r["reward/mean"] for s, r in rows.items()})
+    assert all(r["logging/tracker_errors"] == 0 for r in rows.values())
+    samples = [a.path for a in client.list_artifacts(run.info.run_id, "samples/train")]
+    assert samples == ["samples/train/step_000002.jsonl", "samples/train/step_000004.jsonl"]  # rollouts_every
 
 
 def test_run_metrics_answer_the_overlap_question(run_dir):

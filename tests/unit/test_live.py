@@ -82,7 +82,7 @@ def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the sink's own default
     monkeypatch.setenv("WANDB_SILENT", "true")
     sinks = build_sinks(cfg(tmp_path, wandb=True, wandb_project="p"), tmp_path)
-    run = sinks[1].run
+    run = sinks[1].sink.run
     assert run.settings.mode == "offline" and run.project == "p"
     for step in (1, 2):
         for s in sinks:
