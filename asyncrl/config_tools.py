@@ -99,7 +99,10 @@ def _table(lines: list[str], cls: type, path: str, values: dict[str, Any], *, ac
             lines.append(f"# {f.encode_name} =   (required)")
         else:
             default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-            lines.append(f"# {f.encode_name} = {_inline(msgspec.to_builtins(default))}")
+            if default is None:  # unset by default (TOML has no null): the key is simply left out
+                lines.append(f"# {f.encode_name} =   (unset by default)")
+            else:
+                lines.append(f"# {f.encode_name} = {_inline(msgspec.to_builtins(default))}")
     for f, key, sub, items in subtables:
         given = values.get(f.encode_name)
         if items is not None:  # [[a.b]] tables: one commented-out example entry

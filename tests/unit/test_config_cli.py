@@ -148,7 +148,7 @@ def test_the_starter_sets_its_values_and_lists_every_other_key_at_its_default_un
         elif m := re.match(r"^(# )?(\w+) = (.*)$", line):
             seen.setdefault(table, []).append(m.group(2))
             assert previous.startswith("#") and not re.match(r"^# \w+ = ", previous), line  # its description
-            if m.group(1) and active and "(required)" not in line:
+            if m.group(1) and active and "(required)" not in line and "(unset by default)" not in line:
                 line = f"{m.group(2)} = {m.group(3)}"
         previous = line
         uncommented.append(line)
@@ -214,5 +214,5 @@ def test_every_positional_argument_of_every_command_has_help_text():
         return out
 
     found = positionals(_parser(), "asyncrl")
-    assert {"asyncrl plot run_dir", "asyncrl sweep config", "asyncrl config show config"} <= {n for n, _ in found}
+    assert {"asyncrl plot run_dirs", "asyncrl sweep config", "asyncrl config show config"} <= {n for n, _ in found}
     assert [name for name, text in found if not text or text == argparse.SUPPRESS] == []
