@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,8 +52,9 @@ ADAPTER_DIR = "adapter"  # the adapter folder inside the exported checkpoint
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    """Whether `model` is a peft model (the policy under `[model.lora]`)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    """Whether `model` is a peft model (the policy under `[model.lora]`); peft is not imported for the answer."""
+    peft = sys.modules.get("peft")  # not imported yet: no peft model exists in this process
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:

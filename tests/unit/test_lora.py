@@ -159,6 +159,19 @@ def test_the_adapter_off_reference_gives_the_base_models_logprobs(llama_dir):
     assert max(abs(a - b) for a, b in zip(policy, got[0])) > 1e-3  # the adapters are back on afterwards
 
 
+def test_gradient_checkpointing_under_lora_gives_the_same_update(llama_dir):
+    from asyncrl.training import precision
+
+    sent = []
+    for checkpointing in (False, True):
+        learner = Learner(_policy(llama_dir), algorithm=AlgorithmConfig(), trainer=TrainerConfig(lr=5e-2),
+                          pad_token_id=hf.PAD_ID, gradient_checkpointing=checkpointing)
+        assert bool(precision.checkpointed_modules(learner.model)) == checkpointing
+        learner.update(_groups(0))
+        sent.append(dict(learner.state_dict_for_sync()))
+    assert all(torch.allclose(sent[0][k], sent[1][k], atol=1e-6, rtol=0) for k in sent[0])
+
+
 def test_adapter_dropout_is_on_only_inside_gradient_passes(llama_dir):
     model = _policy(llama_dir, dropout=0.5)
     dropouts = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
