@@ -26,6 +26,7 @@ from asyncrl.build import (
     build_scorer,
     build_trainer,
     build_trainer_rank,
+    export_dtype,
     pin_cpus,
     set_torch_threads,
     sync_dtype,
@@ -275,7 +276,7 @@ class RoleActor:
         from engines.hf import load_tokenizer
 
         return await asyncio.to_thread(self.role.save_checkpoint, path, load_tokenizer(self.cfg.model.path),
-                                       self.cfg.run.export_dtype)
+                                       export_dtype(self.cfg))
 
 
 RemoteRoleActor = ray.remote(concurrency_groups={"watch": 1})(RoleActor)

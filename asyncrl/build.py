@@ -108,6 +108,22 @@ def trained_dtype(cfg: Config) -> str:
     return precision.master_dtype(cfg.model.dtype, cfg.trainer.mixed_precision)
 
 
+def export_dtype(cfg: Config) -> str:
+    """The dtype of the final HF folder (run.export_dtype): "auto" is model.dtype, the dtype the model is
+    configured in, not the float32 master weights mixed precision trains."""
+    return cfg.model.dtype if cfg.run.export_dtype == "auto" else cfg.run.export_dtype
+
+
+def load_policy(cfg: Config) -> torch.nn.Module:
+    """The trainer's policy from model.path, with LoRA adapters under [model.lora] (training/lora.py)."""
+    model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
+    if cfg.model.lora is not None:
+        from asyncrl.training.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora)
+    return model
+
+
 def build_buffer(cfg: Config) -> ReplayBuffer:
     return ReplayBuffer(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
                      max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
@@ -192,7 +208,13 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
                         pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
                         mixed_precision=cfg.trainer.mixed_precision,
                         gradient_checkpointing=cfg.model.gradient_checkpointing)
-    if a.kl_mode != "off" and cfg.reference.where == "trainer":
+    if a.kl_mode != "off" and cfg.reference.where == "trainer" and cfg.model.lora is not None \
+            and not cfg.reference.path:  # the policy with its adapters off is the initial policy: no second copy
+        from asyncrl.training.lora import AdapterOffReference
+
+        reference = AdapterOffReference(model, pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size,
+                                        device=device, mixed_precision=cfg.trainer.mixed_precision)
+    elif a.kl_mode != "off" and cfg.reference.where == "trainer":
         reference = build_reference(cfg, device)
     if a.safe_rlhf:
         r = cfg.reward
@@ -200,13 +222,15 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
                                       r.lagrange_max if r.lagrange_max > 0 else None)
     return Learner(model, algorithm=a, trainer=cfg.trainer, pad_token_id=pad_id,
                    max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange,
-                   device=device, gradient_checkpointing=cfg.model.gradient_checkpointing, parallel=parallel)
+                   device=device, gradient_checkpointing=cfg.model.gradient_checkpointing, parallel=parallel,
+                   # LoRA: the torch engine takes a subset of the weights; vLLM and SGLang get every weight
+                   sync_all_weights=cfg.rollout.engine != "torch")
 
 
 def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None) -> Trainer:
     """The trainer (rank 0 of `parallel`'s group when given: its ranks are attached once they are all built)."""
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))  # the same on every rank: the same critic head
-    model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
+    model = load_policy(cfg)
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     learner = build_learner(cfg, model, pad_id, parallel)
@@ -238,7 +262,7 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
 def build_trainer_rank(cfg: Config, parallel: DataParallel) -> TrainerRank:
     """Trainer rank r > 0 (asyncrl/roles/trainer_ranks.py): a Learner built as rank 0's is."""
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
-    model = load_model(cfg.model.path, dtype=trained_dtype(cfg), device=role_device(cfg, "trainer"))
+    model = load_policy(cfg)
     tok, _ = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     return TrainerRank(build_learner(cfg, model, pad_id, parallel), parallel.rank)

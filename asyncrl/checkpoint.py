@@ -314,18 +314,20 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
                          "has_gauss": npm["has_gauss"], "gauss": npm["gauss"]})
 
 
-def export_hf(model: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None) -> Path:
+def export_hf(model: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None,
+              copy_model: bool = True) -> Path:
     """Write an HF folder (config + safetensors [+ tokenizer]) of a copy of `model` cast to `dtype`
     ("float32" | "bfloat16" | "float16"; None = as is); `model` itself is not changed. The copy costs
-    one model's memory on its device. The folder appears whole: it is written beside `out_dir` and
-    renamed into place, replacing an older export."""
+    one model's memory on its device (`copy_model=False`: `model` is the caller's throwaway copy, cast in
+    place). The folder appears whole: it is written beside `out_dir` and renamed into place, replacing an
+    older export."""
     from engines.hf import torch_dtype
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{out.name}-", dir=out.parent))
     try:
-        copied = copy.deepcopy(model)
+        copied = copy.deepcopy(model) if copy_model else model
         if dtype is not None:
             copied = copied.to(torch_dtype(dtype))
         copied.save_pretrained(tmp, safe_serialization=True)

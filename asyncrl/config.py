@@ -444,6 +444,21 @@ def _check_betas(cfg: Config) -> list[str]:
     return [f"trainer.betas: {cfg.trainer.betas} — each of AdamW's [b1, b2] must be in [0, 1), e.g. [0.9, 0.999]"]
 
 
+def _check_schedule(cfg: Config) -> list[str]:
+    from asyncrl.training.schedule import check_schedule
+
+    return check_schedule(cfg.trainer)
+
+
+def _check_lora(cfg: Config) -> list[str]:
+    """[model.lora]: peft installed, one trainer rank, target modules the model has (training/lora.py)."""
+    if cfg.model.lora is None:
+        return []  # (the check imports torch and transformers)
+    from asyncrl.training.lora import check_lora
+
+    return check_lora(cfg)
+
+
 def _check_placement(cfg: Config) -> list[str]:
     if cfg.cluster.address:
         return []  # an existing cluster: Ray knows its size, we do not
@@ -539,6 +554,8 @@ _CHECKS: list[tuple[tuple[str, ...], _Check]] = [
     (("rollout.top_k",), _check_top_k),
     (("rollout.top_p", "rollout.top_k"), _check_sampling),
     (("trainer.betas",), _check_betas),
+    (("trainer.lr_scheduler", "trainer.warmup_steps", "trainer.total_steps"), _check_schedule),
+    (("model", "trainer.num_ranks"), _check_lora),
     (("cluster", "rollout.num_generators", "reward.num_scorers"), _check_placement),
     (("cluster.affinity", "cluster.address"), _check_affinity),
     (("cluster.placement", "rollout.engine"), _check_colocated),

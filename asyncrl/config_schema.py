@@ -12,6 +12,7 @@ import msgspec
 from msgspec import Meta
 
 from asyncrl.config_algo import AlgorithmConfig, RewardConfig, RewardFunctionConfig  # noqa: F401 (re-exported)
+from asyncrl.config_lora import LoraConfig  # noqa: F401 (re-exported)
 from asyncrl.config_section import Section, _d  # noqa: F401 (re-exported)
 from asyncrl.config_trackers import (  # noqa: F401 (re-exported)
     MlflowConfig,
@@ -49,6 +50,7 @@ class ModelConfig(Section):
 
     path: Annotated[str, _d("local Hugging Face model folder (config.json + safetensors + tokenizer)", min_length=1)]
     build_tiny: TinyModelConfig | None = None  # if set and `path` is missing, write a tiny model there
+    lora: LoraConfig | None = None  # if set, train LoRA adapters instead of every weight (docs/lora.md)
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],
         _d("parameter dtype of the trainer's models and the reference (with trainer.mixed_precision = 'bf16' the "
@@ -209,6 +211,16 @@ class TrainerConfig(Section):
     micro_batch_size: Annotated[int, _d("samples per forward/backward (gradient accumulation)", ge=1)] = 64
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
+    lr_scheduler: Annotated[
+        Literal["constant", "constant_with_warmup", "linear", "cosine"],
+        _d("the policy's learning-rate schedule over the run's optimizer steps (total_steps x mini_batches x "
+           "epochs), transformers.get_scheduler's: linear and cosine decay to 0 after the warmup"),
+    ] = "constant"
+    warmup_steps: Annotated[
+        int,
+        _d("train steps over which the learning rate rises linearly from 0 to trainer.lr (constant_with_warmup, "
+           "linear, cosine)", ge=0),
+    ] = 0
     weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
     betas: Annotated[
         list[float],
@@ -386,7 +398,8 @@ class RunConfig(Section):
     save_checkpoint: Annotated[bool, _d("write the final weights as an HF folder into RUN_DIR/checkpoint")] = True
     export_dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
-        _d("dtype of the final HF folder's weights; auto = the trainer's (the training weights are not changed)"),
+        _d("dtype of the final HF folder's weights (the training weights are not changed); auto = model.dtype, "
+           "also when trainer.mixed_precision trains float32 master weights"),
     ] = "auto"
     save_every: Annotated[
         int,

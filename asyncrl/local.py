@@ -18,6 +18,7 @@ from asyncrl.build import (
     build_scorer,
     build_trainer,
     engine_dtype,
+    export_dtype,
     set_torch_threads,
     sync_dtype,
     trained_dtype,
@@ -51,12 +52,14 @@ class AsyncFacade:
 
 def shares_trainer_model(cfg: Config) -> bool:
     """In process, cluster.placement = "colocated" with the torch engine on the trainer's device and dtype: the
-    generators' engines wrap the trainer's module. They generate only between train steps (colocated roles
-    take turns: asyncrl/pipeline.py), so what they read is always one whole policy version."""
+    generators' engines wrap the trainer's module (not under LoRA: they take the merged weights). They generate
+    only between train steps (colocated roles take turns: asyncrl/pipeline.py), so what they read is always one
+    whole policy version."""
     from asyncrl.placement import role_device
 
     return (cfg.cluster.placement == "colocated" and cfg.rollout.engine == "torch"
             and engine_dtype(cfg) == trained_dtype(cfg)  # (mixed precision: float32 master weights, no sharing)
+            and cfg.model.lora is None  # (LoRA: the engines hold the merged weights, the trainer base + adapters)
             and role_device(cfg, "generator") == role_device(cfg, "trainer"))
 
 
@@ -126,7 +129,7 @@ class LocalDeployment:
 
         # on a worker thread: writing a large model must not block the event loop every role shares
         await asyncio.to_thread(self.trainer_obj.save_checkpoint, path, load_tokenizer(self.cfg.model.path),
-                                self.cfg.run.export_dtype)
+                                export_dtype(self.cfg))
 
     async def shutdown(self) -> None:
         if self.monitor is not None:

@@ -50,6 +50,8 @@ _FAST_ARCHS = ("llama", "qwen2")
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """None if `SlotDecoder` computes exactly what `model` computes; otherwise why not."""
+    if any(hasattr(m, "base_layer") for m in model.modules()):  # peft's adapter layers wrap the linear ones
+        return "adapter layers (peft LoRA): the fast path would compute with the base weights alone"
     cfg = getattr(model, "config", None)
     arch = getattr(cfg, "model_type", None)
     if arch not in _FAST_ARCHS:

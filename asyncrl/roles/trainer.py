@@ -28,6 +28,7 @@ from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, t
 from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.learner import Learner
+from asyncrl.training.lora import export_lora
 from transports.base import WeightSender
 
 log = logging.getLogger(__name__)
@@ -143,11 +144,14 @@ class Trainer:
             await self.ranks.load_state(path, restore)
         return self.learner.version
 
-    def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str = "auto") -> str:
+    def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str | None = None) -> str:
         """Write an HF-loadable folder (config + safetensors [+ tokenizer]) of the current weights, cast to
-        `dtype` (run.export_dtype; "auto" = as trained), with the critic and the Safe-RLHF multiplier."""
-        out = checkpoint.export_hf(self.learner.model, path, tokenizer=tokenizer,
-                                   dtype=None if dtype == "auto" else dtype)
+        `dtype` (asyncrl.build.export_dtype; None = as trained), with the critic and the Safe-RLHF multiplier.
+        LoRA: the merged weights, and the adapter alone in `adapter/` (training/lora.py `export_lora`)."""
+        if self.learner.lora:
+            out = export_lora(self.learner.model, path, tokenizer=tokenizer, dtype=dtype)
+        else:
+            out = checkpoint.export_hf(self.learner.model, path, tokenizer=tokenizer, dtype=dtype)
         if self.learner.critic is not None:  # PPO's value model, beside the policy
             self.learner.critic.save(out / "critic")
         if self.learner.lagrange is not None:  # Safe-RLHF multiplier, to resume with

@@ -7,11 +7,13 @@ after reading tokens < t (logprob of token t, value of the state before token t)
 
 Step-level quantities (advantages, reference / proximal logprobs, values) live response-aligned as
 [N, T] tensors (row i = trajectory i, column j = its j-th response token); `collate` scatters the rows of
-its samples into the batch's [B, L] positions (`extras`), and `gather_response` goes back.
+its samples into the batch's [B, L] positions (`extras`), and `gather_response` goes back. `StepData` holds a
+train step's rows, `GradientStats` the sums its gradient passes measure (the Learner's, training/learner.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,43 @@ from torch import Tensor
 from asyncrl.algorithms import entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import precision
+
+
+@dataclass
+class GradientStats:
+    """Sums over the forward passes of one or more `compute_gradients` calls (metrics are ratios of these)."""
+
+    loss: float = 0.0            # sum of aggregated losses (per call: the mini-batch loss)
+    tokens: int = 0              # loss tokens seen by forward passes
+    clipped: float = 0.0         # clip_frac x tokens, summed
+    ratio_sum: float = 0.0       # ratio_mean x tokens, summed
+    ratio_max: float = 0.0
+    entropy_sum: float = 0.0     # over loss tokens
+    kl_sum: float = 0.0          # k3(behaviour || current) over loss tokens of diagnosed calls
+    kl_tokens: int = 0
+    gap_sum: float = 0.0         # |current - behaviour| over diagnosed on-policy loss tokens
+    gap_tokens: int = 0
+    # off-policy ratio current / behaviour, measured on first-epoch passes when no proximal policy is computed
+    is_tokens: int = 0
+    is_sum: float = 0.0
+    is_max: float = 0.0
+    is_min: float = math.inf
+
+
+@dataclass
+class StepData:
+    """What `prepare` computes once per train step; every tensor response-aligned [N, T]."""
+
+    advantages: Tensor                       # [N, T] float32, 0 off the loss mask
+    rows: dict[str, Tensor] = field(default_factory=dict)  # prox / ref / weights / keep, as needed
+    returns: Tensor | None = None            # gae value targets
+    old_values: Tensor | None = None         # critic values at the step's start
+    rewards: Tensor | None = None            # [N] after shaping / normalisation
+    costs: Tensor | None = None              # [N] Safe-RLHF costs
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def slice(self, lo: int, hi: int) -> dict[str, Tensor]:
+        return {k: v[lo:hi] for k, v in self.rows.items()}
 
 
 @dataclass

@@ -24,6 +24,10 @@ One train step (ARCHITECTURE "Batch units"):
                   clip grad norm (`grad_clip`, 0 = off), optimizer step; critic: value loss, its step
            ─► Safe-RLHF multiplier update from the step's mean cost; version += 1
 
+Schedule and LoRA: the AdamW learning rate follows `trainer.lr_scheduler` (training/schedule.py), stepped after
+every optimizer step; under `[model.lora]` the model is a peft model whose adapters alone train, and the
+weights the generators get are merged (training/lora.py).
+
 Numerics (training/precision.py): with `trainer.mixed_precision = "bf16"` the model, its gradients and the AdamW
 state are float32 and every forward runs under bfloat16 autocast (logprobs still float32); with
 `model.gradient_checkpointing` the gradient passes of `compute_gradients` recompute each layer's activations.
@@ -37,7 +41,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,11 +59,13 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.kl import kl_estimate
 from asyncrl.algorithms.losses import PolicyLossParams
 from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
-from asyncrl.checkpoint import load_optimizer_state, optimizer_state
+from asyncrl.checkpoint import load_optimizer_state, load_scheduler_state, optimizer_state, scheduler_state
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.training import precision
+from asyncrl.training import lora, precision, schedule
 from asyncrl.training.batch import (
+    GradientStats,
+    StepData,
     TokenBatch,
     collate,
     flatten_groups,
@@ -75,43 +82,6 @@ __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 logger = logging.getLogger(__name__)
 
 _RATIO_KEYS = ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "share_clipped", "share_masked")
-
-
-@dataclass
-class GradientStats:
-    """Sums over the forward passes of one or more `compute_gradients` calls (metrics are ratios of these)."""
-
-    loss: float = 0.0            # sum of aggregated losses (per call: the mini-batch loss)
-    tokens: int = 0              # loss tokens seen by forward passes
-    clipped: float = 0.0         # clip_frac x tokens, summed
-    ratio_sum: float = 0.0       # ratio_mean x tokens, summed
-    ratio_max: float = 0.0
-    entropy_sum: float = 0.0     # over loss tokens
-    kl_sum: float = 0.0          # k3(behaviour || current) over loss tokens of diagnosed calls
-    kl_tokens: int = 0
-    gap_sum: float = 0.0         # |current - behaviour| over diagnosed on-policy loss tokens
-    gap_tokens: int = 0
-    # off-policy ratio current / behaviour, measured on first-epoch passes when no proximal policy is computed
-    is_tokens: int = 0
-    is_sum: float = 0.0
-    is_max: float = 0.0
-    is_min: float = math.inf
-
-
-@dataclass
-class StepData:
-    """What `prepare` computes once per train step; every tensor response-aligned [N, T]."""
-
-    advantages: Tensor                       # [N, T] float32, 0 off the loss mask
-    rows: dict[str, Tensor] = field(default_factory=dict)  # prox / ref / weights / keep, as needed
-    returns: Tensor | None = None            # gae value targets
-    old_values: Tensor | None = None         # critic values at the step's start
-    rewards: Tensor | None = None            # [N] after shaping / normalisation
-    costs: Tensor | None = None              # [N] Safe-RLHF costs
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def slice(self, lo: int, hi: int) -> dict[str, Tensor]:
-        return {k: v[lo:hi] for k, v in self.rows.items()}
 
 
 class Learner:
@@ -132,6 +102,7 @@ class Learner:
         lagrange: LagrangeMultiplier | None = None,
         gradient_checkpointing: bool = False,
         parallel: SingleProcess | None = None,
+        sync_all_weights: bool = False,
     ) -> None:
         self.device = torch.device(device)
         # trainer.mixed_precision (training/precision.py): float32 master weights (and so float32 AdamW state),
@@ -184,6 +155,10 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self._params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]), weight_decay=trainer.weight_decay
         )
+        self.scheduler = schedule.build_scheduler(self.optimizer, trainer)
+        self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # of the latest optimizer step: trainer/lr
+        # LoRA: the sync sends merged weights, only the adapted layers' unless the engines need every weight
+        self.lora, self._sync_all = lora.is_lora(self.model), sync_all_weights
         self.version: int = 0
 
     # ------------------------------------------------------------------ logprobs
@@ -364,7 +339,8 @@ class Learner:
         rows = rows or {}
         global_tokens, global_seqs = global_counts or _loss_counts(trajectories, rows)
         loss_total = 0.0
-        with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
+        # model.gradient_checkpointing and LoRA dropout: on for this pass only
+        with precision.checkpointing(self.model), lora.adapter_dropout(self.model):
             for start in range(0, len(trajectories), mbs):
                 part = trajectories[start : start + mbs]
                 # accumulate locally; only the last micro-batch's backward reduces over the ranks
@@ -433,6 +409,15 @@ class Learner:
             self.optimizer.step()
         else:
             logger.warning("non-finite grad norm %s at version %d: optimizer step skipped", norm_f, self.version)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        # skipped steps too: the schedule spans the run's optimizer steps exactly (torch warns when the very
+        # first optimizer step was the skipped one: expected here)
+        if math.isfinite(norm_f):
+            self.scheduler.step()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
         return norm_f
 
     # ------------------------------------------------------------------ train step
@@ -519,6 +504,7 @@ class Learner:
             "trainer/samples": float(n),
             "trainer/optimizer_steps": float(steps),
             "trainer/step_s": step_s,
+            "trainer/lr": self.last_lr,
         }
         if "offpolicy/is_ratio_mean" not in data.metrics:  # no proximal policy: the loss's own ratio
             has = stats.is_tokens > 0
@@ -539,11 +525,14 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Any]]:
-        """Everything an exact resume needs, as tensor groups (safetensors) and a msgspec-encodable state:
-        the policy and its AdamW state, the critic and its optimizer, the Lagrange multiplier, the version."""
+        """Everything an exact resume needs, as tensor groups (safetensors) and a msgspec-encodable state: the
+        policy (LoRA: its adapter) with its AdamW state and LR schedule, the critic and its optimizer, the Lagrange
+        multiplier, the version."""
         opt_tensors, opt_meta = optimizer_state(self.optimizer)
-        tensors = {"policy": dict(self.model.state_dict()), "optimizer": opt_tensors}
-        state: dict[str, Any] = {"version": self.version, "optimizer": opt_meta}
+        policy = lora.adapter_state(self.model) if self.lora else dict(self.model.state_dict())
+        tensors = {"policy": policy, "optimizer": opt_tensors}
+        state: dict[str, Any] = {"version": self.version, "optimizer": opt_meta, "lora": self.lora,
+                                 "scheduler": scheduler_state(self.scheduler)}
         if self.critic is not None:
             tensors["critic"] = dict(self.critic.model.state_dict())
             tensors["critic_optimizer"], state["critic_optimizer"] = optimizer_state(self.critic.optimizer)
@@ -555,8 +544,15 @@ class Learner:
         """The inverse of `checkpoint_state` (a learner built from the same config)."""
         if ("critic" in tensors) != (self.critic is not None):
             raise ValueError("checkpoint and config disagree on the critic (algorithm.advantage changed?)")
-        self.model.load_state_dict(tensors["policy"])
+        if bool(state.get("lora", False)) != self.lora:
+            raise ValueError("checkpoint and config disagree on LoRA: resume with the run's own [model.lora]")
+        if self.lora:
+            lora.load_adapter_state(self.model, tensors["policy"])
+        else:
+            self.model.load_state_dict(tensors["policy"])
         load_optimizer_state(self.optimizer, tensors["optimizer"], state["optimizer"])
+        if "scheduler" in state:  # (a checkpoint written before schedules: the schedule starts afresh)
+            load_scheduler_state(self.scheduler, state["scheduler"])
         if self.critic is not None:
             self.critic.model.load_state_dict(tensors["critic"])
             load_optimizer_state(self.critic.optimizer, tensors["critic_optimizer"], state["critic_optimizer"])
@@ -566,9 +562,12 @@ class Learner:
 
     # ------------------------------------------------------------------ weights
 
-    def state_dict_for_sync(self) -> dict[str, Tensor]:
+    def state_dict_for_sync(self) -> Mapping[str, Tensor]:
         """Named parameters (tied ones once) + persistent buffers, detached: what the weight broadcast sends.
-        With trainer.parallel = "fsdp2" a collective: every rank calls it, rank 0 sends the result."""
+        With trainer.parallel = "fsdp2" a collective: every rank calls it, rank 0 sends the result. LoRA: the
+        merged weights under the base model's names, the adapted layers' alone unless `sync_all_weights`."""
+        if self.lora:
+            return lora.MergedWeights(self.model, targeted_only=not self._sync_all)
         return self.dp.full_state_dict(self.model)
 
 
