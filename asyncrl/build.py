@@ -128,7 +128,8 @@ def build_buffer(cfg: Config) -> ReplayBuffer:
     return ReplayBuffer(prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
                      max_staleness=cfg.staleness.max_staleness, rollout_capacity=cfg.buffer.rollout_capacity,
                      train_capacity=cfg.buffer.train_capacity,
-                     report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance)
+                     report_filtered=cfg.algorithm.dynamic_sampling or cfg.algorithm.filter_zero_variance,
+                     generators=cfg.rollout.num_generators)
 
 
 def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model: torch.nn.Module | None = None,

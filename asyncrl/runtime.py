@@ -3,7 +3,7 @@
 Place in the dataflow — the user's loop replaces the generators' prompt loop:
 
 ```
- user loop ── rt.generate / ep.act ──► Generator.generate (engine: continuous batching, newest weights)
+ user loop ── rt.generate / ep.act ──► Generator.generate (the least-loaded one; continuous batching, newest weights)
      └────── rt.submit(group) ──► ReplayBuffer.submit_group (gate: admitted at the group's min_version)
                                      ──► rollout queue ──► Scorer ──► Trainer ──► weights ──► Generators
 ```
@@ -35,6 +35,7 @@ submit them again (their places at the gate are kept for the next submissions).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,6 +48,7 @@ from asyncrl.controller import Controller
 from asyncrl.envs.tool_env import ToolTurn, ToolUse
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
 from asyncrl.messages import Completion, SamplingParams, Trajectory
+from buffers.dispatch import Loads
 from engines.hf import ensure_model, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -203,7 +205,8 @@ class Runtime:
         self._version = 0
         self._version_changed = asyncio.Condition()
         self._task: asyncio.Future | None = None
-        self._next_gen = 0
+        self._loads = Loads()  # the generate calls in flight per generator, and its seconds per call
+        self._calls = itertools.count()
         self._started_ray = False
         self._inner: Any = None
 
@@ -333,12 +336,22 @@ class Runtime:
     async def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
         """One completion of `prompt` (text is encoded once, with the model's BOS if its tokenizer puts one before
         plain text; ids are used as they are) on the newest weights:
-        token ids, behaviour logprobs and the version of each token. Concurrent calls are batched."""
+        token ids, behaviour logprobs and the version of each token. Concurrent calls are batched; each goes to
+        the least-loaded generator."""
         ids = self.codec.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         gens = self._deployment.generators
-        gen = gens[self._next_gen % len(gens)]
-        self._next_gen += 1
-        return (await gen.generate([ids], self.sampling(**sampling)))[0][0]
+        # the least-loaded generator: fewest calls in flight, weighted by its seconds per call (ties: lowest
+        # index), so a slow generator gets few of them (buffers/dispatch.py)
+        i = self._loads.pick(range(len(gens)))
+        call = next(self._calls)
+        self._loads.started(i, call)
+        ok = False
+        try:
+            out = await gens[i].generate([ids], self.sampling(**sampling))
+            ok = True
+        finally:
+            self._loads.finished(call, ok)
+        return out[0][0]
 
     def episode(self, prompt: str | list[dict[str, str]], tools: Sequence[Any] | ToolUse | None = None,
                 parser: str = "hermes") -> AgentEpisode:

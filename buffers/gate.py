@@ -38,6 +38,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
+from typing import Callable
 
 import msgspec
 
@@ -123,12 +124,14 @@ class AdmissionGate:
         return self._live[group_id].version
 
     # -- generators ----------------------------------------------------------------------------
-    async def admit(self, max_groups: int, version: int, timeout: float | None = None) -> list[int]:
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None,
+                    share: Callable[[int], int] | None = None) -> list[int]:
         """Fresh group ids (<= max_groups) admitted at `version`, waiting until at least one fits.
 
         Returns [] without admitting on timeout, on close, or once the published version (or one a
         generator already holds, `note_held`) is newer than `version` while no group fits (load the
-        newer weights, then ask again).
+        newer weights, then ask again). `share(room)`: how many of the `room` groups that fit now this
+        caller may take (buffers/dispatch.py, several generators waiting); it waits while that is 0.
         """
         if max_groups < 1:
             raise ValueError(f"admit: max_groups must be >= 1, got {max_groups}")
@@ -137,11 +140,14 @@ class AdmissionGate:
         # against steps taken, which is all the lower bound of the staleness proof needs.
         if version > self._steps_taken:
             raise ValueError(f"admit: version {version} needs {version} steps taken, only {self._steps_taken} were")
-        if self._regenerate and not self._closed:
-            return self._readmit(max_groups, version)
 
         def room() -> int:
             return self.capacity(version) - (self._accepted + self._running)
+
+        def mine() -> int:
+            # a restored run's running groups first (their slots are held), else fresh slots
+            free = len(self._regenerate) if self._regenerate else room()
+            return min(max_groups, free if share is None or free <= 0 else share(free))
 
         # A newer held version wakes only admits that were already waiting when it was noted: another
         # generator, still on the older weights, asks again and waits (instead of returning [] at once,
@@ -151,11 +157,13 @@ class AdmissionGate:
         def newer() -> bool:
             return self._published > version or (self._held_notes != notes and self._held > version)
 
-        _, waited = await timed_wait(self._signal, lambda: self._closed or newer() or room() > 0, timeout)
+        _, waited = await timed_wait(self._signal, lambda: self._closed or newer() or mine() > 0, timeout)
         self.admit_wait_s += waited
-        n = min(max_groups, room())
+        n = mine()
         if self._closed or n <= 0:
             return []
+        if self._regenerate:
+            return self._readmit(n, version)
         ids = list(range(self._next_id, self._next_id + n))
         self._next_id += n
         for gid in ids:
@@ -260,6 +268,10 @@ class AdmissionGate:
         if version > self._published:
             self._published = version
             self._signal.notify_all()
+
+    def nudge(self) -> None:
+        """Wake the waiting admits to ask their `share` again (who waits, or what each holds, changed)."""
+        self._signal.notify_all()
 
     def note_held(self, version: int) -> None:
         """A generator holds weights `version` (its swap landed): wake admits waiting at older versions now,

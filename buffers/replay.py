@@ -4,7 +4,7 @@ Place in the dataflow (the runtime hosts one buffer inside one async actor; ever
 
 | caller    | calls                                           | waits for                                 |
 |-----------|-------------------------------------------------|-------------------------------------------|
-| Generator | `admit` → ids, `put_rollouts`                   | gate capacity; room in the rollout queue  |
+| Generator | `admit` → ids, `put_rollouts`                   | gate capacity (its share); rollout room   |
 | Scorer    | `get_rollouts`, `accept_groups`/`release_groups`| rollouts; train-store room (never, below) |
 | Trainer   | `take_step` → P groups, `publish`               | the P oldest live groups all accepted     |
 | Controller| `wait_step` (colocated placement), `publish`    | the same, without taking them             |
@@ -40,8 +40,14 @@ calls `release_holder` with its name (one per actor incarnation: a restarted act
 running group it held is released as "failed" (its slot returns,
 the gate admits a fresh prompt in its place) and remembered as abandoned, so a late accept or release of one
 of them (a trajectory of it still queued, a put that was in flight) is dropped and counted
-(`buffer/abandoned`) instead of failing the scorer. A call of the dead actor still waiting in the buffer (an
-admit, a get) that returns later releases what it got at once. Accepted groups are never released.
+(`buffer/abandoned`) instead of failing the scorer. An admit of the dead actor (still waiting, or arriving
+late) gets nothing; a get of it that returns later releases what it got at once. Accepted groups are never
+released.
+
+Several generators. They pull: each asks `admit` for its free slots. When several wait at once, the gate's
+room goes to them least loaded first (buffers/dispatch.py: fewest groups in flight, weighted by each one's
+seconds per group), so a slow generator is given few groups and the fast ones most; `stats()` reports each
+one's groups in flight and seconds per group (`generator/<i>/in_flight`, `generator/<i>/group_s`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import msgspec
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
+from buffers.dispatch import Dispatch
 from buffers.gate import AdmissionGate, GateState
 from buffers.progress import Progress, ProgressTracker
 from buffers.queue import BoundedQueue, QueueClosed, Signal, timed_wait
@@ -85,6 +92,7 @@ class ReplayBuffer:
         rollout_capacity: int,
         train_capacity: int,
         report_filtered: bool = False,
+        generators: int = 0,
     ) -> None:
         step_samples = prompts_per_step * group_size
         if rollout_capacity < step_samples:
@@ -123,19 +131,37 @@ class ReplayBuffer:
         self._abandoned: set[int] = set()  # released by release_holder: late accepts/releases are dropped
         self._gone: set[str] = set()  # holders released: what a late call of theirs admits or takes is released
         self.abandoned = {"groups": 0, "late": 0}  # released by release_holder; late accepts/releases dropped
+        # the gate's room among the generators asking at once: least loaded first (buffers/dispatch.py)
+        self.dispatch = Dispatch(generators)
 
     # -- generators ----------------------------------------------------------------------------
     async def admit(self, max_groups: int, version: int, timeout: float | None = None,
                     holder: str | None = None) -> list[int]:
         """Group ids admitted at `version` (see AdmissionGate.admit); `holder` (e.g. "generator/0") holds them
-        until their rollouts are queued."""
-        ids = await self.gate.admit(max_groups, version, timeout)
-        if holder is not None:
-            for gid in ids:
-                self._holders[gid] = {holder}
-            if holder in self._gone:  # a dead actor's admit that was waiting: nobody will generate these
-                await self.release_holder(holder)
-                return []
+        until their rollouts are queued. Generators asking at once share the gate's room, least loaded first
+        (`holder` names the generator: buffers/dispatch.py); without a holder the caller takes what fits."""
+        if holder is None:
+            return await self.gate.admit(max_groups, version, timeout)
+        if holder in self._gone:  # a call of a dead actor that arrives late: nobody would generate these
+            return []
+        self.dispatch.wait(holder, max_groups)
+        self.gate.nudge()  # the others' shares changed: one more asking
+        startup = self.dispatch.starting()  # the first admission waits for every generator, not past this
+        if startup is not None:
+            timeout = startup if timeout is None else min(timeout, startup)
+        ids: list[int] = []
+        try:
+            ids = await self.gate.admit(max_groups, version, timeout,
+                                        share=lambda room: self.dispatch.share(holder, room))
+            self.dispatch.granted(holder, ids)  # (no await since the grant: the next share sees it)
+        finally:
+            self.dispatch.leave(holder, max_groups, len(ids))
+            self.gate.nudge()  # the others' shares changed: its load higher
+        for gid in ids:
+            self._holders[gid] = {holder}
+        if holder in self._gone:  # a dead actor's admit that was waiting: nobody will generate these
+            await self.release_holder(holder)
+            return []
         return ids
 
     async def put_rollouts(self, trajs: list[Trajectory]) -> None:
@@ -145,6 +171,9 @@ class ReplayBuffer:
         if self._closed:
             raise QueueClosed("replay buffer is closed")
         groups = whole_groups(trajs)
+        for group in groups:  # sampled: the generator's engine is done with them (its load and speed)
+            self.dispatch.finished(group[0].group_id)
+        self.gate.nudge()
         self._count_env(trajs)
         await self.rollouts.put_many(groups)
         for gid in {t.group_id for t in trajs}:  # queued: the generator no longer holds them
@@ -169,9 +198,9 @@ class ReplayBuffer:
         The group is admitted at its own min_version, so the gate's staleness bound covers it like any
         generated group: this waits while the capacity rule has no room (backpressure) and returns None
         — the group dropped and counted as `buffer/submitted_dropped_stale` — once the published version
-        is newer and a group that old no longer fits. Sets group_id, seq_id (group_id * n + j) and
-        group_size on the trajectories. Returns the group id; QueueClosed once the buffer is closed;
-        TimeoutError after `timeout` seconds without room.
+        is newer and a group that old no longer fits. Sets group_id, seq_id (group_id * n + j), group_size
+        and generator_id (-1: no generator loop's) on the trajectories. Returns the group id; QueueClosed
+        once the buffer is closed; TimeoutError after `timeout` seconds without room.
         """
         if not trajs:
             raise ValueError("submit_group: a group needs at least one trajectory")
@@ -191,6 +220,7 @@ class ReplayBuffer:
         gid, n = ids[0], len(trajs)
         for j, t in enumerate(trajs):
             t.group_id, t.seq_id, t.group_size = gid, gid * n + j, n
+            t.generator_id = -1  # sampled outside the generators' loops: counted for none of them
         self.submitted["groups"] += 1
         await self.put_rollouts(trajs)
         return gid
@@ -219,6 +249,8 @@ class ReplayBuffer:
         """`holder` died: release every running group it held as "failed" (a fresh prompt takes its slot);
         late accepts or releases of them are dropped. Returns their ids."""
         self._gone.add(holder)
+        self.dispatch.forget(holder)
+        self.gate.nudge()
         ids = [gid for gid, held in self._holders.items() if holder in held and self.gate.is_running(gid)]
         for gid in ids:
             self.gate.release(gid, "failed")
@@ -284,6 +316,7 @@ class ReplayBuffer:
         for gid in group_ids:
             self.gate.release(gid, reason)
             self._holders.pop(gid, None)
+            self.dispatch.finished(gid, ok=False)  # a generator's failed group (a scorer's: no longer in flight)
         self.tracker.released(len(group_ids), reason, detail)
 
     async def progress(self) -> Progress:
@@ -355,6 +388,11 @@ class ReplayBuffer:
         metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
         metrics["buffer/train_depth"] = Last(float(len(self._train)))
         metrics["buffer/rss_mb"] = Max(rss_mb())
+        for holder, (in_flight, seconds) in self.dispatch.report().items():  # what the routing sees, per generator
+            role = holder.split("#")[0]  # "generator/0#1" (a restarted actor's name) -> "generator/0"
+            metrics[f"{role}/in_flight"] = Last(float(in_flight))
+            if seconds is not None:
+                metrics[f"{role}/group_s"] = Last(seconds)
         metrics.update(peak_memory_metrics("buffer", "buffer"))
         if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
             metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)

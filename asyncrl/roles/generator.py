@@ -97,6 +97,7 @@ class Generator:
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
         self.tokens_generated = 0  # since the start; stats() reports each window's increment
+        self.samples_generated = 0  # trajectories sampled, since the start
         self.prompts_truncated = 0  # prompts cut to max_prompt_len (data.overlong = "truncate_left"), since the start
         self.prompts_filtered = prompts_filtered  # dataset rows left out at load (data.overlong = "filter")
         self.swap_s_total = 0.0
@@ -309,6 +310,7 @@ class Generator:
         done_sampling()
         trajs = [t for group in groups for t in group]
         self.tokens_generated += sum(sum(t.loss_mask) for t in trajs)
+        self.samples_generated += len(trajs)
         await self._put_rollouts(trajs, version)
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
@@ -352,6 +354,7 @@ class Generator:
                 trajs.append(self._trajectory(gid, j, prompt, row_json, c))
                 trajs[-1].baseline_response_ids = base
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
+        self.samples_generated += len(trajs)
         await self._put_rollouts(trajs, version)
 
     async def _put_rollouts(self, trajs: list[Trajectory], version: int) -> None:
@@ -422,15 +425,20 @@ class Generator:
         self._stopped.set()
 
     def stats(self) -> RoleStats:
-        """This generator's window, since its previous `stats()` call: tokens sampled, the generation stall
-        from weight swaps (the engine's own pause record where it keeps one, else the time `load_weights`
-        took), its process's peak memory, and its spans."""
+        """This generator's window, since its previous `stats()` call: tokens and samples sampled (all
+        generators' and its own, `generator/<i>/...`), the generation stall from weight swaps (the engine's
+        own pause record where it keeps one, else the time `load_weights` took), its process's peak memory,
+        and its spans."""
         engine_stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         stall = self._window.take("stall_s", engine_stats.get("engine/swap_pause_s/sum", self.swap_s_total))
         tokens = self._window.take("tokens", self.tokens_generated)
+        samples = self._window.take("samples", self.samples_generated)
         truncated = self._window.take("prompts_truncated", self.prompts_truncated)
+        own = f"generator/{self.generator_id}"
         return RoleStats(metrics={
             "generation/tokens_per_s": Rate(tokens),
+            f"{own}/tokens_per_s": Rate(tokens),
+            f"{own}/samples_per_s": Rate(samples),
             "generation/stall_s": Sum(stall),
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window

@@ -24,7 +24,14 @@ from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.memory import peak_memory_metrics
-from asyncrl.telemetry.metrics import Max, RoleStats, rss_mb, staleness_stats, token_staleness_stats
+from asyncrl.telemetry.metrics import (
+    Max,
+    RoleStats,
+    generator_staleness_stats,
+    rss_mb,
+    staleness_stats,
+    token_staleness_stats,
+)
 from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.learner import Learner
@@ -81,6 +88,8 @@ class Trainer:
         metrics = out.metrics
         trajs = [t for g in out.groups for t in g.trajectories]
         metrics.update(staleness_stats([step - t.min_version for t in trajs]))
+        # which generator sampled what was trained, and how stale (generator/<i>/staleness/mean, ...)
+        metrics.update(generator_staleness_stats((t.generator_id, step - t.min_version) for t in trajs))
         token_lags = [step - v for t in trajs for v in t.versions]
         metrics.update(token_staleness_stats(token_lags))  # staleness/token_mean, staleness/token_hist/<k>
         # trajectories whose tokens came from more than one policy version (in-flight weight swaps)

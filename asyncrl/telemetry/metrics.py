@@ -219,6 +219,23 @@ def staleness_stats(values: Sequence[int]) -> dict[str, float]:
     return out
 
 
+def generator_staleness_stats(samples: Iterable[tuple[int, int]]) -> dict[str, float]:
+    """Per generator, of a step's trained trajectories given as (generator id, staleness): how many it sampled
+    and their staleness mean and max, as "generator/<i>/trained_samples", "generator/<i>/staleness/mean" and
+    "generator/<i>/staleness/max"; a generator none of whose trajectories were trained gets no keys, and
+    trajectories of no generator (id -1: `Runtime.submit`) count for none."""
+    by_generator: dict[int, list[int]] = {}
+    for generator_id, staleness in samples:
+        if generator_id >= 0:
+            by_generator.setdefault(int(generator_id), []).append(staleness)
+    out: dict[str, float] = {}
+    for i, values in sorted(by_generator.items()):
+        out[f"generator/{i}/trained_samples"] = len(values)
+        out[f"generator/{i}/staleness/mean"] = sum(values) / len(values)
+        out[f"generator/{i}/staleness/max"] = max(values)
+    return out
+
+
 def token_staleness_stats(lags: Sequence[int]) -> dict[str, float]:
     """Per-token staleness (`v_train - version of the token`) of a step's trained response tokens.
 
