@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.serve.chat import ChatRenderer, ChatTemplateMissing, check_messages, template_messages, tools_key
+from asyncrl.serve.chat import ChatRenderer, check_messages, template_messages, tools_key
 from asyncrl.serve.recording import ServedEpisode, Turn
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class OpenAIServer:
                 ep.end()
         except RequestError as exc:
             return self._refuse(exc)
-        except (ValueError, ChatTemplateMissing) as exc:
+        except ValueError as exc:  # a bad message, sampling parameter or template failure (ChatTemplateMissing)
             return self._refuse(RequestError(400, str(exc)))
         return web.json_response(body(self, req, prompt, turns))
 
@@ -223,12 +223,12 @@ class OpenAIServer:
         key = tools_key(req.tools)
         parent = ep.parent_for_chat(messages, key)
         new = self.chat.extension(parent, messages, req.tools) if parent is not None else None
-        if new is None:
-            parent = None
-        prompt = parent.context + new if parent is not None and new is not None else self.chat.fresh(
-            messages, req.tools)
+        if parent is None or new is None:  # continues nothing the template can extend: its own rendering
+            parent, new, prompt = None, [], self.chat.fresh(messages, req.tools)
+        else:
+            prompt = parent.context + new
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        turns = await self._sample(ep, req, prompt, parent, new or [], limit, messages=messages, tools_key=key)
+        turns = await self._sample(ep, req, prompt, parent, new, limit, messages=messages, tools_key=key)
         return prompt, turns
 
     async def _completion_turns(self, ep: ServedEpisode, req: CompletionRequest) -> tuple[list[int], list[Turn]]:
@@ -260,6 +260,8 @@ class OpenAIServer:
     async def _sample(self, ep: ServedEpisode, req: Any, prompt: list[int], parent: Turn | None, new: list[int],
                       max_tokens: int | None, **match: Any) -> list[Turn]:
         """Sample req.n choices of `prompt` concurrently (batched by the engine) and record each in `ep`."""
+        if not prompt:
+            raise RequestError(400, "the prompt is empty (it encodes to no tokens)")
         if len(prompt) > self.max_prompt_len:
             raise RequestError(400, f"the prompt is {len(prompt)} tokens, more than data.max_prompt_len = "
                                     f"{self.max_prompt_len} (the engine's limit)")

@@ -17,6 +17,7 @@ from asyncrl.runtime import TrainingFinished
 pytestmark = pytest.mark.slow  # starts a Runtime (trainer, engine) in process
 
 torch.set_num_threads(1)
+pytest.importorskip("aiohttp")  # the endpoint's server (the `serve` extra)
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -159,6 +160,7 @@ def test_bad_requests_are_answered_4xx_with_one_line_json_errors(tmp_path):
                 (ep.base_url + "/completions", {"prompt": "1" * 49}, 400, "data.max_prompt_len = 48"),
                 (ep.base_url + "/completions", {"prompt": [10**6]}, 400, "prompt token ids"),
                 (ep.base_url + "/completions", {"prompt": "1", "echo": True}, 400, "echo"),
+                (ep.base_url + "/completions", {"prompt": ""}, 400, "the prompt is empty"),
                 (bare.episode().base_url + "/chat/completions", {"messages": msgs}, 400, "no chat template"),
                 (ep.base_url + "/embeddings", {"input": "1"}, 404, "Not Found"),
             ]
@@ -168,7 +170,7 @@ def test_bad_requests_are_answered_4xx_with_one_line_json_errors(tmp_path):
                     r = await http.post(url, content=content, headers={"content-type": "application/json"})
                     msg = r.json()["error"]["message"]
                     assert (r.status_code, why in msg, "\n" in msg) == (status, True, False), (url, body, msg)
-            assert ep.turns == [] and server.counters["refused"] == 11
+            assert ep.turns == [] and server.counters["refused"] == 12
             client = openai.AsyncOpenAI(base_url=ep.base_url, api_key="unused", max_retries=0)
             with pytest.raises(openai.BadRequestError, match="n must be between"):
                 await client.chat.completions.create(model="m", messages=msgs, n=20)
