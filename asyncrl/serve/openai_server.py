@@ -19,7 +19,8 @@ await rt.submit([ep, ...])                           # one group (episodes of th
 ```
 
 Routes: POST /episodes/<id>/v1/chat/completions, POST /episodes/<id>/v1/completions, GET .../v1/models
-(and GET /v1/models). The episode id in the base_url ties every request to its episode, so unmodified agent
+(and GET /v1/models); POST /episodes, POST /groups and GET /status for agents in another process
+(control.py, `asyncrl serve`). The episode id in the base_url ties every request to its episode, so unmodified agent
 code is recorded; a request without one (or for a closed episode) is answered 404. aiohttp serves it on the
 Runtime's own event loop, bound to 127.0.0.1 unless another host is given. Errors are OpenAI-shaped JSON
 (`{"error": {"message": ..., "type": ...}}`), one line each.
@@ -38,6 +39,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.serve.chat import ChatRenderer, check_messages, template_messages, tools_key
+from asyncrl.serve.control import add_routes
 from asyncrl.serve.recording import ServedEpisode, Turn
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class OpenAIServer:
         app.router.add_post("/episodes/{episode}/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._no_episode)
         app.router.add_post("/v1/completions", self._no_episode)
+        add_routes(app, self)  # POST /episodes, POST /groups, GET /status: for agents in another process
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -157,6 +160,10 @@ class OpenAIServer:
     def forget(self, episode_id: str) -> None:
         self._episodes.pop(episode_id, None)
 
+    def open_episode(self, episode_id: str) -> ServedEpisode | None:
+        ep = self._episodes.get(episode_id)
+        return None if ep is None or ep.closed else ep
+
     def decode(self, ids: list[int]) -> str:
         return self.rt.codec.decode(ids)
 
@@ -182,8 +189,8 @@ class OpenAIServer:
 
         self.counters["requests"] += 1
         try:
-            ep = self._episodes.get(request.match_info["episode"])
-            if ep is None or ep.closed:
+            ep = self.open_episode(request.match_info["episode"])
+            if ep is None:
                 raise RequestError(404, f"episode {request.match_info['episode']!r} is not open (closed, or never "
                                         f"opened by server.episode())", "not_found_error")
             try:
@@ -206,12 +213,16 @@ class OpenAIServer:
         return web.json_response(body(self, req, prompt, turns))
 
     def _refuse(self, exc: RequestError) -> Any:
+        return self.refuse(exc.status, str(exc), exc.kind)
+
+    def refuse(self, status: int, message: str, kind: str = "invalid_request_error") -> Any:
+        """An OpenAI-shaped JSON error response (counted; the first few logged)."""
         from aiohttp import web
 
         self.counters["refused"] += 1
         if self.counters["refused"] <= LOGGED_ERRORS:
-            log.warning("OpenAI endpoint refused a request (%d): %s", exc.status, exc)
-        return web.json_response(_error(str(exc), exc.kind), status=exc.status)
+            log.warning("OpenAI endpoint refused a request (%d): %s", status, message)
+        return web.json_response(_error(message, kind), status=status)
 
     # -- sampling -----------------------------------------------------------------------------------
     async def _chat_turns(self, ep: ServedEpisode, req: ChatRequest) -> tuple[list[int], list[Turn]]:

@@ -219,3 +219,53 @@ def test_training_steps_follow_submitted_episodes_of_an_openai_sdk_agent(tmp_pat
     train = [r for r in rows if "reward/mean" in r]
     assert len(train) == 2 and train[-1]["buffer/submitted_groups"] >= 4
     assert counters["continued"] > 0 and counters["refused"] == 0
+
+
+def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_http(tmp_path):
+    import re
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    config = tmp_path / "config.toml"
+    config.write_text(TOML.format(model_dir=tmp_path / "model", run_dir=tmp_path / "run"))
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+
+    async def main():
+        err = open(tmp_path / "stderr.log", "w")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "asyncrl.cli", "serve", str(config), "--port", "0", "--chat-template",
+            str(template), "--set", "trainer.total_steps=1", "--set", "trainer.prompts_per_step=1",
+            cwd=root, stdout=asyncio.subprocess.PIPE, stderr=err)
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            url = re.search(r" at (http://127\.0\.0\.1:\d+): ", line).group(1)
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                assert (await http.get("/status")).json() == {"version": 0, "training_done": False}
+                eps = [(await http.post("/episodes")).json() for _ in range(2)]
+                for ep in eps:
+                    client = openai.AsyncOpenAI(base_url=ep["base_url"], api_key="unused", max_retries=0)
+                    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+                bad = await http.post("/groups", json={"episodes": [{"id": "nope", "reward": 1.0}]})
+                assert bad.status_code == 404 and "'nope' is not open" in bad.json()["error"]["message"]
+                bad = await http.post("/groups", json={"episodes": [{"id": eps[0]["id"]}]})
+                assert bad.status_code == 400 and "reward" in bad.json()["error"]["message"]
+                ok = await http.post("/groups", json={"episodes": [{"id": e["id"], "reward": r}
+                                                                   for e, r in zip(eps, (1.0, 0.0))]})
+                assert ok.status_code == 200 and ok.json()["trajectories"] == 2
+                assert isinstance(ok.json()["group_id"], int)
+                again = await http.post("/groups", json={"episodes": [{"id": eps[0]["id"], "reward": 1.0}]})
+                assert again.status_code == 404  # submitted episodes are closed
+            out = (await asyncio.wait_for(proc.stdout.read(), 120)).decode()
+            return await asyncio.wait_for(proc.wait(), 30), out
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            err.close()
+
+    rc, out = asyncio.run(main())
+    assert rc == 0 and "run directory:" in out, (tmp_path / "stderr.log").read_text()[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1]
