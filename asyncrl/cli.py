@@ -2,6 +2,8 @@
 
   asyncrl validate CONFIG [--set k=v ...]            check a config; one line per problem
   asyncrl launch CONFIG [--set k=v ...] [--dry-run] [--local] [--address ADDR]
+  asyncrl serve CONFIG [--set k=v ...] [--host H] [--port P] [--chat-template FILE] [--ray]
+                                                      train on agents calling an OpenAI-compatible endpoint
   asyncrl plot RUN_DIR [RUN_DIR ...] [--metric KEY ...] [--out PNG]
                                                       reward curve from metrics.jsonl; several runs or
                                                       chosen keys overlaid, one line per run
@@ -70,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="console and RUN_DIR/run.log (default INFO)")
+    from asyncrl.serve.cli import add_parser as add_serve
+
+    add_serve(sub)
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory, or overlay several runs")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                       help="run directories (their metrics.jsonl); several are overlaid, one colour each")
@@ -267,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             return _config_errors(ConfigError(problems))
         print(f"{args.config}: ok")
         return 0
+    if args.command == "serve":
+        from asyncrl.serve.cli import serve
+
+        return serve(cfg, args)
     if args.dry_run:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0

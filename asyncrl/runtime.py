@@ -209,6 +209,7 @@ class Runtime:
         self._calls = itertools.count()
         self._started_ray = False
         self._inner: Any = None
+        self._servers: list[Any] = []  # OpenAI-compatible endpoints, closed on exit
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def __aenter__(self) -> "Runtime":
@@ -255,6 +256,9 @@ class Runtime:
         self._version = self.controller.first_step
 
     async def __aexit__(self, *exc: Any) -> None:
+        servers, self._servers = self._servers, []
+        for server in servers:
+            await server.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         if self._task is not None:
@@ -365,17 +369,31 @@ class Runtime:
     def decode(self, ids: list[int]) -> str:
         return self.codec.decode(ids)
 
+    async def serve_openai(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Any:
+        """Start an OpenAI-compatible endpoint over this policy (asyncrl/serve/openai_server.py): agent code
+        calls `server.episode().base_url`, every request is recorded for `submit`. Port 0 picks a free port
+        (`server.port`, `server.url`). `options`: chat_template (a Jinja string replacing the tokenizer's),
+        model_name, max_n (16), max_tokens (rollout.max_new_tokens). Closed when the Runtime exits."""
+        from asyncrl.serve import OpenAIServer
+
+        server = await OpenAIServer(self, host, port, **options).start()
+        self._servers.append(server)
+        return server
+
     # -- training data ----------------------------------------------------------------------------
-    async def submit(self, group: Sequence[AgentEpisode | Trajectory] | AgentEpisode | Trajectory,
+    async def submit(self, group: Sequence[Any] | AgentEpisode | Trajectory,
                      timeout: float | None = None) -> int | None:
         """Queue one group (episodes of the same task; GRPO compares them) for training.
 
-        Trajectories with `env_reward` set are trained with it; others are scored by `reward.fn`.
+        Trajectories with `env_reward` set are trained with it; others are scored by `reward.fn`. Episodes of
+        the OpenAI endpoint (`serve_openai`) give one trajectory per recorded conversation, each with the
+        episode's reward.
         Returns the group id, or None when the group was too stale for the gate (dropped, counted).
         Waits while the gate has no room; TrainingFinished once training has ended.
         """
-        items = [group] if isinstance(group, (AgentEpisode, Trajectory)) else list(group)
-        trajs = [x.to_trajectory() if isinstance(x, AgentEpisode) else x for x in items]
+        items = [group] if isinstance(group, (AgentEpisode, Trajectory)) or hasattr(group, "to_trajectories") \
+            else list(group)
+        trajs = [t for x in items for t in _trajectories(x)]
         for t in trajs:  # here, one line to the caller, not later in the trainer (which would end the run)
             _check_submittable(t)
         self._raise_if_finished()
@@ -387,11 +405,19 @@ class Runtime:
             raise
 
 
+def _trajectories(x: Any) -> list[Any]:
+    if isinstance(x, AgentEpisode):
+        return [x.to_trajectory()]
+    if hasattr(x, "to_trajectories"):  # asyncrl.serve.ServedEpisode
+        return list(x.to_trajectories())
+    return [x]
+
+
 def _check_submittable(t: Trajectory) -> None:
     """Raise ValueError (one line) for a trajectory the trainer must refuse: greedy, no prompt, or per-token
     lists that do not match its response."""
     if not isinstance(t, Trajectory):
-        raise TypeError(f"submit takes AgentEpisodes or Trajectories, got {type(t).__name__}")
+        raise TypeError(f"submit takes AgentEpisodes or Trajectories (or served episodes), got {type(t).__name__}")
     if t.temperature <= 0:
         raise ValueError(f"submit: a trajectory sampled greedily (temperature={t.temperature}) is never trained — "
                          f"sample its turns with temperature > 0")
