@@ -373,7 +373,8 @@ class Runtime:
         """Start an OpenAI-compatible endpoint over this policy (asyncrl/serve/openai_server.py): agent code
         calls `server.episode().base_url`, every request is recorded for `submit`. Port 0 picks a free port
         (`server.port`, `server.url`). `options`: chat_template (a Jinja string replacing the tokenizer's),
-        model_name, max_n (16), max_tokens (rollout.max_new_tokens). Closed when the Runtime exits."""
+        model_name, max_n (16), max_tokens (rollout.max_new_tokens), tool_parser ("hermes": the format
+        `tool_calls` are read in; None: raw text). Closed when the Runtime exits."""
         from asyncrl.serve import OpenAIServer
 
         server = await OpenAIServer(self, host, port, **options).start()

@@ -63,7 +63,8 @@ class ChatRenderer:
         """The ids to append to `parent.context` for `messages` (which continue the parent's conversation),
         or None where the template does not render it as an extension."""
         assert parent.messages is not None
-        prev = [*parent.messages, parent.reply()]
+        # the reply as the model wrote it: the template's own rendering of parsed tool calls would differ
+        prev = [*parent.messages, parent.raw_reply()]
         head = self.render(parent.messages, True, tools)
         full = self.render(prev, False, tools)
         after = self.render([*prev, *messages[len(prev):]], True, tools)

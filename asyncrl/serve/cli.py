@@ -29,6 +29,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = a free one, printed)")
     s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's")
+    s.add_argument("--tool-parser", default="hermes",
+                   help="format of the tool calls read out of replies to requests with tools (default hermes; "
+                        "json, name_args; 'none' returns the raw text)")
     s.add_argument("--ray", action="store_true", help="run the roles as Ray actors (default: in this process)")
 
 
@@ -41,7 +44,8 @@ def serve(cfg: Config, args: argparse.Namespace) -> int:
             print(f"serve: --chat-template: {exc}", file=sys.stderr)
             return 2
     try:
-        rows = asyncio.run(_serve(cfg, args.host, args.port, template, local=not args.ray))
+        parser = None if args.tool_parser.lower() == "none" else args.tool_parser
+        rows = asyncio.run(_serve(cfg, args.host, args.port, template, local=not args.ray, tool_parser=parser))
     except KeyboardInterrupt:
         print("interrupted; the endpoint and the roles are stopped", file=sys.stderr)
         return 130
@@ -56,11 +60,12 @@ def serve(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(cfg: Config, host: str, port: int, template: str | None, local: bool) -> list[dict]:
+async def _serve(cfg: Config, host: str, port: int, template: str | None, local: bool,
+                 tool_parser: str | None = "hermes") -> list[dict]:
     from asyncrl.runtime import Runtime
 
     async with Runtime(cfg, local=local) as rt:
-        server = await rt.serve_openai(host, port, chat_template=template)
+        server = await rt.serve_openai(host, port, chat_template=template, tool_parser=tool_parser)
         print(f"serving {server.model_name} at {server.url}: POST {server.url}/episodes opens an episode "
               f"(its base_url for the OpenAI client), POST {server.url}/groups submits rewarded episodes",
               flush=True)

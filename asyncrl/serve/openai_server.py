@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -93,7 +94,8 @@ class OpenAIServer:
     """Serves the Runtime's policy over HTTP; `episode()` opens a recorded episode with its own base_url."""
 
     def __init__(self, rt: Any, host: str = "127.0.0.1", port: int = 0, *, chat_template: str | None = None,
-                 model_name: str | None = None, max_n: int = 16, max_tokens: int | None = None) -> None:
+                 model_name: str | None = None, max_n: int = 16, max_tokens: int | None = None,
+                 tool_parser: str | None = "hermes") -> None:
         if max_n < 1:
             raise ValueError(f"serve_openai: max_n must be >= 1, got {max_n}")
         if max_tokens is not None and max_tokens < 1:
@@ -105,7 +107,12 @@ class OpenAIServer:
         self.max_tokens = max_tokens or rt.cfg.rollout.max_new_tokens
         self.max_prompt_len = rt.cfg.data.max_prompt_len
         self.chat = ChatRenderer(rt.codec, rt.stop_ids, chat_template)
-        self.counters = {"requests": 0, "refused": 0, "continued": 0, "started": 0}
+        if tool_parser is not None:
+            from asyncrl.envs.tool_parsers import PARSERS
+
+            PARSERS.get(tool_parser)  # an unknown format: one line at start, not at the first request
+        self.tool_parser = tool_parser
+        self.counters = {"requests": 0, "refused": 0, "continued": 0, "started": 0, "tool_calls": 0}
         self._episodes: dict[str, ServedEpisode] = {}
         self._runner: Any = None
 
@@ -240,7 +247,10 @@ class OpenAIServer:
             prompt = parent.context + new
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         turns = await self._sample(ep, req, prompt, parent, new, limit, messages=messages, tools_key=key)
+        if req.tools and self.tool_parser:
+            self.counters["tool_calls"] += sum(parse_tool_calls(t, req.tools, self.tool_parser) for t in turns)
         return prompt, turns
+
 
     async def _completion_turns(self, ep: ServedEpisode, req: CompletionRequest) -> tuple[list[int], list[Turn]]:
         if req.echo or req.suffix is not None or (req.best_of or 1) > 1 or req.logprobs:
@@ -306,6 +316,22 @@ class OpenAIServer:
         return turns
 
 
+def parse_tool_calls(turn: Turn, tools: list[dict[str, Any]], parser: str) -> int:
+    """Set the turn's OpenAI `tool_calls` (and the content around them) from its text, read in the model's
+    format (`parser`, e.g. hermes' <tool_call>{json}</tool_call>); returns how many. A turn with a call that
+    cannot be read keeps its whole text as the content (the client sees what the model wrote); the model is
+    trained on its exact tokens either way."""
+    from asyncrl.envs.tool_parsers import make_parser
+
+    parsed = make_parser(parser, tools).parse(turn.text)
+    if not parsed.calls or any(c.error for c in parsed.calls):
+        return 0
+    turn.content = parsed.content
+    turn.tool_calls = [{"id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+    return len(turn.tool_calls)
+
+
 def _cut_at_stop(text: str, stops: list[str]) -> str:
     """OpenAI semantics: the returned text ends before the first stop string (the tokens keep it)."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -322,6 +348,8 @@ def _usage(prompt: list[int], turns: list[Turn]) -> dict[str, int]:
 
 
 def _finish(t: Turn) -> str:
+    if t.tool_calls:
+        return "tool_calls"
     return "length" if t.finish_reason == "length" else "stop"
 
 

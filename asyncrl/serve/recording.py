@@ -59,20 +59,49 @@ class Turn:
     prompt_text: str | None = None      # completions: the request's prompt text (None: ids were sent)
     sampled_text: str = ""              # completions: decode(response_ids), the stop string included
     continued: bool = False             # a later turn continues this one's trajectory
+    # chat with tools=: the calls parsed out of `text` (OpenAI `tool_calls` objects) and the text around them;
+    # the reply returns these, while the context keeps the model's exact text (`raw_reply`)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    content: str | None = None
 
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
     def reply(self) -> dict[str, Any]:
+        """The assistant message returned to the client (and matched when a later request echoes it)."""
+        if self.tool_calls:
+            return {"role": "assistant", "content": self.content or None, "tool_calls": self.tool_calls}
+        return {"role": "assistant", "content": self.text}
+
+    def raw_reply(self) -> dict[str, Any]:
+        """The reply as the model wrote it (tool calls in its own format): what the context holds, so what a
+        continuation is rendered after."""
         return {"role": "assistant", "content": self.text}
 
 
 def message_key(msg: dict[str, Any]) -> tuple[str, str, str, str]:
     """What makes two chat messages the same for chaining: role, text content, tool calls, tool call id
     (fields an SDK adds with null values, such as `refusal`, do not count)."""
-    return (str(msg.get("role")), content_text(msg.get("content")), json.dumps(msg.get("tool_calls") or None,
-            sort_keys=True), str(msg.get("tool_call_id") or ""))
+    return (str(msg.get("role")), content_text(msg.get("content")), _calls_key(msg.get("tool_calls")),
+            str(msg.get("tool_call_id") or ""))
+
+
+def _calls_key(calls: Any) -> str:
+    """Tool calls compared by id, name and parsed arguments: an SDK echoes them back with fields of its own
+    (null ones, an `index`) and may re-serialise the arguments."""
+    if not calls:
+        return "null"
+    out = []
+    for c in calls if isinstance(calls, list) else [calls]:
+        fn = c.get("function") or {} if isinstance(c, dict) else {}
+        args = fn.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out.append([c.get("id") if isinstance(c, dict) else None, fn.get("name"), args])
+    return json.dumps(out, sort_keys=True)
 
 
 def content_text(content: Any) -> str:

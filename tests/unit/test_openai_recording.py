@@ -118,3 +118,54 @@ def test_rewritten_history_branches_and_greedy_turns_make_separate_or_no_traject
     only_greedy.reward = 1.0
     with pytest.raises(ValueError, match="no sampled completion to train on .*1 of them greedy"):
         only_greedy.to_trajectories()
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
+HERMES = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+
+
+def test_a_reply_with_a_hermes_tool_call_returns_openai_tool_calls_and_keeps_the_model_text_in_the_context():
+    from asyncrl.serve.openai_server import _finish, parse_tool_calls
+
+    t = _turn([1, 2], [3, 4, 5])
+    t.text = HERMES
+    assert parse_tool_calls(t, TOOLS, "hermes") == 1
+    reply = t.reply()
+    assert reply["content"] == "Let me compute." and _finish(t) == "tool_calls"
+    (call,) = reply["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "calculator" and call["function"]["arguments"] == '{"expression": "2+3"}'
+    assert t.raw_reply() == {"role": "assistant", "content": HERMES}  # what the context holds
+
+    broken = _turn([1, 2], [3])
+    broken.text = '<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>'
+    assert parse_tool_calls(broken, TOOLS, "hermes") == 0  # unreadable: the client gets the text as written
+    assert broken.reply() == {"role": "assistant", "content": broken.text} and _finish(broken) == "stop"
+    plain = _turn([1, 2], [3])
+    plain.text = "5"
+    assert parse_tool_calls(plain, TOOLS, "hermes") == 0 and plain.reply()["content"] == "5"
+
+
+def test_a_request_echoing_the_tool_calls_as_an_sdk_sends_them_continues_the_turn_rendered_as_written(codec):
+    eos = codec.tok.eos_token_id
+    chat = ChatRenderer(codec, frozenset([eos]), TEMPLATE)
+    first = [{"role": "user", "content": "5"}]
+    t = _turn(chat.fresh(first, None), codec.encode("7") + [eos], messages=first, tools_key="k")
+    t.text = "7"  # the model's own text (here a stand-in the tiny vocabulary can spell) ...
+    t.content, t.tool_calls = "", [{"id": "call_1", "type": "function",
+                                    "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]
+    ep = ServedEpisode(_Server(), "e", "http://x")
+    ep.record(t)
+    # ... echoed back by an SDK: extra null fields, an index, the arguments re-serialised
+    echoed = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "calculator", "arguments": '{"expression":"2+3"}'}}]}
+    nxt = template_messages([*first, echoed, {"role": "tool", "tool_call_id": "call_1", "content": "5"}])
+    assert ep.parent_for_chat(nxt, "k") is t
+    other = dict(echoed, tool_calls=[{"id": "call_2", "function": {"name": "calculator", "arguments": "{}"}}])
+    assert ep.parent_for_chat(template_messages([*first, other, nxt[-1]]), "k") is None
+    new = chat.extension(t, nxt, None)
+    # the assistant turn is rendered as the model wrote it (not the template's rendering of tool_calls)
+    assert codec.decode_raw(t.context + new) == "15<eos>=27<eos>=25<eos>=2"
