@@ -222,6 +222,14 @@ class DataParallel(SingleProcess):
         return _sync_dict(model, lambda t: _full(t.detach()))
 
 
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy full weights (a `full_state_dict`) into an unsharded `model` of the same architecture, in place:
+    the evaluator's own copy of a sharded policy takes rank 0's gathered weights so."""
+    for name, dst in _sync_dict(model, lambda t: t).items():
+        dst.copy_(weights[name])
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
