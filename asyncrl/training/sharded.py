@@ -72,10 +72,12 @@ def _state_dicts(learner: Learner) -> list[tuple[str, torch.nn.Module, torch.opt
 
 
 def _flat(dicts: list[tuple[str, Any, Any, dict, dict]]) -> dict[str, Tensor]:
-    """Every tensor of `_state_dicts`, under the keys of the module doc."""
+    """Every tensor of `_state_dicts`, under the keys of the module doc; a tied weight (one tensor under two
+    names: embeddings and lm_head) under its first name only (loading it fills both)."""
     flat: dict[str, Tensor] = {}
-    for name, _, _, msd, osd in dicts:
-        flat.update({f"{name}/{k}": v for k, v in msd.items()})
+    for name, model, _, msd, osd in dicts:
+        tied = _tied_names(model)
+        flat.update({f"{name}/{k}": v for k, v in msd.items() if k not in tied})
         for fqn, entry in osd["state"].items():
             for key, value in entry.items():
                 if not isinstance(value, Tensor):
@@ -83,6 +85,18 @@ def _flat(dicts: list[tuple[str, Any, Any, dict, dict]]) -> dict[str, Tensor]:
                                           f"tensor: sharded checkpoints hold tensors only")
                 flat[f"{_opt_key(name)}/{fqn}/{key}"] = value
     return flat
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter seen under an earlier name appears again (tied weights; their state
+    dict entries are distinct tensors on the same storage)."""
+    seen: set[int] = set()
+    tied = set()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(n)
+        seen.add(id(p))
+    return tied
 
 
 def _param_groups(osd: dict) -> list[dict[str, Any]]:

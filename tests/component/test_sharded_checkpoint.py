@@ -20,17 +20,36 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 
 from asyncrl import checkpoint
+from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.roles.trainer_ranks import full_copies
 from asyncrl.training import sharded
+from asyncrl.training.critic import Critic
 from asyncrl.training.learner import Learner
 from asyncrl.training.parallel import DataParallel, copy_weights
-from tests.component.test_data_parallel import _free_port, _learner, _model, _result, _steps
+from asyncrl.training.reference import ReferencePolicy
+from tests.component.test_data_parallel import CASES as CASES_KW
+from tests.component.test_data_parallel import PAD, _free_port, _model, _result, _steps
 
 WORLD, CASES = 2, ("token-mean", "gae-critic")  # the second one has a critic with its own optimizer
 TOL = 1e-6
+
+
+def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+    """test_data_parallel's learner of `case`, its policy with tied embeddings as the runs' tiny models have them
+    (one tensor under two names, which a checkpoint writes once and loads into both)."""
+    algorithm = AlgorithmConfig(**CASES_KW[case])
+    trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
+    critic = reference = None
+    if algorithm.advantage == "gae":
+        critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
+                        pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    if algorithm.kl_mode != "off":
+        reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    return Learner(_model(tie_word_embeddings=True), algorithm=algorithm, trainer=trainer, pad_token_id=PAD,
+                   critic=critic, reference=reference, parallel=parallel)
 
 
 def _full_weights(learner: Learner) -> dict[str, torch.Tensor]:
@@ -87,7 +106,8 @@ def _rank_main(rank: int, port: int, root: str, full_root: str, steps: list, out
             weights = (_full_weights(resumed), _full_weights(from_full))
             if rank == 0:
                 export = checkpoint.export_hf(copies[0], Path(root) / f"export-{case}", copy_model=False)
-                evaluated = _model()  # the evaluator's unsharded copy takes rank 0's gathered weights
+                # the evaluator's unsharded copy takes rank 0's gathered weights
+                evaluated = _model(tie_word_embeddings=True)
                 copy_weights(evaluated, {k: v for k, v in weights[0].items() if not k.startswith("critic.")})
                 result[case] = {"uninterrupted": uninterrupted, "resumed": weights[0], "from_full": weights[1],
                                 "checkpoint": paths[0], "export": str(export), "critic_copy": len(copies) == 2,
