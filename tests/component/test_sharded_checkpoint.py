@@ -6,7 +6,8 @@ temporary folder (rank 1 learns the folder through the store, as rank 0's actor 
 learners on both ranks load it and train step 3; the uninterrupted learners train step 3 too: the weights agree
 within 1e-6 (float64). The same ranks also load a 1-process checkpoint of whole tensors (resharded into their
 slices) and gather the weights for the HF export, which rank 0 writes as one folder that `from_pretrained`
-loads. In the parent: the 2-rank checkpoint loads into one process, and a truncated or altered shard is refused.
+loads. In the parent: the 2-rank checkpoint loads into one process, and a truncated or altered shard is refused;
+3 spawned ranks load it as FSDP2 ranks and as DDP ranks (resharded: every value as one process reads it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from asyncrl.training.parallel import DataParallel, copy_weights
 from asyncrl.training.reference import ReferencePolicy
 from tests.component.test_data_parallel import CASES as CASES_KW
 from tests.component.test_data_parallel import PAD, _free_port, _model, _result, _steps
+
+pytestmark = pytest.mark.slow  # spawned gloo ranks importing torch: about 90 s on 2 cores
 
 WORLD, CASES = 2, ("token-mean", "gae-critic")  # the second one has a critic with its own optimizer
 TOL = 1e-6
@@ -141,11 +144,15 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, Any], list]:
     steps = _steps()
     for case in CASES:
         _full_checkpoint(tmp / "full", case, steps)
+    return tmp, _spawn(_rank_main, WORLD, str(tmp / "ck"), str(tmp / "full"), steps), steps
+
+
+def _spawn(target: Any, world: int, *args: Any) -> Any:
+    """Run `target(rank, port, *args, out)` in `world` spawned processes; -> what rank 0 put into `out`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp / "ck"), str(tmp / "full"), steps, out))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -156,7 +163,36 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, Any], list]:
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
-    return tmp, result, steps
+    return result
+
+
+def _full_state(learner: Learner) -> dict[str, torch.Tensor]:
+    """The policy's and the critic's full weights and AdamW state, by name: a collective under FSDP2."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True) if learner.dp.mode == "fsdp2" else None
+    out = {}
+    for name, model, opt in sharded._parts(learner):
+        msd, osd = get_state_dict(model, opt, options=options)
+        out.update({f"{name}/{k}": v.clone() for k, v in msd.items()})
+        out.update({f"{name}/{fqn}/{k}": v.clone() for fqn, e in osd["state"].items() for k, v in e.items()})
+    return out
+
+
+def _three_ranks_main(rank: int, port: int, path: str, out: Any) -> None:
+    """3 ranks load the 2-rank checkpoint as FSDP2 ranks, then as DDP ranks (the same process group)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dp = DataParallel.join("fsdp2", store=store, rank=rank, world_size=3, timeout_s=60)
+    try:
+        result = {}
+        for mode in ("fsdp2", "ddp"):
+            learner = _restored("gae-critic", DataParallel(mode, dp.group, rank, 3, dp.device), Path(path))
+            result[mode] = {k: v.numpy() for k, v in _full_state(learner).items()}
+        if rank == 0:
+            out.put(result)
+    finally:
+        dp.close()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -234,3 +270,17 @@ def test_a_damaged_shard_file_fails_verify_and_latest_valid_skips_the_checkpoint
     with pytest.raises(checkpoint.CheckpointError, match=shard.name):
         checkpoint.load(root / "step_00000002")
     assert checkpoint.latest_valid(root) is None  # never loaded by a resume
+
+
+def test_a_two_rank_sharded_checkpoint_loads_into_three_fsdp2_ranks_and_into_three_ddp_ranks(two_ranks):
+    tmp, result, _ = two_ranks
+    path = result["gae-critic"]["checkpoint"]
+    loaded = _spawn(_three_ranks_main, 3, path)
+    one = _learner("gae-critic", 4)  # one process reading the same shards: the full values, weights and AdamW state
+    ck = checkpoint.load(path)
+    one.restore_state(ck.tensors, ck.state, shards=ck.path / sharded.SHARDS)
+    expected = _full_state(one)
+    assert any("/exp_avg" in k for k in expected) and any(k.startswith("critic/") for k in expected)
+    assert _worst(_full_state(_learner("gae-critic", 4)), expected) > 1e-4  # a fresh learner's are other values
+    for mode in ("fsdp2", "ddp"):
+        assert _worst(loaded[mode], expected) == 0.0, mode  # resharded 2 -> 3 (uneven pieces), bit for bit
