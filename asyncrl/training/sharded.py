@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from copy import deepcopy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,15 +112,31 @@ def _param_groups(osd: dict) -> list[dict[str, Any]]:
     return out
 
 
+def _hf_storage() -> tuple[Any, Any]:
+    """DCP's safetensors writer and reader classes; an older torch without them is one line."""
+    import inspect
+
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+        ok = "save_distributed" in inspect.signature(HuggingFaceStorageWriter).parameters
+    except ImportError:
+        ok = False
+    if not ok:
+        raise CheckpointError(f"sharded checkpoints (trainer.parallel = 'fsdp2') need torch.distributed.checkpoint's "
+                              f"HuggingFaceStorageWriter(save_distributed=...), which torch {torch.__version__} lacks "
+                              f"— upgrade torch (tested with 2.13), or use trainer.parallel = 'ddp'")
+    return HuggingFaceStorageWriter, HuggingFaceStorageReader
+
+
 def save(learner: Learner, folder: str | Path) -> dict[str, Any]:
     """Every rank: write this rank's shards of the models and optimizers into `folder` (fsynced). -> the state
     to record beside them ({STATE_KEY: ...}; the same on every rank)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint import save as dcp_save
 
+    writer, _ = _hf_storage()
     dicts = _state_dicts(learner)
-    dcp_save(_flat(dicts), storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
-             process_group=_group(learner))
+    dcp_save(_flat(dicts), storage_writer=writer(str(folder), save_distributed=True), process_group=_group(learner))
     return {STATE_KEY: {"world_size": learner.dp.world_size,
                         "param_groups": {_opt_key(name): _param_groups(osd) for name, _, _, _, osd in dicts}}}
 
@@ -128,14 +145,13 @@ def load(learner: Learner, folder: str | Path, meta: dict[str, Any]) -> None:
     """Every rank: load the shards in `folder` (written by `meta["world_size"]` ranks) into this learner's models
     and optimizers, whatever its own sharding. A checkpoint of other models (another config) is refused,
     naming the tensors that differ, before anything is loaded."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     folder = Path(folder)
+    reader = _hf_storage()[1](str(folder))
     dicts = _state_dicts(learner)
     flat = _flat(dicts)
-    reader = HuggingFaceStorageReader(str(folder))
     _check_keys(folder, reader.read_metadata().state_dict_metadata, flat)
     if meta["world_size"] != learner.dp.world_size:
         log.info("%s: written by %d trainer ranks, loaded by %d (resharded)", folder, meta["world_size"],
@@ -206,7 +222,7 @@ def full_copy(model: torch.nn.Module, rank: int) -> torch.nn.Module | None:
         return None
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's FSDP<cls> base
     with torch.device("meta"):
-        copy = cls(model.config)
+        copy = cls(deepcopy(model.config))  # the export may write into its config (dtype): not the live model's
     copy.load_state_dict(full, assign=True)  # the gathered tensors themselves: no second copy
     if hasattr(copy, "tie_weights"):
         copy.tie_weights()
