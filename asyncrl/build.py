@@ -6,6 +6,7 @@ constructed identically in both; only how collaborators are reached differs (dir
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -234,7 +235,12 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
     model = load_policy(cfg)
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    # fsdp2 shards `model` in place: the evaluator gets an unsharded copy of its own (Trainer.eval_model)
+    sharded = parallel is not None and parallel.mode == "fsdp2"
+    eval_model = copy.deepcopy(model) if cfg.trainer.eval_every > 0 and sharded else None
     learner = build_learner(cfg, model, pad_id, parallel)
+    if eval_model is not None:  # the learner's dtype (float32 master weights under mixed precision)
+        eval_model.to(next(learner.model.parameters()).dtype)
     evaluator = None
     if cfg.trainer.eval_every > 0:
         from engines.hf import eos_token_ids
@@ -242,7 +248,7 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
 
         encoder = PromptEncoder(tok, cfg.data)
         rows, _ = prompt_rows(cfg, "eval", encoder)
-        engine = TorchEngine.from_model(model, eos_token_ids=eos_token_ids(model),
+        engine = TorchEngine.from_model(model if eval_model is None else eval_model, eos_token_ids=eos_token_ids(model),
                                         max_prompt_len=cfg.data.max_prompt_len,
                                         seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode)
         if cfg.env is not None:  # held-out env episodes on the same engine and rows (they bring their rewards)
@@ -257,7 +263,7 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
                                   temperature=cfg.rollout.temperature, seed=derive_seed(cfg.run.seed, "eval"),
                                   samples=cfg.logging.rollouts_every > 0)
     return Trainer(learner=learner, buffer=buffer, evaluator=evaluator, decode=decode,
-                   rollouts_every=cfg.logging.rollouts_every)
+                   rollouts_every=cfg.logging.rollouts_every, eval_model=eval_model)
 
 
 def build_trainer_rank(cfg: Config, parallel: DataParallel) -> TrainerRank:

@@ -10,6 +10,7 @@ Layout of one checkpoint (one writer per checkpoint root)::
 
     step_00000120/
         <group>.safetensors   one per `tensors` group (e.g. "model", "optimizer", "rng")
+        shards/...            files the caller's `write` adds (a sharded trainer's: asyncrl/training/sharded.py)
         state.msgpack         the msgspec-encodable `state` (msgpack keeps floats exact, NaN and inf too)
         manifest.json         `Manifest`: format, step, policy version, config hash, size + sha256 per file
 
@@ -45,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -101,11 +102,14 @@ def config_sha256(config_text: str) -> str:
 
 def save(root: str | Path, *, step: int, version: int, config_text: str,
          tensors: dict[str, dict[str, Tensor]] | None = None, state: dict[str, Any] | None = None,
-         keep_last: int = 0) -> Path:
+         keep_last: int = 0, write: Callable[[Path], dict[str, Any] | None] | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically and return its folder; then keep only the newest
     `keep_last` valid checkpoints (0 or negative: keep all). `tensors[group]` goes to
     `<group>.safetensors` (moved to CPU, made contiguous; the caller's tensors are not changed), `state`
-    to `state.msgpack`. Raises CheckpointError if `step_<step>` already exists and verifies."""
+    to `state.msgpack`. `write(folder)`, when given, runs first with the temporary folder: it writes files
+    of its own into it (every trainer rank's shards) and returns more `state` (or None); every file it left
+    is fsynced and listed in the manifest like the others, so `verify` covers it. Raises CheckpointError if
+    `step_<step>` already exists and verifies."""
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     root = Path(root)
@@ -117,7 +121,10 @@ def save(root: str | Path, *, step: int, version: int, config_text: str,
         raise CheckpointError(f"{final} already exists and verifies; refusing to overwrite a good checkpoint")
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step_{step:08d}-", dir=root))
     try:
-        files = {}
+        files: dict[str, FileEntry] = {}
+        if write is not None:  # first: what it returns joins the state
+            state = {**(state or {}), **(write(tmp) or {})}
+            files = _seal_tree(tmp, reserved={STATE, MANIFEST, *(f"{g}{TENSOR_SUFFIX}" for g in tensors or {})})
         for group, named in (tensors or {}).items():
             if not _GROUP_NAME.fullmatch(group):
                 raise CheckpointError(f"tensor group name {group!r} must match {_GROUP_NAME.pattern}")
@@ -206,7 +213,7 @@ def load(path: str | Path) -> Checkpoint:
     path = Path(path)
     manifest = verify(path)
     tensors = {rel.removesuffix(TENSOR_SUFFIX): safetensors.torch.load_file(str(path / rel))
-               for rel in manifest.files if rel.endswith(TENSOR_SUFFIX)}
+               for rel in manifest.files if rel.endswith(TENSOR_SUFFIX) and "/" not in rel}  # shards/: their reader's
     state = msgspec.msgpack.decode((path / STATE).read_bytes()) if STATE in manifest.files else {}
     return Checkpoint(path=path, manifest=manifest, tensors=tensors, state=state)
 
@@ -427,6 +434,22 @@ def _seal(path: Path) -> FileEntry:
         os.fsync(f.fileno())
         digest, size = _hash(f)
     return FileEntry(bytes=size, sha256=digest)
+
+
+def _seal_tree(folder: Path, reserved: set[str]) -> dict[str, FileEntry]:
+    """Seal every file under `folder` (subfolders too, each fsynced) -> {path relative to `folder`: entry};
+    a file named like one `save` writes itself (`reserved`) is refused."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            rel = (Path(dirpath) / name).relative_to(folder).as_posix()
+            if rel in reserved:
+                raise CheckpointError(f"{folder / rel}: `write` left a file the checkpoint writes itself")
+            files[rel] = _seal(folder / rel)
+        if Path(dirpath) != folder:
+            _fsync_dir(Path(dirpath))
+    return files
 
 
 def _digest(path: Path) -> str:

@@ -339,8 +339,8 @@ def _check_batches(cfg: Config) -> list[str]:
 
 
 def _check_ranks(cfg: Config) -> list[str]:
-    """trainer.num_ranks > 1 (asyncrl/training/parallel.py): equal shares of every mini-batch; what a sharded
-    (fsdp2) model cannot do yet; one device per rank."""
+    """trainer.num_ranks > 1 (asyncrl/training/parallel.py): equal shares of every mini-batch; one device per
+    rank."""
     t, errors = cfg.trainer, []
     w = t.num_ranks
     if w == 1:
@@ -351,14 +351,6 @@ def _check_ranks(cfg: Config) -> list[str]:
         errors.append(f"trainer.num_ranks: {w} does not divide a mini-batch of samples_per_step / trainer.mini_batches "
                       f"= {sps} / {t.mini_batches} = {mini} samples (each rank trains an equal share) — use a divisor "
                       f"of {mini}, e.g. {max(d for d in range(1, w + 1) if mini % d == 0)}, or fewer mini_batches")
-    if t.parallel == "fsdp2":
-        for key, value in (("trainer.eval_every", t.eval_every), ("run.save_every", cfg.run.save_every),
-                           ("run.save_checkpoint", cfg.run.save_checkpoint)):
-            if value:
-                errors.append(f"{key}: trainer.parallel = 'fsdp2' with trainer.num_ranks > 1 shards the model, and "
-                              f"evaluation, resumable checkpoints and the HF export of a sharded model are not "
-                              f"written yet — set {key} = {'false' if isinstance(value, bool) else 0}, or use "
-                              f"trainer.parallel = 'ddp'")
     if cfg.cluster.placement == "colocated":
         errors.append(f"trainer.num_ranks: {w} trainer ranks cannot share the one colocated device — use "
                       f"cluster.placement = 'disaggregated' with several ranks, or trainer.num_ranks = 1")

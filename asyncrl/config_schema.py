@@ -250,8 +250,8 @@ class TrainerConfig(Section):
     parallel: Annotated[
         Literal["ddp", "fsdp2"],
         _d("with num_ranks > 1: ddp (a full replica per rank) or fsdp2 (parameters, gradients and optimizer state "
-           "sharded over the ranks; needs trainer.eval_every = 0, run.save_every = 0 and run.save_checkpoint = "
-           "false)"),
+           "sharded over the ranks; each rank writes its shards of a checkpoint, and rank 0 the HF export and the "
+           "evaluation on the gathered weights)"),
     ] = "ddp"
 
 

@@ -34,8 +34,10 @@ from asyncrl.telemetry.metrics import (
 )
 from asyncrl.telemetry.rollouts import ROLLOUTS_KEY, train_samples
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.training import sharded
 from asyncrl.training.learner import Learner
 from asyncrl.training.lora import export_lora
+from asyncrl.training.parallel import copy_weights
 from transports.base import WeightSender
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,13 @@ class Trainer:
         recorder: SpanRecorder | None = None,
         decode: Callable[[list[int]], str] | None = None,
         rollouts_every: int = 0,
+        eval_model: Any = None,
     ) -> None:
         self.learner = learner
+        # trainer.parallel = "fsdp2": the evaluator's engine runs on its own unsharded copy of the policy, which
+        # takes the weights rank 0 gathered after the last change before each evaluation (a sharded forward
+        # on rank 0 alone would wait forever for the other ranks)
+        self.eval_model = eval_model
         self.decode = decode  # token ids -> text, for the samples of rollouts.jsonl
         self.rollouts_every = rollouts_every if decode is not None else 0
         self.buffer = buffer
@@ -115,6 +122,8 @@ class Trainer:
         if self.evaluator is None:
             return {}
         t0 = self.recorder.begin("eval")
+        if self.eval_model is not None:
+            copy_weights(self.eval_model, dict(self.pipeline.learner.state_dict_for_sync()))
         out = await self.evaluator.evaluate()
         self.recorder.record("eval", t0, time.time(), self.learner.version)
         return out
@@ -127,16 +136,25 @@ class Trainer:
             raise RuntimeError("teacher_forced_logprobs: not available with trainer.parallel = 'fsdp2'")
         return self.learner.teacher_forced_logprobs(prompt_ids, response_ids, temperature)
 
+    @property
+    def sharded(self) -> bool:
+        """trainer.parallel = "fsdp2" over several ranks: no rank holds the whole model (training/sharded.py)."""
+        return self.ranks is not None and self.learner.dp.mode == "fsdp2"
+
     async def save_state(self, root: str, *, step: int, config_text: str, extra: dict[str, Any],
                          keep_last: int) -> str:
         """A durable checkpoint of the current version under `root` (asyncrl/checkpoint.py): the learner's
         state, this process's RNG and the caller's `extra` state (the buffer's, the Controller's). Called
-        between steps, when no update runs; written off the event loop."""
+        between steps, when no update runs; written off the event loop. Sharded: every rank writes its shards
+        into the checkpoint's folder before this rank seals it (training/sharded.py)."""
         tensors, state = self.learner.checkpoint_state()
         tensors["rng"], state["rng"] = checkpoint.rng_state()
         state.update(extra)
+        ranks = self.ranks
+        write = (lambda tmp: ranks.save_shards(str(tmp / sharded.SHARDS))) if self.sharded and ranks else None
         path = await asyncio.to_thread(checkpoint.save, root, step=step, version=self.learner.version,
-                                       config_text=config_text, tensors=tensors, state=state, keep_last=keep_last)
+                                       config_text=config_text, tensors=tensors, state=state, keep_last=keep_last,
+                                       write=write)
         return str(path)
 
     async def load_state(self, path: str) -> int:
@@ -144,25 +162,31 @@ class Trainer:
         ck = await asyncio.to_thread(checkpoint.load, path)
 
         def restore() -> None:
-            self.learner.restore_state(ck.tensors, ck.state)
+            self.learner.restore_state(ck.tensors, ck.state, shards=ck.path / sharded.SHARDS)
             checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
 
         if self.ranks is None:
             restore()
-        else:  # every rank loads the same checkpoint (under DDP rank 0's state is every rank's)
+        else:  # every rank loads the same checkpoint (DDP: rank 0's state is every rank's; fsdp2: its shards)
             await self.ranks.load_state(path, restore)
         return self.learner.version
 
     def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str | None = None) -> str:
         """Write an HF-loadable folder (config + safetensors [+ tokenizer]) of the current weights, cast to
         `dtype` (asyncrl.build.export_dtype; None = as trained), with the critic and the Safe-RLHF multiplier.
-        LoRA: the merged weights, and the adapter alone in `adapter/` (training/lora.py `export_lora`)."""
-        if self.learner.lora:
+        LoRA: the merged weights, and the adapter alone in `adapter/` (training/lora.py `export_lora`). Sharded:
+        every rank joins the gather of the full weights, and this rank writes the one folder. On a worker thread."""
+        if self.sharded and self.ranks is not None:
+            policy, *critic = self.ranks.full_copies()  # unsharded copies on CPU, built for the export
+            out = checkpoint.export_hf(policy, path, tokenizer=tokenizer, dtype=dtype, copy_model=False)
+            for model in critic:  # PPO's value model, beside the policy
+                model.save_pretrained(out / "critic", safe_serialization=True)
+        elif self.learner.lora:
             out = export_lora(self.learner.model, path, tokenizer=tokenizer, dtype=dtype)
         else:
             out = checkpoint.export_hf(self.learner.model, path, tokenizer=tokenizer, dtype=dtype)
-        if self.learner.critic is not None:  # PPO's value model, beside the policy
-            self.learner.critic.save(out / "critic")
+            if self.learner.critic is not None:  # PPO's value model, beside the policy
+                self.learner.critic.save(out / "critic")
         if self.learner.lagrange is not None:  # Safe-RLHF multiplier, to resume with
             (out / "safety.json").write_text(json.dumps(self.learner.lagrange.state_dict()))
         return str(out)

@@ -11,14 +11,18 @@ Place in the dataflow: train store ──► Trainer (rank 0 takes the step's gr
  state_dict_for_sync(): keep the result ◄── FSDP2 gather ─► state_dict_for_sync(), result dropped
  wait for every rank's answer ◄──────────────────────────── returns
  the pipeline sends what was kept
+ save_shards(folder) (fsdp2, a checkpoint): ask every rank ► sharded.save: each rank writes its shards
+ full_copies() (fsdp2, the HF export): ask every rank ─────► sharded.full_copy: the gather, result dropped
 ```
 
 Invariant: the weights change only in `update` and in a restore (`load_state`), and every such change is
 followed on every rank by `state_dict_for_sync`, on the thread that changed them, before the call returns.
 Rank 0 keeps the result and its `state_dict_for_sync()` returns it. So no collective of the trainer group
-runs outside these calls: rank 0 alone never gathers (under FSDP2 it would wait forever for the others), and
-a send never gathers beside the next update's collectives. Under DDP the kept dict holds detached views of
-rank 0's full replica (no copy); under FSDP2 it holds the gathered tensors (one model's memory on rank 0).
+runs outside these calls and the two of a sharded model's checkpoint and export (`save_shards`,
+`full_copies`), which rank 0 drives on every rank the same way: rank 0 alone never gathers (under FSDP2 it
+would wait forever for the others), and a send never gathers beside the next update's collectives. Under
+DDP the kept dict holds detached views of rank 0's full replica (no copy); under FSDP2 it holds the gathered
+tensors (one model's memory on rank 0), which the evaluation also reads (Trainer.eval_model).
 
 A rank that fails (its actor died, a collective timed out) fails the step on rank 0 with the rank's own error
 (an actor's death names that actor), preferred over rank 0's collective error that follows from it.
@@ -40,6 +44,7 @@ from torch import Tensor
 from asyncrl import checkpoint
 from asyncrl.messages import Group
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.training import sharded
 from asyncrl.training.learner import Learner
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ class Rank(Protocol):
     async def update(self, groups: list[Group]) -> int: ...
     async def load_state(self, path: str) -> int: ...
     async def gather_weights(self) -> None: ...
+    async def save_shards(self, folder: str) -> None: ...
+    async def full_copies(self) -> None: ...
     # update and load_state return the rank's version afterwards (RankedLearner checks it is rank 0's)
 
 
@@ -88,9 +95,24 @@ class TrainerRank:
     async def gather_weights(self) -> None:
         await asyncio.to_thread(self.learner.state_dict_for_sync)
 
+    async def save_shards(self, folder: str) -> None:
+        """Write this rank's shards of a checkpoint into `folder` (fsdp2; rank 0 seals the checkpoint)."""
+        await asyncio.to_thread(sharded.save, self.learner, folder)
+
+    async def full_copies(self) -> None:
+        """Join rank 0's gather of the full weights for the HF export (fsdp2); rank 0 writes them."""
+        await asyncio.to_thread(full_copies, self.learner, self.rank)
+
+
+def full_copies(learner: Learner, rank: int) -> list[Any]:
+    """The gather of the HF export, in the same order on every rank: the policy, then the critic. -> on rank 0
+    their unsharded copies (sharded.full_copy), elsewhere Nones."""
+    models = [learner.model] + ([learner.critic.model] if learner.critic is not None else [])
+    return [sharded.full_copy(m, rank) for m in models]
+
 
 def _restore(learner: Learner, ck: checkpoint.Checkpoint) -> None:
-    learner.restore_state(ck.tensors, ck.state)
+    learner.restore_state(ck.tensors, ck.state, shards=ck.path / sharded.SHARDS)
     checkpoint.set_rng_state(ck.tensors["rng"], ck.state["rng"])
     learner.state_dict_for_sync()
 
@@ -129,6 +151,19 @@ class RankedLearner:
         _, versions = await asyncio.to_thread(self._all, lambda r: r.load_state(path), restore)
         self._check(versions)
 
+    def save_shards(self, folder: str) -> dict[str, Any]:
+        """On a worker thread (checkpoint.save's `write`): every rank writes its shards into `folder` (fsdp2).
+        -> the state to record beside them. Returns once every rank's files are written."""
+        state, _ = self._all(lambda r: r.save_shards(folder), lambda: sharded.save(self.learner, folder),
+                             gather=False)
+        return state
+
+    def full_copies(self) -> list[Any]:
+        """On a worker thread: every rank joins the gather of the full weights (fsdp2). -> rank 0's unsharded
+        copies of the policy [and the critic] for the HF export."""
+        copies, _ = self._all(lambda r: r.full_copies(), lambda: full_copies(self.learner, 0), gather=False)
+        return copies
+
     def _check(self, versions: list[int]) -> None:
         """Every rank holds rank 0's version after an update or a restore (checked, not assumed: a rank that
         missed one would train from other weights, and DDP would not notice)."""
@@ -136,14 +171,16 @@ class RankedLearner:
             raise RuntimeError(f"trainer ranks disagree: rank 0 holds version {self.learner.version}, ranks 1.. hold "
                                f"{versions}")
 
-    def _all(self, ask: Callable[[Rank], Coroutine[Any, Any, Any]], own: Callable[[], Any]) -> tuple[Any, list[Any]]:
-        """On a worker thread: `own()` here while each other rank runs `ask(rank)` on the loop; then gather this
-        rank's weights. -> (own's result, the other ranks' answers). A failed rank's error wins over this rank's
-        (whose collective failed because of it)."""
+    def _all(self, ask: Callable[[Rank], Coroutine[Any, Any, Any]], own: Callable[[], Any],
+             gather: bool = True) -> tuple[Any, list[Any]]:
+        """On a worker thread: `own()` here while each other rank runs `ask(rank)` on the loop; then (`gather`:
+        the weights changed) gather this rank's weights. -> (own's result, the other ranks' answers). A failed
+        rank's error wins over this rank's (whose collective failed because of it)."""
         asked = [asyncio.run_coroutine_threadsafe(ask(r), self._loop) for r in self.ranks]
         try:
             out = own()
-            self._weights = dict(self.learner.state_dict_for_sync())
+            if gather:
+                self._weights = dict(self.learner.state_dict_for_sync())
         except BaseException as exc:
             done, _ = concurrent.futures.wait(asked, timeout=FAILED_RANK_WAIT_S)
             failed = [f.exception() for f in asked if f in done and f.exception() is not None]

@@ -43,6 +43,7 @@ import math
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.checkpoint import load_optimizer_state, load_scheduler_state, optimizer_state, scheduler_state
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.training import lora, precision, schedule
+from asyncrl.training import lora, precision, schedule, sharded
 from asyncrl.training.batch import (
     GradientStats,
     StepData,
@@ -527,35 +528,47 @@ class Learner:
     def checkpoint_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Any]]:
         """Everything an exact resume needs, as tensor groups (safetensors) and a msgspec-encodable state: the
         policy (LoRA: its adapter) with its AdamW state and LR schedule, the critic and its optimizer, the Lagrange
-        multiplier, the version."""
-        opt_tensors, opt_meta = optimizer_state(self.optimizer)
+        multiplier, the version. Sharded (trainer.parallel = "fsdp2"): the state only; every rank writes its
+        tensors (training/sharded.py)."""
+        state: dict[str, Any] = {"version": self.version, "lora": self.lora,
+                                 "scheduler": scheduler_state(self.scheduler)}
+        if self.lagrange is not None:
+            state["lagrange"] = self.lagrange.state_dict()
+        if self.dp.mode == "fsdp2":
+            return {}, state
+        opt_tensors, state["optimizer"] = optimizer_state(self.optimizer)
         policy = lora.adapter_state(self.model) if self.lora else dict(self.model.state_dict())
         tensors = {"policy": policy, "optimizer": opt_tensors}
-        state: dict[str, Any] = {"version": self.version, "optimizer": opt_meta, "lora": self.lora,
-                                 "scheduler": scheduler_state(self.scheduler)}
         if self.critic is not None:
             tensors["critic"] = dict(self.critic.model.state_dict())
             tensors["critic_optimizer"], state["critic_optimizer"] = optimizer_state(self.critic.optimizer)
-        if self.lagrange is not None:
-            state["lagrange"] = self.lagrange.state_dict()
         return tensors, state
 
-    def restore_state(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
-        """The inverse of `checkpoint_state` (a learner built from the same config)."""
-        if ("critic" in tensors) != (self.critic is not None):
-            raise ValueError("checkpoint and config disagree on the critic (algorithm.advantage changed?)")
+    def restore_state(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any],
+                      shards: Path | None = None) -> None:
+        """The inverse of `checkpoint_state` (a learner built from the same config): whole tensors from
+        `tensors`, or, for a sharded checkpoint, the shards in folder `shards` (a collective: every rank loads)."""
         if bool(state.get("lora", False)) != self.lora:
             raise ValueError("checkpoint and config disagree on LoRA: resume with the run's own [model.lora]")
-        if self.lora:
-            lora.load_adapter_state(self.model, tensors["policy"])
+        if "policy" not in tensors:  # a sharded checkpoint: any number of ranks wrote it, any number load it
+            if shards is None:
+                raise ValueError("a sharded checkpoint (no policy tensors) needs its shards folder")
+            sharded.load(self, shards, state[sharded.STATE_KEY])
+        elif ("critic" in tensors) != (self.critic is not None):
+            raise ValueError("checkpoint and config disagree on the critic (algorithm.advantage changed?)")
+        elif self.dp.mode == "fsdp2":  # whole tensors (1 process, DDP) into this rank's slices
+            sharded.load_full(self, tensors, state)
         else:
-            self.model.load_state_dict(tensors["policy"])
-        load_optimizer_state(self.optimizer, tensors["optimizer"], state["optimizer"])
+            if self.lora:
+                lora.load_adapter_state(self.model, tensors["policy"])
+            else:
+                self.model.load_state_dict(tensors["policy"])
+            load_optimizer_state(self.optimizer, tensors["optimizer"], state["optimizer"])
+            if self.critic is not None:
+                self.critic.model.load_state_dict(tensors["critic"])
+                load_optimizer_state(self.critic.optimizer, tensors["critic_optimizer"], state["critic_optimizer"])
         if "scheduler" in state:  # (a checkpoint written before schedules: the schedule starts afresh)
             load_scheduler_state(self.scheduler, state["scheduler"])
-        if self.critic is not None:
-            self.critic.model.load_state_dict(tensors["critic"])
-            load_optimizer_state(self.critic.optimizer, tensors["critic_optimizer"], state["critic_optimizer"])
         if self.lagrange is not None and "lagrange" in state:
             self.lagrange.load_state_dict(state["lagrange"])
         self.version = int(state["version"])

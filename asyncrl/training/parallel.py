@@ -18,7 +18,11 @@ reward and group. The compute is what is split:
               times.
     metrics   the per-rank GradientStats are reduced (sums, max, min) before the step's metrics are formed.
     weights   `full_state_dict` gathers each parameter (FSDP2: `full_tensor()`, a collective every rank
-              joins, in the same order); only rank 0 packs and broadcasts what it gathered.
+              joins, in the same order); only rank 0 packs and broadcasts what it gathered, and under FSDP2
+              its evaluator's unsharded copy of the policy takes them (`copy_weights`).
+    state     DDP: rank 0's replica is every rank's, so rank 0 writes the checkpoint and the HF export.
+              FSDP2: every rank writes its shards of a checkpoint, and every rank joins the gather of the HF
+              export, which rank 0 writes (training/sharded.py).
 
 Equal work on every rank is an invariant, not a hope: FSDP2 all-gathers in every forward and DDP/FSDP2 reduce in
 the synchronising backward, so ranks must run the same number of forwards and backwards. `shard` therefore
@@ -27,7 +31,8 @@ prompts_per_step × group_size), and equal shards give equal micro-batch counts.
 
 Modes: "ddp" keeps a full replica per rank (the model is wrapped in DistributedDataParallel; the unwrapped
 module keeps its parameter names for the broadcast, checkpoints and the HF export); "fsdp2" shards every decoder
-layer and then the root with `fully_shard` (parameters become DTensors; memory per rank ~1/W).
+layer and then the root with `fully_shard` (parameters become DTensors; memory per rank ~1/W, and on rank 0 the
+gathered weights of the last update, plus the evaluator's copy when trainer.eval_every > 0).
 
 The group is the process's default group (`init_process_group` over a TCPStore, gloo on CPU, NCCL on GPU):
 FSDP2's DeviceMesh needs a registered group, and a trainer process hosts no engine that owns one. It is passed
@@ -220,6 +225,14 @@ class DataParallel(SingleProcess):
         """The weights to broadcast, unsharded: every rank calls this (FSDP2 gathers each parameter, in the same
         order on every rank); only rank 0 uses the result."""
         return _sync_dict(model, lambda t: _full(t.detach()))
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy full weights (a `full_state_dict`) into an unsharded `model` of the same architecture, in place:
+    the evaluator's own copy of a sharded policy takes rank 0's gathered weights so."""
+    for name, dst in _sync_dict(model, lambda t: t).items():
+        dst.copy_(weights[name])
 
 
 def _local(t: Tensor) -> Tensor:

@@ -8,6 +8,10 @@ same two-term sum: the weights agree to float32 rounding (prepare's forwards pad
 move the last bits). 1e-5 relative (as an absolute bound on the tiny model's O(1) weights) leaves room for that
 and is far below what one step changes (lr = 1e-2: every weight moves ~1e-2 per AdamW step). On CPU they came
 out equal bit for bit, for DDP and FSDP2.
+
+In both modes a run stopped at a checkpoint resumes on both ranks (`--resume`, and the automatic resume after a
+rank's actor is killed), evaluates on rank 0 and exports rank 0's weights as one HF folder; under FSDP2 the
+checkpoint holds each rank's shards (asyncrl/training/sharded.py) and the export gathers them.
 """
 
 from __future__ import annotations
@@ -48,15 +52,21 @@ def _in_actor() -> dict[str, Any]:
     return {"record_groups": record_groups, "seen": seen, "weights": weights}
 
 
-def _replay(cfg: Any, steps: list[list[Any]]) -> dict[str, Any]:
+def _replay(cfg: Any, steps: list[list[Any]], start: Any = None) -> dict[str, Any]:
+    """One process trains `steps` from the model folder, or from checkpoint folder `start` (a sharded one too)."""
     import torch
 
+    from asyncrl import checkpoint
     from asyncrl.build import build_learner, derive_seed, tokenizer_fns
+    from asyncrl.training.sharded import SHARDS
     from engines.hf import load_model
 
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
     tok, _ = tokenizer_fns(cfg.model.path)
     learner = build_learner(cfg, load_model(cfg.model.path), tok.pad_token_id or 0)
+    if start is not None:
+        ck = checkpoint.load(start)
+        learner.restore_state(ck.tensors, ck.state, shards=ck.path / SHARDS)
     for groups in steps:
         learner.update(groups)
     return learner.state_dict_for_sync()
@@ -117,22 +127,34 @@ def test_two_trainer_ranks_train_every_step_to_the_weights_of_one_process(ray_cl
     assert moved > 1e-3, moved  # the run trained: the tolerance is far below what it changed
 
 
-def test_a_resumed_ddp_run_restores_every_rank_and_evaluates_and_exports_rank_0s_replica(ray_cluster, make_config,
-                                                                                        tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_weights(ray_cluster, make_config,
+                                                                                     tmp_path, mode):
     import json
 
     from engines.hf import load_model
 
     run_dir = tmp_path / "resume"
-    # the tiny config evaluates every 2 steps and at the end (on rank 0's replica) and exports rank 0's weights
-    sets = ("trainer.num_ranks=2", "run.save_every=2", f'run.output_dir="{run_dir}"')
+    # the tiny config evaluates every 2 steps and at the end (on rank 0's weights) and exports rank 0's weights
+    sets = ("trainer.num_ranks=2", f'trainer.parallel="{mode}"', "run.save_every=2", f'run.output_dir="{run_dir}"')
     _run_capturing(make_config(*sets, "trainer.total_steps=2"))
+    saved = run_dir / "checkpoints" / "step_00000002"
+    files = {p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file()}
+    if mode == "fsdp2":  # each rank wrote its shards, rank 0 the rest
+        assert len([f for f in files if f.startswith("shards/")]) == 2 and "policy.safetensors" not in files
+    else:  # rank 0's replica is every rank's
+        assert "policy.safetensors" in files and not any(f.startswith("shards/") for f in files)
     rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=3"), resume=True)
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps 1-2 read back, step 3 trained after the resume
     rank0, rank1 = captured["weights"]
     assert rank0["version"] == rank1["version"] == 3 and len(captured["steps"]) == 1
-    # rank 1 trained from the checkpoint's weights and AdamW state too (not its freshly loaded model's)
-    assert _same(rank1["tensors"], rank0["tensors"])
+    # both ranks trained step 3 from the checkpoint's weights and AdamW state (not from a fresh model's): one
+    # process that loads the checkpoint (FSDP2's 2-rank shards, resharded) and trains those groups agrees
+    expected = _replay(cfg := make_config(*sets), captured["steps"], start=saved)
+    assert max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items()) < 1e-5
+    assert max(float((rank0["tensors"][k] - v).abs().max()) for k, v in _replay(cfg, [], start=saved).items()) > 1e-3
+    if mode == "ddp":
+        assert _same(rank1["tensors"], rank0["tensors"])
     evaluated = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval/" in line]
     assert [r["step"] for r in evaluated] == [0, 2, 3] and all(r["eval/prompts"] == 20 for r in evaluated)
     exported = dict(load_model(str(run_dir / "checkpoint")).state_dict())
@@ -140,8 +162,9 @@ def test_a_resumed_ddp_run_restores_every_rank_and_evaluates_and_exports_rank_0s
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_resumes_on_both_ranks(
-        ray_cluster, make_config, tmp_path, caplog):
+        ray_cluster, make_config, tmp_path, caplog, mode):
     import asyncio
     import os
     import signal
@@ -149,8 +172,8 @@ def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_res
     from asyncrl.launch import run_with_ray
 
     steps = 6
-    cfg = make_config("trainer.num_ranks=2", f"trainer.total_steps={steps}", "trainer.eval_every=0",
-                      "run.save_checkpoint=false", "run.save_every=2", "logging.live=false",
+    cfg = make_config("trainer.num_ranks=2", f'trainer.parallel="{mode}"', f"trainer.total_steps={steps}",
+                      "trainer.eval_every=0", "run.save_checkpoint=false", "run.save_every=2", "logging.live=false",
                       f'run.output_dir="{tmp_path / "resumed"}"')
     attempts = []
 

@@ -94,6 +94,41 @@ def test_an_invalid_folder_at_the_same_step_is_replaced(tmp_path):
     assert ck.load(path).state == {"again": True}
 
 
+def test_files_a_write_callback_adds_are_sealed_in_the_manifest_and_its_state_recorded(tmp_path):
+    def write(tmp):  # what a sharded trainer's ranks do: their own files, in a sub-folder
+        (tmp / "shards").mkdir()
+        for r in (1, 2):
+            (tmp / "shards" / f"shard-{r}.safetensors").write_bytes(bytes([r]) * 100)
+        return {"sharded": {"world_size": 2}}
+
+    path = ck.save(tmp_path, step=3, version=3, config_text=CONFIG, tensors={"rng": {"s": torch.ones(2)}},
+                   state={"version": 3}, write=write)
+    got = ck.load(path)
+    assert set(got.manifest.files) == {"shards/shard-1.safetensors", "shards/shard-2.safetensors",
+                                       "rng.safetensors", "state.msgpack"}
+    assert got.state == {"version": 3, "sharded": {"world_size": 2}}
+    assert set(got.tensors) == {"rng"}  # a sub-folder's files are their writer's to read
+    (path / "shards" / "shard-2.safetensors").write_bytes(bytes([2]) * 99)
+    with pytest.raises(CheckpointError, match="shard-2.safetensors: 99 bytes, the manifest says 100"):
+        ck.verify(path)
+    assert ck.latest_valid(tmp_path) is None
+
+
+def test_a_write_callback_that_fails_or_writes_a_reserved_name_leaves_no_checkpoint(tmp_path):
+    save(tmp_path, 1)
+
+    def fails(tmp):
+        (tmp / "shards").mkdir()
+        (tmp / "shards" / "half").write_bytes(b"x")
+        raise RuntimeError("trainer rank 1 died")
+
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        ck.save(tmp_path, step=2, version=2, config_text=CONFIG, write=fails)
+    with pytest.raises(CheckpointError, match="state.msgpack: `write` left a file the checkpoint writes itself"):
+        ck.save(tmp_path, step=2, version=2, config_text=CONFIG, write=lambda tmp: (tmp / "state.msgpack").touch())
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+
+
 # ---------------------------------------------------------------- atomicity
 
 

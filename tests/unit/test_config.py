@@ -320,16 +320,6 @@ RANK_CASES = [
     ("ranks_beyond_the_cluster", {"trainer.num_ranks": 4},
      "cluster.num_cpus: the plan needs 3 CPUs (1 generator x 0.5, 1 scorer x 0.25, 4 trainers x 0.5, 1 buffer x "
      "0.25) but the local cluster has 2"),
-    ("fsdp2_with_evaluation", {"trainer.num_ranks": 2, "trainer.parallel": "fsdp2", "trainer.eval_every": 5,
-                               "run.save_checkpoint": False},
-     "trainer.eval_every: trainer.parallel = 'fsdp2' with trainer.num_ranks > 1 shards the model"),
-    ("fsdp2_with_checkpoints", {"trainer.num_ranks": 2, "trainer.parallel": "fsdp2", "trainer.eval_every": 0,
-                                "run.save_checkpoint": False, "run.save_every": 2},
-     "run.save_every: trainer.parallel = 'fsdp2' with trainer.num_ranks > 1 shards the model"),
-    ("fsdp2_with_the_hf_export", {"trainer.num_ranks": 2, "trainer.parallel": "fsdp2", "trainer.eval_every": 0},
-     "run.save_checkpoint: trainer.parallel = 'fsdp2' with trainer.num_ranks > 1 shards the model, and evaluation, "
-     "resumable checkpoints and the HF export of a sharded model are not written yet — set run.save_checkpoint = "
-     "false, or use trainer.parallel = 'ddp'"),
     ("ranks_colocated", {"trainer.num_ranks": 2, "cluster.placement": "colocated"},
      "trainer.num_ranks: 2 trainer ranks cannot share the one colocated device"),
     ("unknown_parallel_mode", {"trainer.parallel": "fsdp"}, "trainer.parallel"),
@@ -346,8 +336,9 @@ def test_a_trainer_rank_mistake_is_one_line_naming_the_fix(edits, expected):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_trainer_ranks_are_planned_as_two_trainer_actors(mode):
-    extra = {"trainer.eval_every": 0, "run.save_checkpoint": False} if mode == "fsdp2" else {}
-    cfg = load_config(write_config({"trainer.num_ranks": 2, "trainer.parallel": mode, **extra}))
+    # with evaluation, checkpoints and the HF export in either mode (fsdp2: sharded checkpoints, gathered export)
+    edits = {"trainer.eval_every": 5, "run.save_every": 2, "run.save_checkpoint": True}
+    cfg = load_config(write_config({"trainer.num_ranks": 2, "trainer.parallel": mode, **edits}))
     assert (cfg.trainer.num_ranks, cfg.trainer.parallel) == (2, mode)
     trainer = next(p for p in plan_resources(cfg) if p.role == "trainer")
     assert (trainer.count, trainer.total_cpus) == (2, 1.0)

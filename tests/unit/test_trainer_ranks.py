@@ -124,3 +124,25 @@ def test_an_in_process_run_refuses_several_trainer_ranks_in_one_line(make_config
 
     with pytest.raises(ValueError, match=r"^trainer.num_ranks = 2: an in-process run \(--local\) trains in one"):
         LocalDeployment(make_config("trainer.num_ranks=2"))
+
+
+def test_a_sharded_save_and_the_export_gather_run_on_every_rank_and_gather_no_weights_for_a_send(monkeypatch):
+    from asyncrl.roles import trainer_ranks
+    from asyncrl.training import sharded
+
+    log: list[str] = []
+    monkeypatch.setattr(sharded, "save", lambda learner, folder: log.append(f"{learner.name} save {folder}")
+                        or {"sharded": {"world_size": 2}})
+    monkeypatch.setattr(trainer_ranks, "full_copies", lambda learner, rank: log.append(f"{learner.name} copies")
+                        or [f"{learner.name}'s policy" if rank == 0 else None])
+
+    async def main():
+        ranked = RankedLearner(FakeLearner(log, "rank0"), [TrainerRank(FakeLearner(log, "rank1"), 1)],
+                               asyncio.get_running_loop())
+        state = await asyncio.to_thread(ranked.save_shards, "ck/.tmp/shards")
+        copies = await asyncio.to_thread(ranked.full_copies)
+        return state, copies
+
+    state, copies = asyncio.run(main())
+    assert state == {"sharded": {"world_size": 2}} and copies == ["rank0's policy"]  # rank 0's own results
+    assert sorted(log) == ["rank0 copies", "rank0 save ck/.tmp/shards", "rank1 copies", "rank1 save ck/.tmp/shards"]
