@@ -302,7 +302,7 @@ def measure_floor(cfg, reps: int) -> dict[str, float]:
             gen_times.append(t1 - t0)
             train_times.append(t3 - t2)
     g, t = statistics.median(gen_times), statistics.median(train_times)
-    return {"G_alone": g, "T_alone": t, "floor": max(g, t), "threads": cfg.cluster.torch_threads}
+    return {"G_alone": g, "T_alone": t, "floor": max(g, t)}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -312,14 +312,14 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def print_table(results: dict[str, list[dict]], floor: dict[str, float]) -> None:
+def print_table(results: dict[str, list[dict]]) -> None:
     print("| side | seed | steps to target | wall to target s | s/step (median) | step / floor | "
           "final moving reward | held-out greedy | gen s | train s | threads |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for side, runs in results.items():
         for seed, r in enumerate(runs):
             print(f"| {side} | {r['seed']} | {fmt(r['steps_to_target'], 'd')} | {fmt(r['wall_to_target'])} | "
-                  f"{r['step_s']:.3f} | {r['step_s'] / floor['floor']:.2f} | {r['final_reward']:.2f} | "
+                  f"{r['step_s']:.3f} | {r['step_s'] / r['floor']:.2f} | {r['final_reward']:.2f} | "
                   f"{fmt(r['eval_greedy'])} | {fmt(r.get('gen_s'), '.3f')} | {fmt(r.get('train_s'), '.3f')} | "
                   f"{r.get('threads', '-')} |")
     print()
@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ray:
         results["asyncrl-ray"] = []
     results["asyncrl-local"] = []
+    floors: list[dict[str, float]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="vs-sync-") as tmp:
             root = Path(args.out or tmp).resolve()
@@ -372,31 +373,36 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir = root / "model"
             base = load_config(EXAMPLE, launch_overrides(args, model_dir, 0))
             ensure_model(base.model)
-            floor = measure_floor(base, args.floor_reps)
             for seed in range(args.seeds):  # the sides alternate within a seed: a drift of the machine's speed
                 cfg = load_config(EXAMPLE, launch_overrides(args, model_dir, seed))  # favours none of them
-                results["sync"].append({"seed": seed, **run_sync(cfg, seed, args)})
+                # the floor beside each seed's runs: on a shared machine it moved 0.05-0.17 s within minutes
+                floor = measure_floor(cfg, args.floor_reps)
+                floors.append(floor)
+                results["sync"].append({"seed": seed, **floor, **run_sync(cfg, seed, args)})
                 torch.set_num_threads(threads)
                 if args.ray:
-                    results["asyncrl-ray"].append({"seed": seed, **run_launch(args, root, model_dir, seed, False)})
-                results["asyncrl-local"].append({"seed": seed, **run_launch(args, root, model_dir, seed, True)})
+                    results["asyncrl-ray"].append({"seed": seed, **floor,
+                                                   **run_launch(args, root, model_dir, seed, False)})
+                results["asyncrl-local"].append({"seed": seed, **floor,
+                                                 **run_launch(args, root, model_dir, seed, True)})
     finally:
         torch.set_num_threads(threads)
     print(f"workload: {EXAMPLE.relative_to(ROOT)} ({base.trainer.prompts_per_step} prompts x "
           f"{base.rollout.group_size} samples, {base.rollout.max_new_tokens} new tokens per step); up to "
           f"{args.steps} steps; target: moving mean of the training reward over {args.window} steps >= {args.target}; "
           f"sync loop threads: the faster of {args.threads} in its warm-up (per run below), asyncrl roles on "
-          f"cluster.torch_threads = {floor['threads']}"
+          f"cluster.torch_threads = {base.cluster.torch_threads}"
           + (f"; overrides {args.sets}" if args.sets else ""))
-    print(f"floor: G_alone {floor['G_alone']:.3f} s, T_alone {floor['T_alone']:.3f} s, "
-          f"max(G_alone, T_alone) = {floor['floor']:.3f} s (median of {args.floor_reps})")
+    for seed, f in enumerate(floors):
+        print(f"floor (seed {seed}): G_alone {f['G_alone']:.3f} s, T_alone {f['T_alone']:.3f} s, "
+              f"max(G_alone, T_alone) = {f['floor']:.3f} s (median of {args.floor_reps})")
     print()
-    print_table(results, floor)
+    print_table(results)
     side = "asyncrl-ray" if args.ray else "asyncrl-local"
     value = median_or_inf([r["wall_to_target"] for r in results[side]])
     baseline = median_or_inf([r["wall_to_target"] for r in results["sync"]])
     ratio = baseline / value if value > 0 and math.isfinite(value) else 0.0
-    print(f"{side} median step / floor: {statistics.median(r['step_s'] for r in results[side]) / floor['floor']:.2f} "
+    print(f"{side} median of step / floor: {statistics.median(r['step_s'] / r['floor'] for r in results[side]):.2f} "
           f"(target <= 1.1); sync / {side} wall to target: {ratio:.2f} (target >= 1.5)")
     result = {"benchmark": "vs_sync_loop", "value": round(value, 3) if math.isfinite(value) else None, "unit": "s",
               "baseline": round(baseline, 3) if math.isfinite(baseline) else None, "ratio": round(ratio, 3),

@@ -82,7 +82,7 @@ def test_quick_vs_sync_loop_runs_both_sides_and_ends_with_the_result_json_line(c
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    assert "floor: G_alone" in out and "| sync | 0 |" in out and "| asyncrl-local | 0 |" in out
+    assert "floor (seed 0): G_alone" in out and "| sync | 0 |" in out and "| asyncrl-local | 0 |" in out
     assert (tmp_path / "local-0" / "metrics.jsonl").exists()
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
