@@ -1,4 +1,5 @@
-"""benchmarks/engine_throughput.py runs end to end in --quick mode and ends with the benchmark JSON line.
+"""benchmarks/engine_throughput.py and vs_sync_loop.py run end to end in --quick mode and end with the
+benchmark JSON line; the sync loop's GRPO maths and its target rule match asyncrl's and the docstring's.
 
 Speed is not asserted here (benchmarks/README.md): this only keeps the script from rotting as the engine
 changes underneath it. The quick run itself takes well under a second; importing transformers, when no
@@ -12,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_throughput.py"
@@ -40,4 +42,52 @@ def test_quick_benchmark_ends_with_the_result_json_line(capsys, monkeypatch):
     assert last["benchmark"] == "engine_throughput" and last["unit"] == "tokens/s" and last["target"] == 3.0
     assert last["value"] > 0 and last["baseline"] > 0
     assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"]
+    assert last == returned
+
+
+VS_SYNC = SCRIPT.parent / "vs_sync_loop.py"
+
+
+def load_vs_sync(monkeypatch):
+    spec = importlib.util.spec_from_file_location("vs_sync_loop", VS_SYNC)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sync_loop_grpo_advantages_equal_asyncrls(monkeypatch):
+    from asyncrl.algorithms.advantages import grpo_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 1.0])
+    ours = load_vs_sync(monkeypatch).grpo_advantages(rewards, 4)
+    theirs = grpo_advantages(rewards, torch.arange(3).repeat_interleave(4))
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert (ours[4:8] == 0).all()  # an all-equal group carries no signal
+
+
+def test_target_is_the_first_step_whose_moving_mean_reaches_it(monkeypatch):
+    to_target = load_vs_sync(monkeypatch).to_target
+    rewards, step_s = [0.0, 0.5, 1.0, 1.0, 0.0], [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert to_target(rewards, step_s, 0.75, 2) == (3, 6.0)   # mean(0.5, 1.0) = 0.75 at step 3
+    assert to_target(rewards, step_s, 0.0, 1) == (1, 1.0)
+    assert to_target(rewards, step_s, 1.01, 2) == (None, None)
+
+
+@pytest.mark.slow
+def test_quick_vs_sync_loop_runs_both_sides_and_ends_with_the_result_json_line(capsys, monkeypatch, tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        returned = load_vs_sync(monkeypatch).main(["--quick", "--no-ray", "--threads", "1", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "floor (seed 0): G_alone" in out and "| sync | 0 |" in out and "| asyncrl-local | 0 |" in out
+    assert (tmp_path / "local-0" / "metrics.jsonl").exists()
+    last = json.loads(out.strip().splitlines()[-1])
+    assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
+    assert last["benchmark"] == "vs_sync_loop" and last["unit"] == "s" and last["target"] == 1.5
+    assert last["value"] > 0 and last["baseline"] > 0
+    # this benchmark's ratio is baseline / value: the sync loop's wall time over asyncrl's
+    assert abs(last["ratio"] - last["baseline"] / last["value"]) <= 0.01 * last["ratio"]
     assert last == returned
