@@ -30,6 +30,8 @@ preallocated cache `[layers, slots, kv_heads, max_len, head_dim]` and per-slot l
   each layer's new K/V rows written by one flat-index write per tensor, the o and down projections
   accumulated straight into the residual stream (`addmm_`), SiLU in place;
 * a K/V-only prefill (the recompute after a weight swap) stops once the last layer's K/V are written.
+* a prefill for logits runs the last layer's attention and MLP at each context's last position only (the
+  one hidden state the logits read), its query masked to the context's real positions.
 The rotary tables come from HF's own rotary module and the ops follow HF's order, so fp32 logits equal
 HF's to float rounding (tests/unit/test_torch_model.py: within 1e-5).
 
