@@ -3,7 +3,8 @@
     python benchmarks/engine_throughput.py [--quick] [--threads N] [--repeats R] [--model bench|example]
                                            [--device cpu|cuda] [--no-cuda-graphs]
 
-Issue 3's goal: the native engine at least 3x HF `generate` at batch 32. The script measures, in one run:
+Goals: the native engine at least 2x HF `generate` at batch 32 on a CPU (issue 21), 3x on an accelerator
+(issue 3), its decode step within 1.5x of its floor (`decode_floor`). The script measures, in one run:
 
 | section | native engine | baseline |
 |---|---|---|
@@ -31,7 +32,8 @@ On a CUDA device (`--device cuda`) both sides run there, in fp32, and every time
 `torch.cuda.synchronize()`; the native engine replays one CUDA graph per decode step (its default on
 CUDA; `--no-cuda-graphs` measures it launching every kernel, as HF does).
 
-The last line of output is one JSON object: native tok/s at batch 32 vs HF at batch 32 (target 3.0).
+The last line of output is one JSON object: native tok/s at batch 32 vs HF at batch 32 (target 2.0 on a
+CPU, 3.0 on an accelerator), with the batch-32 decode step, its floor and their ratio.
 Attributes that only the continuous-batching engine has (decode batch sizes, step times, swap pauses)
 are read with getattr, on the engine or its `scheduler`; without them the script falls back to
 counters and wall time and says so.
@@ -52,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from asyncrl.config_schema import TinyModelConfig
 from asyncrl.messages import SamplingParams
@@ -146,31 +149,114 @@ def timed(fn, *args) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(out)
 
 
+# ---- the floor of a decode step -------------------------------------------------------------------------
+
+def _median_s(fn, repeats: int, inner: int) -> float:
+    """Median over `repeats` rounds of the mean time of `inner` calls of fn (after one warm-up round)."""
+    rounds = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if r:
+            rounds.append((time.perf_counter() - t0) / inner)
+    return statistics.median(rounds)
+
+
+def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, float]:
+    """Seconds of the matrix products of one decode step of `model` at `batch` rows attending over `width`
+    cache positions, timed alone at their shapes with fresh weights (no norms, rotary, cache writes, sampling
+    or Python around them): per layer one q|k|v product (with the model's bias), the attention products over
+    contiguous K/V (q·K^T, softmax, ·V, query heads of a KV head folded into one product, the cheapest of
+    the ways tried on CPU), the o product, one gate|up product and the down product; then the LM head.
+    `floor_s` runs them in the step's order (so weights and K/V compete for the caches as in the step);
+    `linears_s` and `attention_s` time each kind alone (K/V then stay cache-resident: attention is cheaper
+    there than in any real step). The floor is what the step cannot go below without changing the arithmetic."""
+    cfg = model.config
+    hidden, heads, kvh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or hidden // heads
+    inter, layers, vocab = cfg.intermediate_size, cfg.num_hidden_layers, model.get_input_embeddings().num_embeddings
+    qkv_bias = bool(getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2")
+    dev = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    ws = [dict(qkv=rand((heads + 2 * kvh) * hd, hidden), qkv_b=rand((heads + 2 * kvh) * hd) if qkv_bias else None,
+               o=rand(hidden, heads * hd), gate_up=rand(2 * inter, hidden), down=rand(hidden, inter),
+               k=rand(batch * kvh, width, hd), v=rand(batch * kvh, width, hd)) for _ in range(layers)]
+    head = rand(vocab, hidden)
+    x, q = rand(batch, hidden), rand(batch * kvh, heads // kvh, hd)
+    a, act = rand(batch, heads * hd), rand(batch, inter)
+
+    def linear_products(w):
+        F.linear(x, w["qkv"], w["qkv_b"])
+        F.linear(a, w["o"])
+        F.linear(x, w["gate_up"])
+        F.linear(act, w["down"])
+
+    def attention_products(w):
+        torch.bmm(torch.bmm(q, w["k"].transpose(1, 2)).softmax(-1), w["v"])
+
+    def step():  # in the step's order: each layer's weights and K/V stream through the caches as they do there
+        for w in ws:
+            linear_products(w)
+            attention_products(w)
+        F.linear(x, head)
+
+    def linears():
+        for w in ws:
+            linear_products(w)
+        F.linear(x, head)
+
+    def attention():
+        for w in ws:
+            attention_products(w)
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        floor = _median_s(lambda: (step(), sync()), repeats, 20)
+        lin = _median_s(lambda: (linears(), sync()), repeats, 20)
+        att = _median_s(lambda: (attention(), sync()), repeats, 20)
+    return {"linears_s": lin, "attention_s": att, "floor_s": floor}
+
+
 # ---- A. fixed batches -----------------------------------------------------------------------------------
 
-def fixed_batches(s: Settings, model, engine, vocab: int, repeats: int) -> dict[int, tuple[float, float]]:
+def fixed_batches(s: Settings, model, engine, vocab: int, repeats: int) -> dict[int, dict[str, float]]:
     rng = random.Random(0)
     results = {}
-    print(f"\nA. fixed batches: prompt {s.prompt_len} tokens, {s.new_tokens} new tokens, median of {repeats}")
-    print(f"{'batch':>6} | {'tokens':>7} | {'HF tok/s':>9} | {'native tok/s':>12} | {'ratio':>6} | native tok/forward")
+    width = s.prompt_len + s.new_tokens // 2  # the mean number of cache positions a decode step attends
+    print(f"\nA. fixed batches: prompt {s.prompt_len} tokens, {s.new_tokens} new tokens, median of {repeats}; "
+          f"step = native decode step (forward + sampling + bookkeeping, median), floor = its matrix products "
+          f"alone at width {width} (decode_floor)")
+    print(f"{'batch':>6} | {'tokens':>7} | {'HF tok/s':>9} | {'native tok/s':>12} | {'ratio':>6} | {'tok/fw':>6} | "
+          f"{'step ms':>7} | {'floor ms':>8} | {'step/floor':>10}")
+    steps = engine_attr(engine, "step_times_s")
     for batch in s.batches:
         prompts = random_prompts(rng, batch, s.prompt_len, vocab)
         timed(hf_generate, model, prompts, s.new_tokens)  # warm-up, excluded
         timed(native_generate, engine, prompts, s.new_tokens)
-        hf_times, nat_times = [], []
+        hf_times, nat_times, step_s = [], [], []
         fw0, tok0 = engine.num_forwards, engine.tokens_generated
         for _ in range(repeats):  # alternate, so background load hits both sides alike
             t, hf_tokens = timed(hf_generate, model, prompts, s.new_tokens)
             hf_times.append(t)
+            dec0 = engine_attr(engine, "num_decode_forwards")
             t, nat_tokens = timed(native_generate, engine, prompts, s.new_tokens)
             nat_times.append(t)
+            k = engine_attr(engine, "num_decode_forwards") - dec0 if dec0 is not None else 0
+            step_s += list(steps)[-k:] if steps is not None and k else []
         if hf_tokens != nat_tokens or hf_tokens != batch * s.new_tokens:
             raise RuntimeError(f"batch {batch}: unequal token counts (HF {hf_tokens}, native {nat_tokens})")
         per_fw = (engine.tokens_generated - tok0) / max(1, engine.num_forwards - fw0)
         hf_tps, nat_tps = hf_tokens / statistics.median(hf_times), nat_tokens / statistics.median(nat_times)
-        results[batch] = (hf_tps, nat_tps)
+        floor = decode_floor(model, batch, width, repeats=max(3, repeats))["floor_s"]
+        step = statistics.median(step_s) if step_s else float("nan")
+        results[batch] = {"hf": hf_tps, "native": nat_tps, "step_s": step, "floor_s": floor}
         print(f"{batch:>6} | {nat_tokens:>7} | {hf_tps:>9.0f} | {nat_tps:>12.0f} | {nat_tps / hf_tps:>6.2f} | "
-              f"{per_fw:.1f}")
+              f"{per_fw:>6.1f} | {step * 1e3:>7.2f} | {floor * 1e3:>8.2f} | {step / floor:>10.2f}")
     return results
 
 
@@ -358,12 +444,19 @@ def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int, op
             asyncio.run(keep.close())
 
     key = 32 if 32 in table else max(table)  # quick mode has no batch 32
-    hf_tps, nat_tps = table[key]
+    row = table[key]
+    hf_tps, nat_tps = row["hf"], row["native"]
+    # Issue 21 asks >= 2x on a CPU; issue 3's 3x stands on an accelerator, where graph replay removes the
+    # per-op overhead that the CPU step cannot shed.
+    target = 2.0 if device.type == "cpu" else 3.0
     result = {"benchmark": "engine_throughput" if device.type == "cpu" else f"engine_throughput_{device.type}",
               "value": round(nat_tps, 1), "unit": "tokens/s",
-              "baseline": round(hf_tps, 1), "ratio": round(nat_tps / hf_tps, 3), "target": 3.0}
+              "baseline": round(hf_tps, 1), "ratio": round(nat_tps / hf_tps, 3), "target": target,
+              "step_ms": round(row["step_s"] * 1e3, 4), "floor_ms": round(row["floor_s"] * 1e3, 4),
+              "step_over_floor": round(row["step_s"] / row["floor_s"], 3)}
     print(f"\nbatch {key}: native {nat_tps:.0f} tok/s vs HF generate {hf_tps:.0f} tok/s = {nat_tps / hf_tps:.2f}x "
-          f"(target 3.0x)")
+          f"(target {target}x); decode step {row['step_s'] * 1e3:.2f} ms = {row['step_s'] / row['floor_s']:.2f}x "
+          f"its floor {row['floor_s'] * 1e3:.2f} ms (target 1.5x)")
     print(json.dumps(result))
     return result
 

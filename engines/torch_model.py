@@ -30,6 +30,8 @@ preallocated cache `[layers, slots, kv_heads, max_len, head_dim]` and per-slot l
   each layer's new K/V rows written by one flat-index write per tensor, the o and down projections
   accumulated straight into the residual stream (`addmm_`), SiLU in place;
 * a K/V-only prefill (the recompute after a weight swap) stops once the last layer's K/V are written.
+* a prefill for logits runs the last layer's attention and MLP at each context's last position only (the
+  one hidden state the logits read), its query masked to the context's real positions.
 The rotary tables come from HF's own rotary module and the ops follow HF's order, so fp32 logits equal
 HF's to float rounding (tests/unit/test_torch_model.py: within 1e-5).
 
@@ -322,12 +324,8 @@ class SlotDecoder:
     def prefill(
         self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
     ) -> torch.Tensor | None:
-        hidden = self._prefill_hidden(contexts, start, repeats, kv_only=not logits)
-        if not logits:
-            return None
-        rows = torch.arange(len(contexts), device=self.device)
-        last = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
-        return self._logits(hidden[rows, last])
+        hidden = self._prefill_hidden(contexts, start, repeats, kv_only=not logits, last_only=logits)
+        return None if hidden is None else self._logits(hidden)
 
     def _qkv(self, w: _LayerWeights, h: torch.Tensor) -> list[torch.Tensor]:
         if len(w.qkv) == 3:
@@ -343,11 +341,14 @@ class SlotDecoder:
         return F.linear(w.act(gate).mul_(up), *w.down)
 
     def _prefill_hidden(
-        self, contexts: list[list[int]], start: int, repeats: list[int], kv_only: bool = False
+        self, contexts: list[list[int]], start: int, repeats: list[int], kv_only: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor | None:
         """Hidden states [P, S, D] of the right-padded contexts; writes their K/V and slot lengths.
         `kv_only` (a K/V recompute after a weight swap): stop once the last layer's K/V are written, skipping
-        its attention and MLP, whose output nothing reads; returns None."""
+        its attention and MLP, whose output nothing reads; returns None. `last_only` (a prefill for the first
+        sampled token): the last layer's attention and MLP run for each context's last position alone, the
+        only hidden state the logits read; returns [P, D]."""
         lens = [len(c) for c in contexts]
         rows, width, total = len(contexts), max(lens), sum(repeats)
         # right padding (id 0): pads come after every real token, so causal attention never sees them
@@ -366,6 +367,9 @@ class SlotDecoder:
             if kv_only and i == self.num_layers - 1:
                 x = None
                 break
+            if last_only and i == self.num_layers - 1:
+                x = self._last_positions(w, x, q, k, v, lens)
+                break
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads
             )
@@ -375,6 +379,22 @@ class SlotDecoder:
         self.lengths[start : start + total] = torch.tensor(slot_lens, device=self.device)
         self._lens[start : start + total] = slot_lens
         return x
+
+    def _last_positions(self, w: _LayerWeights, x, q, k, v, lens: list[int]) -> torch.Tensor:
+        """The last layer at each context's last position: x [P, S, D] (its input), q [P, H, S, hd] and k, v
+        [P, kv_heads, S, hd] (rotated) -> hidden [P, D]. The last query sees every real position of its
+        context and none of the right padding (the additive mask), which is what causal attention gives it;
+        every other position's output would be computed only to be dropped."""
+        rows = torch.arange(len(lens), device=self.device)
+        last = torch.tensor(lens, device=self.device) - 1
+        pad = self._arange[: k.shape[2]] > last[:, None]  # [P, S]: right padding after the last real token
+        mask = torch.zeros(pad.shape, dtype=q.dtype, device=self.device).masked_fill_(pad, float("-inf"))
+        o = F.scaled_dot_product_attention(
+            q[rows, :, last][:, :, None], k, v, attn_mask=mask[:, None, None], scale=self.scale,
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        h = x[rows, last] + F.linear(o.reshape(len(lens), -1), *w.o)
+        return h + self._mlp(w, _rms_norm(h, w.norm2, w.eps2))
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]

@@ -38,8 +38,12 @@ def test_quick_benchmark_ends_with_the_result_json_line(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "A. fixed batches" in out and "B. " in out and "C. in-flight weight update" in out
     last = json.loads(out.strip().splitlines()[-1])
-    assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
-    assert last["benchmark"] == "engine_throughput" and last["unit"] == "tokens/s" and last["target"] == 3.0
+    assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target", "step_ms", "floor_ms",
+                         "step_over_floor"}
+    assert last["benchmark"] == "engine_throughput" and last["unit"] == "tokens/s" and last["target"] == 2.0
+    assert last["step_ms"] > 0 and last["floor_ms"] > 0
+    # each figure is rounded on its own (ms to 0.1 µs, the ratio to 0.001): equal up to that rounding
+    assert abs(last["step_over_floor"] - last["step_ms"] / last["floor_ms"]) <= 0.01 * last["step_over_floor"] + 0.002
     assert last["value"] > 0 and last["baseline"] > 0
     assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"]
     assert last == returned
@@ -91,3 +95,18 @@ def test_quick_vs_sync_loop_runs_both_sides_and_ends_with_the_result_json_line(c
     # this benchmark's ratio is baseline / value: the sync loop's wall time over asyncrl's
     assert abs(last["ratio"] - last["baseline"] / last["value"]) <= 0.01 * last["ratio"]
     assert last == returned
+
+
+def test_the_decode_floor_grows_with_batch_and_attended_width(monkeypatch):
+    """decode_floor times the step's products at the model's shapes: far more rows and cache positions
+    cost more (the shapes differ by 64x, so timing noise cannot reorder them)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    bench = load_benchmark(monkeypatch)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    small = bench.decode_floor(model, batch=1, width=8, repeats=3)
+    large = bench.decode_floor(model, batch=64, width=512, repeats=3)
+    for f in (small, large):
+        assert set(f) == {"floor_s", "linears_s", "attention_s"} and min(f.values()) > 0
+    assert large["attention_s"] > small["attention_s"] and large["floor_s"] > small["floor_s"]
