@@ -80,15 +80,15 @@ def response_rows(trajectories: list[Trajectory], values: list[list[float]] | No
                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """-> (rows [N, T], loss mask [N, T] bool), T = longest response; rows from `values` (one list per
     trajectory, one entry per response token; default: the behaviour logprobs), 0 past each response."""
-    t_max = max((len(t.response_ids) for t in trajectories), default=0)
-    rows = torch.zeros((len(trajectories), max(t_max, 1)), dtype=dtype)
-    mask = torch.zeros((len(trajectories), max(t_max, 1)), dtype=torch.bool)
-    for i, t in enumerate(trajectories):
-        n = len(t.response_ids)
-        if n:
-            src = values[i] if values is not None else t.behavior_logprobs
-            rows[i, :n] = torch.tensor(src, dtype=dtype)
-            mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
+    width = max(int(lengths.max()) if len(trajectories) else 0, 1)
+    filled = torch.arange(width) < lengths[:, None]                        # [N, T], row-major = token order
+    src = values if values is not None else [t.behavior_logprobs for t in trajectories]
+    rows = torch.zeros((len(trajectories), width), dtype=dtype)
+    mask = torch.zeros((len(trajectories), width), dtype=torch.bool)
+    # one tensor per field from the flattened lists (not one per trajectory: this runs every train step)
+    rows[filled] = torch.tensor([x for row in src for x in row], dtype=dtype)
+    mask[filled] = torch.tensor([x for t in trajectories for x in t.loss_mask], dtype=torch.bool)
     return rows, mask
 
 
@@ -96,42 +96,46 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_token_id: in
             device: str | torch.device = "cpu", extras: dict[str, Tensor] | None = None) -> TokenBatch:
     """trajectories (B of them), advantages [B] (one per sample) or [B, T] (response-aligned), extras
     {name: [B, T] response-aligned} -> TokenBatch on `device` (advantages and extras at [B, L] positions)."""
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-    b, width = len(trajectories), max(lengths)
+    prompt = torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long)
+    resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
+    b, width = len(trajectories), int((prompt + resp).max())
+    cols = torch.arange(width)
+    # Boolean-mask assignment fills positions in row-major order, which is each sample's token order: every
+    # field is built from one flattened list rather than a tensor per sample (collate runs every micro-batch).
+    attention = cols < (prompt + resp)[:, None]
+    response = attention & (cols >= prompt[:, None])
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    response = torch.zeros((b, width), dtype=torch.bool)
+    input_ids[attention] = torch.tensor([x for t in trajectories for x in (*t.prompt_ids, *t.response_ids)],
+                                        dtype=torch.long)
+    lm = torch.tensor([x for t in trajectories for x in t.loss_mask], dtype=torch.bool)
     loss = torch.zeros((b, width), dtype=torch.bool)
+    loss[response] = lm
+    # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
     old = torch.zeros((b, width), dtype=torch.float32)
+    old[response] = torch.where(lm, torch.tensor([x for t in trajectories for x in t.behavior_logprobs],
+                                                 dtype=torch.float32), 0.0)
     versions = torch.full((b, width), -1, dtype=torch.long)
+    versions[response] = torch.tensor([x for t in trajectories for x in t.versions], dtype=torch.long)
+    filled = torch.arange(int(resp.max()) if b else 0) < resp[:, None]    # [B, T]: the response-aligned cells
     adv = torch.zeros((b, width), dtype=torch.float32)
-    rows = {k: v for k, v in (extras or {}).items()}
-    out_extras = {k: torch.zeros((b, width), dtype=v.dtype) for k, v in rows.items()}
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, : p + n] = 1
-        response[i, p : p + n] = True
-        if n:
-            lm = torch.tensor(t.loss_mask, dtype=torch.bool)
-            loss[i, p : p + n] = lm
-            # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
-            old[i, p : p + n] = torch.where(lm, torch.tensor(t.behavior_logprobs, dtype=torch.float32), 0.0)
-            versions[i, p : p + n] = torch.tensor(t.versions, dtype=torch.long)
-            adv[i, p : p + n] = advantages[i] if advantages.dim() == 1 else advantages[i, :n].to(torch.float32)
-            for k, v in rows.items():
-                out_extras[k][i, p : p + n] = v[i, :n]
+    if advantages.dim() == 1:
+        adv[response] = advantages.to(torch.float32).repeat_interleave(resp)
+    else:
+        adv[response] = advantages[:, : filled.shape[1]][filled].to(torch.float32)
+    out_extras = {}
+    for k, v in (extras or {}).items():
+        out_extras[k] = torch.zeros((b, width), dtype=v.dtype)
+        out_extras[k][response] = v[:, : filled.shape[1]][filled]
     temperature = torch.tensor([t.temperature for t in trajectories], dtype=torch.float32)
-    tensors = (input_ids, attention, response, loss, old, adv, versions, temperature)
+    tensors = (input_ids, attention.long(), response, loss, old, adv, versions, temperature)
     return TokenBatch(*(x.to(device) for x in tensors), extras={k: v.to(device) for k, v in out_extras.items()})
 
 
 def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: Tensor, width: int) -> Tensor:
     """values [B, L] at the batch's positions -> [B, width] response-aligned rows (0 past a response)."""
+    resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
     out = torch.zeros((len(trajectories), width), dtype=values.dtype)
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        out[i, :n] = values[i, p : p + n].detach().cpu()
+    out[torch.arange(width) < resp[:, None]] = values.detach()[batch.response_mask].cpu()
     return out
 
 

@@ -1,0 +1,84 @@
+"""The train step's speed-ups leave its results unchanged: each is compared with the straightforward code it
+replaced (benchmarks/train_step.py measures what each one saves)."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.messages import Trajectory
+from asyncrl.training.batch import collate, gather_response, response_rows
+from tests.unit.test_learner import PAD, VOCAB, _traj
+
+torch.set_num_threads(1)
+
+
+def _samples(n: int = 9, seed: int = 0) -> list[Trajectory]:
+    """Ragged prompts and responses (one empty), loss masks with holes, placeholder logprobs on masked tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i in range(n):
+        p_len, r_len = 1 + i % 4, (0 if i == 3 else 1 + (5 * i) % 7)
+        mask = (torch.rand(r_len, generator=gen) > 0.3).tolist()
+        trajs.append(_traj(i, i // 3, torch.randint(1, VOCAB, (p_len,), generator=gen).tolist(),
+                           torch.randint(1, VOCAB, (r_len,), generator=gen).tolist(), loss_mask=mask,
+                           logprobs=torch.randn(r_len, generator=gen).tolist(),
+                           versions=torch.randint(0, 3, (r_len,), generator=gen).tolist(),
+                           temperature=[1.0, 0.7][i % 2]))
+    return trajs
+
+
+def _loop_collate(trajectories, advantages, pad_token_id, extras):
+    """The per-sample collate the vectorised one replaced (kept here as the reference)."""
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    b, width = len(trajectories), max(lengths)
+    out = {"input_ids": torch.full((b, width), pad_token_id, dtype=torch.long),
+           "attention_mask": torch.zeros((b, width), dtype=torch.long),
+           "response_mask": torch.zeros((b, width), dtype=torch.bool),
+           "loss_mask": torch.zeros((b, width), dtype=torch.bool),
+           "old_logprobs": torch.zeros((b, width)), "advantages": torch.zeros((b, width)),
+           "versions": torch.full((b, width), -1, dtype=torch.long)}
+    ex = {k: torch.zeros((b, width), dtype=v.dtype) for k, v in extras.items()}
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        out["input_ids"][i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids)
+        out["attention_mask"][i, : p + n] = 1
+        out["response_mask"][i, p : p + n] = True
+        if n:
+            lm = torch.tensor(t.loss_mask, dtype=torch.bool)
+            out["loss_mask"][i, p : p + n] = lm
+            out["old_logprobs"][i, p : p + n] = torch.where(lm, torch.tensor(t.behavior_logprobs), 0.0)
+            out["versions"][i, p : p + n] = torch.tensor(t.versions)
+            out["advantages"][i, p : p + n] = advantages[i] if advantages.dim() == 1 else advantages[i, :n]
+            for k, v in extras.items():
+                ex[k][i, p : p + n] = v[i, :n]
+    return out, ex
+
+
+def test_vectorised_collate_builds_the_same_batch_as_the_per_sample_loop():
+    trajs = _samples()
+    gen = torch.Generator().manual_seed(1)
+    width = max(len(t.response_ids) for t in trajs) + 2   # rows wider than the longest response, as in a step
+    extras = {"prox": torch.randn(len(trajs), width, generator=gen), "keep": torch.rand(len(trajs), width) > 0.5}
+    for adv in (torch.randn(len(trajs), generator=gen), torch.randn(len(trajs), width, generator=gen)):
+        batch = collate(trajs, adv, PAD, extras=extras)
+        want, want_extras = _loop_collate(trajs, adv, PAD, extras)
+        for name, tensor in want.items():
+            assert torch.equal(getattr(batch, name), tensor), name
+        for name, tensor in want_extras.items():
+            assert torch.equal(batch.extras[name], tensor), name
+        assert torch.equal(batch.temperature, torch.tensor([t.temperature for t in trajs]))
+
+
+def test_response_rows_and_gather_response_match_the_per_sample_loop():
+    trajs = _samples()
+    rows, mask = response_rows(trajs)
+    for i, t in enumerate(trajs):
+        n = len(t.response_ids)
+        assert rows[i, :n].tolist() == torch.tensor(t.behavior_logprobs).tolist() and not rows[i, n:].any()
+        assert mask[i, :n].tolist() == t.loss_mask and not mask[i, n:].any()
+    batch = collate(trajs, torch.zeros(len(trajs)), PAD)
+    values = torch.randn(batch.input_ids.shape)
+    got = gather_response(batch, trajs, values, rows.shape[1] + 1)
+    for i, t in enumerate(trajs):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        assert torch.equal(got[i, :n], values[i, p : p + n]) and not got[i, n:].any()
