@@ -11,8 +11,8 @@ batch, the same model (the same initial weights) and the same torch threads:
 
 The bare side gets its padded tensors built once, before timing (a hand-written loop holds its batch as tensors
 already); asyncrl's side starts from the messages, as the Trainer does. Both train on every call (the weights
-move, the work per step does not). Timed calls alternate bare / asyncrl, after warm-up, and each figure is the
-median of `--repeats` calls, so load from other processes hits both sides alike.
+move, the work per step does not). Timed calls are interleaved (bare, asyncrl, asyncrl, bare, ...) after warm-up,
+so load from other processes hits both sides alike, and each figure is the median of `--repeats` calls.
 
 A second pass, not timed against the bare step, splits asyncrl's step into sections with `time.perf_counter`
 wrappers around the Learner's own functions (flatten, prepare, collate, forward + logprobs, policy loss, loss
@@ -221,20 +221,40 @@ def instrument(learner: Learner, sections: _Sections) -> Callable[[], None]:
 
 
 def breakdown(learner: Learner, bare: BareStep, groups: list[Group], repeats: int) -> tuple[dict, dict]:
-    """Mean seconds per section of each side over `repeats` instrumented calls."""
-    ours, theirs = _Sections(), _Sections()
-    restore = instrument(learner, ours)
-    bare.timer = theirs
-    try:
-        for _ in range(repeats):
-            with ours("other"):
-                learner.update(groups)
-            with theirs("other"):
-                bare()
-    finally:
-        restore()
-        bare.timer = _no_timer
-    return ({k: v / repeats for k, v in ours.total.items()}, {k: v / repeats for k, v in theirs.total.items()})
+    """Median seconds per section of each side over `repeats` instrumented calls (medians: the sections need
+    not add up to the step's median)."""
+    ours: list[dict[str, float]] = []
+    theirs: list[dict[str, float]] = []
+    for i in range(repeats):
+        for side in _order(i):
+            sections = _Sections()
+            if side == "asyncrl":
+                restore = instrument(learner, sections)
+                try:
+                    with sections("other"):
+                        learner.update(groups)
+                finally:
+                    restore()
+                ours.append(sections.total)
+            else:
+                bare.timer = sections
+                try:
+                    with sections("other"):
+                        bare()
+                finally:
+                    bare.timer = _no_timer
+                theirs.append(sections.total)
+    return _medians(ours), _medians(theirs)
+
+
+def _medians(calls: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in {k for c in calls for k in c}}
+
+
+def _order(i: int) -> tuple[str, str]:
+    """bare, asyncrl, asyncrl, bare, ...: the call after a switch of model pays for memory the other side freed
+    (about 20 ms at the tiny shape), so each side goes first half of the time."""
+    return ("bare", "asyncrl") if i % 2 == 0 else ("asyncrl", "bare")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -278,20 +298,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bare()
         learner.update(groups)
     times: dict[str, list[float]] = {"bare": [], "asyncrl": []}
-    for _ in range(repeats):  # alternate, so load from other processes hits both sides alike
-        t0 = time.perf_counter()
-        bare()
-        t1 = time.perf_counter()
-        learner.update(groups)
-        t2 = time.perf_counter()
-        times["bare"].append(t1 - t0)
-        times["asyncrl"].append(t2 - t1)
+    step = {"bare": bare, "asyncrl": lambda: learner.update(groups)}
+    for i in range(repeats):  # interleaved, so load from other processes hits both sides alike
+        for side in _order(i):
+            t0 = time.perf_counter()
+            step[side]()
+            times[side].append(time.perf_counter() - t0)
     bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["asyncrl"])
     print(f"\nbare step     {bare_s * 1e3:8.2f} ms (median)")
     print(f"asyncrl step  {ours_s * 1e3:8.2f} ms (median)  = {ours_s / bare_s:.2f}x the bare step")
 
-    ours, theirs = breakdown(learner, bare, groups, max(repeats // 3, 1))
-    print("\nwhere the time goes (ms per step, instrumented calls, mean):")
+    ours, theirs = breakdown(learner, bare, groups, max(repeats // 2, 1))
+    print("\nwhere the time goes (ms per step, instrumented calls, median of each section):")
     print(f"{'section':<22}{'asyncrl':>10}{'bare':>10}")
     for key in sorted(set(ours) | set(theirs), key=lambda k: -ours.get(k, 0.0)):
         print(f"{key:<22}{ours.get(key, 0.0) * 1e3:>10.2f}{theirs.get(key, 0.0) * 1e3:>10.2f}")
