@@ -152,9 +152,7 @@ class Learner:
         self.lagrange = lagrange
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.skipped_in_a_row = 0  # train steps whose every optimizer step was skipped (non-finite norms)
-        self.optimizer = torch.optim.AdamW(
-            self._params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]), weight_decay=trainer.weight_decay
-        )
+        self.optimizer = adamw(self._params, trainer)
         self.scheduler = schedule.build_scheduler(self.optimizer, trainer)
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # of the latest optimizer step: trainer/lr
         # LoRA: the sync sends merged weights, only the adapted layers' unless the engines need every weight
@@ -551,6 +549,7 @@ class Learner:
         else:
             self.model.load_state_dict(tensors["policy"])
         load_optimizer_state(self.optimizer, tensors["optimizer"], state["optimizer"])
+        match_fused(self.optimizer)  # a checkpoint of the other implementation (or of FSDP2's) resumes here too
         if "scheduler" in state:  # (a checkpoint written before schedules: the schedule starts afresh)
             load_scheduler_state(self.scheduler, state["scheduler"])
         if self.critic is not None:
@@ -569,6 +568,36 @@ class Learner:
         if self.lora:
             return lora.MergedWeights(self.model, targeted_only=not self._sync_all)
         return self.dp.full_state_dict(self.model)
+
+
+def adamw(params: list[Tensor], trainer: TrainerConfig) -> torch.optim.AdamW:
+    """The policy's AdamW: the fused kernel where every parameter is a plain floating tensor on a device that has
+    one (CPU included: at 135M parameters a step takes 0.24 s instead of 2.3 s with the default per-parameter
+    loop, benchmarks/train_step.py); FSDP2's sharded DTensors keep torch's default implementation."""
+    fused = bool(params) and all(_fusable(p) for p in params)
+    return torch.optim.AdamW(params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]),
+                             weight_decay=trainer.weight_decay, fused=fused or None)
+
+
+def _fusable(p: Tensor) -> bool:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return (not hasattr(p, "to_local") and p.is_floating_point()
+            and p.device.type in _get_fused_kernels_supported_devices())
+
+
+def match_fused(optimizer: torch.optim.Optimizer) -> None:
+    """After loading a state dict: each param group runs the implementation its parameters allow (the loaded groups
+    carry the writer's `fused` flag), and a fused group's `step` counters live on its parameters' device, as the
+    fused kernel needs."""
+    for group in optimizer.param_groups:
+        group["fused"] = all(_fusable(p) for p in group["params"]) or None
+        if group["fused"]:
+            group["foreach"] = None
+            for p in group["params"]:
+                st = optimizer.state.get(p, {})
+                if isinstance(st.get("step"), Tensor):
+                    st["step"] = st["step"].to(dtype=torch.float32, device=p.device)
 
 
 def _loss_counts(trajs: list[Trajectory], rows: dict[str, Tensor]) -> tuple[int, int]:

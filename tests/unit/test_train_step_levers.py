@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.messages import Trajectory
+from asyncrl.messages import Group, Trajectory
+from asyncrl.training import schedule
 from asyncrl.training.batch import collate, gather_response, response_rows
-from tests.unit.test_learner import PAD, VOCAB, _traj
+from asyncrl.training.learner import match_fused
+from tests.unit.test_learner import PAD, VOCAB, _learner, _traj
 
 torch.set_num_threads(1)
 
@@ -82,3 +84,62 @@ def test_response_rows_and_gather_response_match_the_per_sample_loop():
     for i, t in enumerate(trajs):
         p, n = len(t.prompt_ids), len(t.response_ids)
         assert torch.equal(got[i, :n], values[i, p : p + n]) and not got[i, n:].any()
+
+
+def _groups(trajs: list[Trajectory], seed: int) -> list[Group]:
+    gen = torch.Generator().manual_seed(seed)
+    trajs = [t for t in trajs if t.response_ids]
+    for i, t in enumerate(trajs):
+        t.reward, t.group_id = float(torch.rand((), generator=gen)), i // 4
+    return [Group(group_id=g, min_version=0, trajectories=trajs[4 * g : 4 * g + 4])
+            for g in range((len(trajs) + 3) // 4)]
+
+
+def _float64_learner(**trainer_kw):
+    learner = _learner(grad_clip=1.0, micro_batch_size=3, **trainer_kw)
+    learner.model.double()
+    return learner
+
+
+def _use_default_adamw(learner) -> None:
+    """The optimizer the learner had before: torch's default AdamW (a per-parameter loop on CPU)."""
+    t = learner.trainer
+    learner.optimizer = torch.optim.AdamW(learner._params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    learner.scheduler = schedule.build_scheduler(learner.optimizer, t)
+
+
+def test_the_learner_steps_with_fused_adamw_to_the_weights_of_the_default_adamw():
+    fused, default = _float64_learner(mini_batches=2), _float64_learner(mini_batches=2)
+    _use_default_adamw(default)
+    assert fused.optimizer.param_groups[0]["fused"] and not default.optimizer.param_groups[0]["fused"]
+    for step in range(3):
+        groups = _groups(_samples(13, seed=step), seed=step)
+        fused.update(groups)
+        default.update(groups)
+    for a, b in zip(fused.model.parameters(), default.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_default_adamw_checkpoint_resumes_fused_with_the_same_next_step():
+    writer, fused = _float64_learner(), _float64_learner()
+    _use_default_adamw(writer)
+    groups = _groups(_samples(13), seed=0)
+    writer.update(groups)
+    tensors, state = writer.checkpoint_state()
+    # (the state holds the writer's own tensors, as a save reads them: copies, as a load gives)
+    fused.restore_state({k: {n: t.clone() for n, t in group.items()} for k, group in tensors.items()}, state)
+    assert fused.optimizer.param_groups[0]["fused"] is True
+    writer.update(groups)
+    fused.update(groups)
+    for a, b in zip(fused.model.parameters(), writer.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_match_fused_leaves_fused_off_where_a_parameter_has_no_fused_kernel(monkeypatch):
+    from torch.utils import _foreach_utils
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([p], fused=True)
+    monkeypatch.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    match_fused(optimizer)
+    assert optimizer.param_groups[0]["fused"] is None
