@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms import entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import schedule
-from asyncrl.training.batch import collate, gather_response, response_rows
+from asyncrl.training.batch import _takes_logits_to_keep, collate, gather_response, response_rows, token_logprobs
 from asyncrl.training.learner import match_fused
 from tests.unit.test_learner import PAD, VOCAB, _learner, _traj
 
@@ -143,3 +144,45 @@ def test_match_fused_leaves_fused_off_where_a_parameter_has_no_fused_kernel(monk
     monkeypatch.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
     match_fused(optimizer)
     assert optimizer.param_groups[0]["fused"] is None
+
+
+def _full_vocab_logprobs(model, input_ids, attention_mask, response_mask, temperature):
+    """The computation over every position's logits that the response-only one replaced (the reference)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1] / temperature.reshape(-1, 1, 1)
+    tok = logits.gather(-1, input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    zero = tok.new_zeros(tok.shape[0], 1)
+    logprobs, entropy = torch.cat([zero, tok], 1), torch.cat([zero, entropy_from_logits(logits)], 1)
+    return torch.where(response_mask, logprobs, 0.0), torch.where(response_mask, entropy, 0.0)
+
+
+class _NoKeywords(torch.nn.Module):
+    """A causal LM whose forward takes no `logits_to_keep`."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+def test_logprobs_and_entropy_from_the_response_rows_equal_the_full_vocabulary_computation():
+    model = _learner().model.double()
+    trajs = [t for t in _samples(9) if t.response_ids]
+    batch = collate(trajs, torch.zeros(len(trajs)), PAD)
+    assert _takes_logits_to_keep(model) and not _takes_logits_to_keep(_NoKeywords(model))
+    results = []
+    for fn in (token_logprobs, _full_vocab_logprobs, lambda m, *a, **k: token_logprobs(_NoKeywords(m), *a, **k)):
+        model.zero_grad(set_to_none=True)
+        kw = {"entropy_grad": True} if fn is token_logprobs else {}
+        logprobs, entropy = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                               batch.temperature.double(), **kw)
+        (logprobs.sum() + entropy.sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp, ent, grads), (want_lp, want_ent, want_grads), (plain_lp, _, _) = results
+    assert lp.shape == want_lp.shape and lp[batch.response_mask].ne(0).all()
+    assert torch.allclose(lp, want_lp, rtol=0, atol=1e-12) and torch.allclose(ent, want_ent, rtol=0, atol=1e-12)
+    assert torch.allclose(plain_lp, want_lp, rtol=0, atol=1e-12)
+    for g, want in zip(grads, want_grads, strict=True):
+        assert torch.allclose(g, want, rtol=0, atol=1e-10)
