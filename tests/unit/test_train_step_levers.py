@@ -3,6 +3,7 @@ replaced (benchmarks/train_step.py measures what each one saves)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asyncrl.algorithms import entropy_from_logits
@@ -186,3 +187,15 @@ def test_logprobs_and_entropy_from_the_response_rows_equal_the_full_vocabulary_c
     assert torch.allclose(plain_lp, want_lp, rtol=0, atol=1e-12)
     for g, want in zip(grads, want_grads, strict=True):
         assert torch.allclose(g, want, rtol=0, atol=1e-10)
+
+
+def test_the_fused_finite_check_names_the_first_non_finite_parameter_and_passes_huge_finite_ones():
+    learner = _learner()
+    params = dict(learner.model.named_parameters())
+    with torch.no_grad():
+        params["model.norm.weight"].fill_(3e38)  # finite, but its sum overflows: the exact check clears it
+    learner._check_finite()
+    with torch.no_grad():
+        params["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="model.layers.1.mlp.up_proj.weight is not finite"):
+        learner._check_finite()
