@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from asyncrl.messages import Group, Trajectory  # noqa: E402
 from asyncrl.training import learner as learner_module  # noqa: E402
+from asyncrl.training.batch import GradientStats  # noqa: E402
 from asyncrl.training.learner import Learner  # noqa: E402
 
 PAD = 0
@@ -209,7 +210,7 @@ def instrument(learner: Learner, sections: _Sections) -> Callable[[], None]:
     patch(learner, "_policy_loss_fn", "policy loss + agg")
     patch(learner, "_loss_agg_fn", "policy loss + agg")
     patch(torch.autograd, "backward", "backward")
-    patch(learner, "_record", "statistics")
+    patch(GradientStats, "record", "statistics")
     patch(learner, "_optimizer_step", "clip + optimizer")
     patch(learner, "_check_finite", "finite check")
     patch(learner, "_metrics", "metrics")

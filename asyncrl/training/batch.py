@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import entropy_from_logits
+from asyncrl.algorithms import approx_kl_k3, entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import precision
 
@@ -45,6 +45,31 @@ class GradientStats:
     is_sum: float = 0.0
     is_max: float = 0.0
     is_min: float = math.inf
+
+    def record(self, batch: TokenBatch, logprobs: Tensor, entropy: Tensor, loss_stats: dict[str, Tensor],
+               version: int, *, diagnose: bool, measure_ratio: bool) -> None:
+        """Add one micro-batch's forward (detached logprobs / entropy [B, L], its loss's stats) to the sums;
+        `version`: the learner's, for the on-policy logprob gap."""
+        mask = batch.loss_mask
+        n = int(mask.sum())
+        self.tokens += n
+        self.clipped += float(loss_stats.get("clip_frac", 0.0)) * n
+        self.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n
+        self.ratio_max = max(self.ratio_max, float(loss_stats.get("ratio_max", 0.0)))
+        self.entropy_sum += float(entropy[mask].sum())
+        if measure_ratio and n:
+            ratio = (logprobs - batch.old_logprobs).clamp(-20, 20).exp()[mask]
+            self.is_tokens += n
+            self.is_sum += float(ratio.sum())
+            self.is_max = max(self.is_max, float(ratio.max()))
+            self.is_min = min(self.is_min, float(ratio.min()))
+        if diagnose:
+            # Tokens were sampled from the behaviour policy, so k3(behaviour, current) estimates KL(mu || pi).
+            self.kl_sum += float(approx_kl_k3(batch.old_logprobs, logprobs)[mask].sum())
+            self.kl_tokens += n
+            on_policy = mask & (batch.versions == version)
+            self.gap_sum += float((logprobs - batch.old_logprobs).abs()[on_policy].sum())
+            self.gap_tokens += int(on_policy.sum())
 
 
 @dataclass

@@ -10,7 +10,7 @@ from asyncrl.algorithms import entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import schedule
 from asyncrl.training.batch import _takes_logits_to_keep, collate, gather_response, response_rows, token_logprobs
-from asyncrl.training.learner import match_fused
+from asyncrl.training.optim import match_fused
 from tests.unit.test_learner import PAD, VOCAB, _learner, _traj
 
 torch.set_num_threads(1)
@@ -199,3 +199,53 @@ def test_the_fused_finite_check_names_the_first_non_finite_parameter_and_passes_
         params["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="model.layers.1.mlp.up_proj.weight is not finite"):
         learner._check_finite()
+
+
+@pytest.mark.parametrize("algorithm", [
+    dict(decoupled=True),
+    dict(decoupled=True, correction="token_tis", entropy_coef=0.01),
+    dict(correction="seq_mask", correction_low=0.9, correction_high=1.1),
+    dict(decoupled=True, correction="token_mask", kl_mode="reward", kl_coef=0.1),
+], ids=["decoupled", "decoupled-token-tis-entropy", "seq-mask", "decoupled-token-mask-kl-reward"])
+def test_proximal_logprobs_from_the_gradient_pass_give_the_two_forward_step(algorithm):
+    from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.training.learner import Learner
+    from tests.unit.test_learner import _tiny_model
+
+    def learner():
+        model = _tiny_model().double()
+        return Learner(model, algorithm=AlgorithmConfig(**algorithm),
+                       trainer=TrainerConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=16), pad_token_id=PAD)
+
+    one, two = learner(), learner()
+    two._prox_from_first_pass = lambda n: False  # the proximal forward of its own, as before
+    forwards = {"one": 0, "two": 0}
+    for name, lrn in (("one", one), ("two", two)):
+        lrn.model.register_forward_hook(lambda *a, name=name: forwards.__setitem__(name, forwards[name] + 1))
+    for step in range(3):
+        trajs = _samples(13, seed=step)
+        for t in trajs:  # behaviour logprobs near the policy's, so corrections clip and mask some tokens
+            t.behavior_logprobs = [x * 0.05 - 3.2 for x in t.behavior_logprobs]
+            t.ref_logprobs = [-3.0] * len(t.response_ids)
+        groups = _groups(trajs, seed=step)
+        got, want = one.update(groups), two.update(groups)
+        assert got.keys() == want.keys()
+        for key in got:
+            if key != "trainer/step_s":
+                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+    assert forwards == {"one": 3, "two": 6}
+    for a, b in zip(one.model.parameters(), two.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("trainer", [dict(mini_batches=2), dict(epochs=2), dict(micro_batch_size=4)])
+def test_the_proximal_forward_stays_where_the_gradient_pass_is_not_the_steps_only_one(trainer):
+    from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.training.learner import Learner
+    from tests.unit.test_learner import _tiny_model
+
+    cfg = TrainerConfig(**{"micro_batch_size": 16, **trainer})
+    learner = Learner(_tiny_model(), algorithm=AlgorithmConfig(decoupled=True), trainer=cfg, pad_token_id=PAD)
+    assert not learner._prox_from_first_pass(12)
+    assert Learner(_tiny_model(), algorithm=AlgorithmConfig(), trainer=TrainerConfig(micro_batch_size=16),
+                   pad_token_id=PAD)._prox_from_first_pass(12) is False  # no proximal policy at all
