@@ -26,6 +26,8 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
     python benchmarks/train_step.py --threads 2
     python benchmarks/train_step.py --model small     # SmolLM2-135M's shape (random init), 16 samples
     python benchmarks/train_step.py --decoupled       # decoupled PPO (a proximal policy every step)
+    python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
+    python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
     python benchmarks/train_step.py --quick           # smoke run (used by the test)
 """
 
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from asyncrl.messages import Group, Trajectory  # noqa: E402
 from asyncrl.training import learner as learner_module  # noqa: E402
+from asyncrl.training import schedule  # noqa: E402
 from asyncrl.training.batch import GradientStats  # noqa: E402
 from asyncrl.training.learner import Learner  # noqa: E402
 
@@ -252,10 +255,30 @@ def _medians(calls: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in {k for c in calls for k in c}}
 
 
-def _order(i: int) -> tuple[str, str]:
-    """bare, asyncrl, asyncrl, bare, ...: the call after a switch of model pays for memory the other side freed
-    (about 20 ms at the tiny shape), so each side goes first half of the time."""
-    return ("bare", "asyncrl") if i % 2 == 0 else ("asyncrl", "bare")
+def _default_adamw(learner: Learner) -> None:
+    t = learner.trainer
+    learner.optimizer = torch.optim.AdamW(learner._params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    learner.scheduler = schedule.build_scheduler(learner.optimizer, t)
+
+
+def _proximal_forward(learner: Learner) -> None:
+    learner._prox_from_first_pass = lambda n: False  # type: ignore[method-assign]
+
+
+# --compare: the speed-ups that can be turned off on a built Learner (the others replaced code outright; their
+# before/after figures are in benchmarks/README.md)
+LEVERS: dict[str, Callable[[Learner], None]] = {"fused_adamw": _default_adamw,
+                                                "prox_from_gradient_pass": _proximal_forward}
+
+
+def _order(i: int, sides: list[str] | None = None) -> list[str]:
+    """bare, asyncrl, asyncrl, bare, ... (three sides: rotated): the call after a switch of model pays for memory
+    the other side freed (about 20 ms at the tiny shape), so each side takes each place equally often."""
+    sides = sides or ["bare", "asyncrl"]
+    if len(sides) == 2:
+        return sides if i % 2 == 0 else sides[::-1]
+    k = i % len(sides)
+    return sides[k:] + sides[:k]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -267,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=60, help="timed calls per side (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--decoupled", action="store_true", help="algorithm.decoupled = true (proximal logprobs)")
+    p.add_argument("--compare", choices=sorted(LEVERS), default=None,
+                   help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
     p.add_argument("--quick", action="store_true", help="a 1-layer model, 8 samples, 3 repeats")
     return p.parse_args(argv)
 
@@ -300,14 +325,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         learner.update(groups)
     times: dict[str, list[float]] = {"bare": [], "asyncrl": []}
     step = {"bare": bare, "asyncrl": lambda: learner.update(groups)}
+    if args.compare:
+        off = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
+        LEVERS[args.compare](off)
+        times[f"{args.compare} off"] = []
+        step[f"{args.compare} off"] = lambda: off.update(groups)
+        for _ in range(warmup):
+            off.update(groups)
     for i in range(repeats):  # interleaved, so load from other processes hits both sides alike
-        for side in _order(i):
+        for side in _order(i, list(step)):
             t0 = time.perf_counter()
             step[side]()
             times[side].append(time.perf_counter() - t0)
     bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["asyncrl"])
     print(f"\nbare step     {bare_s * 1e3:8.2f} ms (median)")
     print(f"asyncrl step  {ours_s * 1e3:8.2f} ms (median)  = {ours_s / bare_s:.2f}x the bare step")
+    if args.compare:
+        off_s = statistics.median(times[f"{args.compare} off"])
+        print(f"asyncrl with {args.compare} off  {off_s * 1e3:8.2f} ms (median)  = {off_s / bare_s:.2f}x the bare "
+              f"step, {off_s / ours_s:.2f}x asyncrl's")
 
     ours, theirs = breakdown(learner, bare, groups, max(repeats // 2, 1))
     print("\nwhere the time goes (ms per step, instrumented calls, median of each section):")
