@@ -213,7 +213,10 @@ def instrument(learner: Learner, sections: _Sections) -> Callable[[], None]:
     patch(learner, "_policy_loss_fn", "policy loss + agg")
     patch(learner, "_loss_agg_fn", "policy loss + agg")
     patch(torch.autograd, "backward", "backward")
-    patch(GradientStats, "record", "statistics")
+    if hasattr(GradientStats, "record"):
+        patch(GradientStats, "record", "statistics")
+    else:  # the Learner before the statistics moved to GradientStats (the script also times older code)
+        patch(learner, "_record", "statistics")
     patch(learner, "_optimizer_step", "clip + optimizer")
     patch(learner, "_check_finite", "finite check")
     patch(learner, "_metrics", "metrics")
