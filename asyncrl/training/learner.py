@@ -10,7 +10,8 @@ One train step (ARCHITECTURE "Batch units"):
     groups ─► flatten (samples_per_step trajectories; "error" / greedy ones rejected)
            ─► prepare (no grad, once per step; every tensor response-aligned [N, T]):
                 rewards (+ DAPO overlong shaping, reward_norm, reward_clip)
-                proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now)
+                proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now; the
+                                      gradient pass's own when it is the step's only one: `_first_pass`)
                 reference logprobs   (KL: from the scorer's `ref_logprobs`, or a forward here)
                 critic values        (an estimator that needs a critic: gae)
                 advantages by `[algorithm] advantage` (KL as token rewards; Safe-RLHF: A_r − λ·A_c)
