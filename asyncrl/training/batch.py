@@ -13,13 +13,15 @@ train step's rows, `GradientStats` the sums its gradient passes measure (the Lea
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import entropy_from_logits
+from asyncrl.algorithms import approx_kl_k3, entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import precision
 
@@ -43,6 +45,31 @@ class GradientStats:
     is_sum: float = 0.0
     is_max: float = 0.0
     is_min: float = math.inf
+
+    def record(self, batch: TokenBatch, logprobs: Tensor, entropy: Tensor, loss_stats: dict[str, Tensor],
+               version: int, *, diagnose: bool, measure_ratio: bool) -> None:
+        """Add one micro-batch's forward (detached logprobs / entropy [B, L], its loss's stats) to the sums;
+        `version`: the learner's, for the on-policy logprob gap."""
+        mask = batch.loss_mask
+        n = int(mask.sum())
+        self.tokens += n
+        self.clipped += float(loss_stats.get("clip_frac", 0.0)) * n
+        self.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n
+        self.ratio_max = max(self.ratio_max, float(loss_stats.get("ratio_max", 0.0)))
+        self.entropy_sum += float(entropy[mask].sum())
+        if measure_ratio and n:
+            ratio = (logprobs - batch.old_logprobs).clamp(-20, 20).exp()[mask]
+            self.is_tokens += n
+            self.is_sum += float(ratio.sum())
+            self.is_max = max(self.is_max, float(ratio.max()))
+            self.is_min = min(self.is_min, float(ratio.min()))
+        if diagnose:
+            # Tokens were sampled from the behaviour policy, so k3(behaviour, current) estimates KL(mu || pi).
+            self.kl_sum += float(approx_kl_k3(batch.old_logprobs, logprobs)[mask].sum())
+            self.kl_tokens += n
+            on_policy = mask & (batch.versions == version)
+            self.gap_sum += float((logprobs - batch.old_logprobs).abs()[on_policy].sum())
+            self.gap_tokens += int(on_policy.sum())
 
 
 @dataclass
@@ -80,15 +107,15 @@ def response_rows(trajectories: list[Trajectory], values: list[list[float]] | No
                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """-> (rows [N, T], loss mask [N, T] bool), T = longest response; rows from `values` (one list per
     trajectory, one entry per response token; default: the behaviour logprobs), 0 past each response."""
-    t_max = max((len(t.response_ids) for t in trajectories), default=0)
-    rows = torch.zeros((len(trajectories), max(t_max, 1)), dtype=dtype)
-    mask = torch.zeros((len(trajectories), max(t_max, 1)), dtype=torch.bool)
-    for i, t in enumerate(trajectories):
-        n = len(t.response_ids)
-        if n:
-            src = values[i] if values is not None else t.behavior_logprobs
-            rows[i, :n] = torch.tensor(src, dtype=dtype)
-            mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
+    width = max(int(lengths.max()) if len(trajectories) else 0, 1)
+    filled = torch.arange(width) < lengths[:, None]                        # [N, T], row-major = token order
+    src = values if values is not None else [t.behavior_logprobs for t in trajectories]
+    rows = torch.zeros((len(trajectories), width), dtype=dtype)
+    mask = torch.zeros((len(trajectories), width), dtype=torch.bool)
+    # one tensor per field from the flattened lists (not one per trajectory: this runs every train step)
+    rows[filled] = torch.tensor([x for row in src for x in row], dtype=dtype)
+    mask[filled] = torch.tensor([x for t in trajectories for x in t.loss_mask], dtype=torch.bool)
     return rows, mask
 
 
@@ -96,42 +123,46 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_token_id: in
             device: str | torch.device = "cpu", extras: dict[str, Tensor] | None = None) -> TokenBatch:
     """trajectories (B of them), advantages [B] (one per sample) or [B, T] (response-aligned), extras
     {name: [B, T] response-aligned} -> TokenBatch on `device` (advantages and extras at [B, L] positions)."""
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-    b, width = len(trajectories), max(lengths)
+    prompt = torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long)
+    resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
+    b, width = len(trajectories), int((prompt + resp).max())
+    cols = torch.arange(width)
+    # Boolean-mask assignment fills positions in row-major order, which is each sample's token order: every
+    # field is built from one flattened list rather than a tensor per sample (collate runs every micro-batch).
+    attention = cols < (prompt + resp)[:, None]
+    response = attention & (cols >= prompt[:, None])
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    response = torch.zeros((b, width), dtype=torch.bool)
+    input_ids[attention] = torch.tensor([x for t in trajectories for x in (*t.prompt_ids, *t.response_ids)],
+                                        dtype=torch.long)
+    lm = torch.tensor([x for t in trajectories for x in t.loss_mask], dtype=torch.bool)
     loss = torch.zeros((b, width), dtype=torch.bool)
+    loss[response] = lm
+    # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
     old = torch.zeros((b, width), dtype=torch.float32)
+    old[response] = torch.where(lm, torch.tensor([x for t in trajectories for x in t.behavior_logprobs],
+                                                 dtype=torch.float32), 0.0)
     versions = torch.full((b, width), -1, dtype=torch.long)
+    versions[response] = torch.tensor([x for t in trajectories for x in t.versions], dtype=torch.long)
+    filled = torch.arange(int(resp.max()) if b else 0) < resp[:, None]    # [B, T]: the response-aligned cells
     adv = torch.zeros((b, width), dtype=torch.float32)
-    rows = {k: v for k, v in (extras or {}).items()}
-    out_extras = {k: torch.zeros((b, width), dtype=v.dtype) for k, v in rows.items()}
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, : p + n] = 1
-        response[i, p : p + n] = True
-        if n:
-            lm = torch.tensor(t.loss_mask, dtype=torch.bool)
-            loss[i, p : p + n] = lm
-            # Behaviour logprobs of env-written tokens may be placeholders: keep only trained ones.
-            old[i, p : p + n] = torch.where(lm, torch.tensor(t.behavior_logprobs, dtype=torch.float32), 0.0)
-            versions[i, p : p + n] = torch.tensor(t.versions, dtype=torch.long)
-            adv[i, p : p + n] = advantages[i] if advantages.dim() == 1 else advantages[i, :n].to(torch.float32)
-            for k, v in rows.items():
-                out_extras[k][i, p : p + n] = v[i, :n]
+    if advantages.dim() == 1:
+        adv[response] = advantages.to(torch.float32).repeat_interleave(resp)
+    else:
+        adv[response] = advantages[:, : filled.shape[1]][filled].to(torch.float32)
+    out_extras = {}
+    for k, v in (extras or {}).items():
+        out_extras[k] = torch.zeros((b, width), dtype=v.dtype)
+        out_extras[k][response] = v[:, : filled.shape[1]][filled]
     temperature = torch.tensor([t.temperature for t in trajectories], dtype=torch.float32)
-    tensors = (input_ids, attention, response, loss, old, adv, versions, temperature)
+    tensors = (input_ids, attention.long(), response, loss, old, adv, versions, temperature)
     return TokenBatch(*(x.to(device) for x in tensors), extras={k: v.to(device) for k, v in out_extras.items()})
 
 
 def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: Tensor, width: int) -> Tensor:
     """values [B, L] at the batch's positions -> [B, width] response-aligned rows (0 past a response)."""
+    resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
     out = torch.zeros((len(trajectories), width), dtype=values.dtype)
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        out[i, :n] = values[i, p : p + n].detach().cpu()
+    out[torch.arange(width) < resp[:, None]] = values.detach()[batch.response_mask].cpu()
     return out
 
 
@@ -142,27 +173,54 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
 
     logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 (float64 for a float64
-    model) over the full
-    vocabulary (with grad if enabled); entropy of the same distribution, with grad only if `entropy_grad`
-    (the entropy bonus trains through it; the diagnostic does not). `autocast` (trainer.mixed_precision):
-    the model's forward runs under torch.autocast in that dtype; the maths on its logits stays float32.
+    model) over the full vocabulary (with grad if enabled); entropy of the same distribution, with grad only if
+    `entropy_grad` (the entropy bonus trains through it; the diagnostic does not). `autocast`
+    (trainer.mixed_precision): the model's forward runs under torch.autocast in that dtype; the maths on its
+    logits stays float32.
+
+    Only what the response positions read is computed: the LM head runs from the column before the earliest
+    response on (HF `logits_to_keep`, where the model takes it), and the vocabulary-wide maths (logsumexp,
+    entropy) runs on the response positions' rows alone; both are row-wise, so the values are those of the
+    full [B, L, V] computation.
     """
+    b, width = input_ids.shape
+    mask = response_mask.bool()
+    cols = mask.any(0).nonzero()
+    first = int(cols[0]) if len(cols) else width - 1        # the earliest response position (>= 1)
+    keep = width - max(first - 1, 0) if _takes_logits_to_keep(model) else width
+    kwargs = {"logits_to_keep": keep} if keep < width else {}
     with precision.autocast(input_ids.device, autocast):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1, 1)
-    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temp  # [B, L-1, V]
-    targets = input_ids[:, 1:].unsqueeze(-1)                                     # [B, L-1, 1]
-    tok_logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    start = width - logits.shape[1]                           # logits column c predicts token start + c + 1
+    read = mask[:, start + 1 :]                               # [B, K-1]: the positions that hold a logprob
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1).expand(b, 1)
+    rows = logits[:, :-1][read]                               # [n, V]: one row per response position
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32)) / temp.expand(b, read.shape[1])[read][:, None]
+    targets = input_ids[:, start + 1 :][read].unsqueeze(-1)
+    tok_logp = rows.gather(-1, targets).squeeze(-1) - torch.logsumexp(rows, dim=-1)
     if entropy_grad:
-        entropy = entropy_from_logits(logits)
+        entropy = entropy_from_logits(rows)
     else:
         with torch.no_grad():
-            entropy = entropy_from_logits(logits)
-    zero_col = tok_logp.new_zeros(tok_logp.shape[0], 1)
-    logprobs = torch.cat([zero_col, tok_logp], dim=1)                            # [B, L]
-    entropy = torch.cat([zero_col, entropy], dim=1)
-    mask = response_mask.bool()
-    return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)
+            entropy = entropy_from_logits(rows)
+    # back to [B, L]: zeros, then the rows in row-major order (masked_scatter keeps the gradient)
+    pad = (start + 1, 0)
+    logprobs = torch.nn.functional.pad(tok_logp.new_zeros(read.shape).masked_scatter(read, tok_logp), pad)
+    entropy = torch.nn.functional.pad(tok_logp.new_zeros(read.shape).masked_scatter(read, entropy.to(tok_logp)), pad)
+    return logprobs, entropy
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper)."""
+    inner = getattr(model, "module", model)                   # DDP
+    if hasattr(inner, "get_base_model"):                      # peft passes it on to the base model
+        inner = inner.get_base_model()
+    return _forward_takes(type(inner), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
 
 
 def flatten_groups(groups: list[Group]) -> list[Trajectory]:

@@ -10,7 +10,8 @@ One train step (ARCHITECTURE "Batch units"):
     groups ─► flatten (samples_per_step trajectories; "error" / greedy ones rejected)
            ─► prepare (no grad, once per step; every tensor response-aligned [N, T]):
                 rewards (+ DAPO overlong shaping, reward_norm, reward_clip)
-                proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now)
+                proximal logprobs    (decoupled PPO or an off-policy correction: this policy, now; the
+                                      gradient pass's own when it is the step's only one: `_first_pass`)
                 reference logprobs   (KL: from the scorer's `ref_logprobs`, or a forward here)
                 critic values        (an estimator that needs a critic: gae)
                 advantages by `[algorithm] advantage` (KL as token rewards; Safe-RLHF: A_r − λ·A_c)
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import advantage_needs, approx_kl_k3, get_advantage, get_loss_agg, get_policy_loss
+from asyncrl.algorithms import advantage_needs, get_advantage, get_loss_agg, get_policy_loss
 from asyncrl.algorithms.advantages import (
     AdvantageInput,
     AdvantageParams,
@@ -75,6 +76,7 @@ from asyncrl.training.batch import (
     token_logprobs,
 )
 from asyncrl.training.critic import Critic, CriticStats, explained_variance
+from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
 
@@ -113,6 +115,7 @@ class Learner:
         self.model = model.to(self.device) if self.autocast is None else model.to(self.device, torch.float32)
         # Dropout off: the trainer's logprobs must be the engine's (which samples in eval mode).
         self.model.eval()
+        self._checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # model.gradient_checkpointing: active in compute_gradients only
             precision.enable_gradient_checkpointing(self.model)
         # trainer.num_ranks > 1 (training/parallel.py): each rank trains its share of every mini-batch through
@@ -153,9 +156,7 @@ class Learner:
         self.lagrange = lagrange
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.skipped_in_a_row = 0  # train steps whose every optimizer step was skipped (non-finite norms)
-        self.optimizer = torch.optim.AdamW(
-            self._params, lr=trainer.lr, betas=(trainer.betas[0], trainer.betas[1]), weight_decay=trainer.weight_decay
-        )
+        self.optimizer = adamw(self._params, trainer)
         self.scheduler = schedule.build_scheduler(self.optimizer, trainer)
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # of the latest optimizer step: trainer/lr
         # LoRA: the sync sends merged weights, only the adapted layers' unless the engines need every weight
@@ -200,8 +201,9 @@ class Learner:
 
     # ------------------------------------------------------------------ step preparation
 
-    def prepare(self, trajectories: list[Trajectory]) -> StepData:
-        """Everything a step computes once, before its optimizer steps (no grad): see module doc."""
+    def prepare(self, trajectories: list[Trajectory], prox: Tensor | None = None) -> StepData:
+        """Everything a step computes once, before its optimizer steps (no grad): see module doc. `prox`: the
+        proximal logprobs [N, T] when the caller has them already (`_first_pass`)."""
         a, trajs = self.algorithm, trajectories
         behaviour, mask = response_rows(trajs)
         width = mask.shape[1]
@@ -220,7 +222,7 @@ class Learner:
         rewards, baselines = self._normalise(rewards, baselines)
         rows: dict[str, Tensor] = {}
         if self._need_prox:
-            rows["prox"] = self._sharded_rows(self._policy_rows, trajs, width)
+            rows["prox"] = prox if prox is not None else self._sharded_rows(self._policy_rows, trajs, width)
         token_rewards = None
         if a.kl_mode != "off":
             rows["ref"] = self._reference_rows(trajs, width)
@@ -323,6 +325,7 @@ class Learner:
         rows: dict[str, Tensor] | None = None,
         measure_ratio: bool = False,
         global_counts: tuple[int, int] | None = None,
+        first_pass: tuple[Tensor, Tensor] | None = None,
     ) -> GradientStats:
         """Accumulate into each parameter's .grad the gradient of the aggregated loss of these samples
         (one mini-batch), one micro-batch of `micro_batch_size` samples at a time. Does not zero grads.
@@ -332,7 +335,8 @@ class Learner:
         approx KL and the logprob gap (valid only before any optimizer step of this train step);
         `measure_ratio` records the current / behaviour ratio (when no proximal policy was computed).
         `global_counts` (loss tokens, sequences) of the whole mini-batch when these samples are one rank's
-        share of it (default: counted here). Adds into `stats` if given; returns it.
+        share of it (default: counted here). `first_pass`: (logprobs, entropy) of these samples as one micro-batch,
+        already computed with grad by `_first_pass`. Adds into `stats` if given; returns it.
         """
         a = self.algorithm
         stats = stats if stats is not None else GradientStats()
@@ -349,10 +353,13 @@ class Learner:
                     sl = slice(start, start + len(part))
                     batch = collate(part, advantages[sl], self.pad_token_id, self.device,
                                     extras={k: v[sl] for k, v in rows.items()})
-                    logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
-                                                               batch.response_mask, batch.temperature,
-                                                               entropy_grad=a.entropy_coef > 0,
-                                                               model=self.train_model)
+                    if first_pass is not None:
+                        logprobs, entropy = first_pass
+                    else:
+                        logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
+                                                                   batch.response_mask, batch.temperature,
+                                                                   entropy_grad=a.entropy_coef > 0,
+                                                                   model=self.train_model)
                     mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
                     old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
                     loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
@@ -368,35 +375,10 @@ class Learner:
                                              global_seqs=global_seqs, norm_len=self.max_new_tokens)
                     loss.backward()
                     loss_total += loss.item()
-                    self._record(stats, batch, logprobs.detach(), entropy.detach(), loss_stats, diagnose,
-                                 measure_ratio and "prox" not in batch.extras)
+                    stats.record(batch, logprobs.detach(), entropy.detach(), loss_stats, self.version,
+                                 diagnose=diagnose, measure_ratio=measure_ratio and "prox" not in batch.extras)
         stats.loss += loss_total
         return stats
-
-    def _record(
-        self, stats: GradientStats, batch: TokenBatch, logprobs: Tensor, entropy: Tensor,
-        loss_stats: dict[str, Tensor], diagnose: bool, measure_ratio: bool,
-    ) -> None:
-        mask = batch.loss_mask
-        n = int(mask.sum())
-        stats.tokens += n
-        stats.clipped += float(loss_stats.get("clip_frac", 0.0)) * n
-        stats.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n
-        stats.ratio_max = max(stats.ratio_max, float(loss_stats.get("ratio_max", 0.0)))
-        stats.entropy_sum += float(entropy[mask].sum())
-        if measure_ratio and n:
-            ratio = (logprobs - batch.old_logprobs).clamp(-20, 20).exp()[mask]
-            stats.is_tokens += n
-            stats.is_sum += float(ratio.sum())
-            stats.is_max = max(stats.is_max, float(ratio.max()))
-            stats.is_min = min(stats.is_min, float(ratio.min()))
-        if diagnose:
-            # Tokens were sampled from the behaviour policy, so k3(behaviour, current) estimates KL(mu || pi).
-            stats.kl_sum += float(approx_kl_k3(batch.old_logprobs, logprobs)[mask].sum())
-            stats.kl_tokens += n
-            on_policy = mask & (batch.versions == self.version)
-            stats.gap_sum += float((logprobs - batch.old_logprobs).abs()[on_policy].sum())
-            stats.gap_tokens += int(on_policy.sum())
 
     def _optimizer_step(self) -> float:
         """Clip (if grad_clip > 0) and step; returns the pre-clip grad norm. A non-finite norm skips the step."""
@@ -430,7 +412,8 @@ class Learner:
         n, n_mini = len(trajs), self.trainer.mini_batches
         if n_mini > n:
             raise ValueError(f"trainer.mini_batches={n_mini} exceeds the {n} samples of this step")
-        data = self.prepare(trajs)
+        first = self._first_pass(trajs) if self._prox_from_first_pass(n) else None
+        data = self.prepare(trajs, prox=None if first is None else first[2])
         bounds = [(i * n) // n_mini for i in range(n_mini + 1)]
 
         stats, norms, cstats = GradientStats(), [], CriticStats()
@@ -441,7 +424,8 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.compute_gradients(trajs[a:b], data.advantages[a:b], diagnose=(epoch == 0 and k == 0),
                                        stats=stats, rows=data.slice(a, b), measure_ratio=epoch == 0,
-                                       global_counts=_loss_counts(trajs[lo:hi], data.slice(lo, hi)))
+                                       global_counts=_loss_counts(trajs[lo:hi], data.slice(lo, hi)),
+                                       first_pass=first[:2] if first is not None and epoch == k == 0 else None)
                 norms.append(self._optimizer_step())
                 if self.critic is not None:
                     assert data.old_values is not None and data.returns is not None
@@ -464,6 +448,26 @@ class Learner:
         metrics["trainer/skipped_steps"] = float(skipped)
         return metrics
 
+    def _prox_from_first_pass(self, n: int) -> bool:
+        """Whether this step's proximal logprobs can come from its gradient pass: with one epoch of one mini-batch
+        in one micro-batch, that pass runs the step's starting weights on the very batch the proximal forward would
+        (the same tensors, eval mode), so its detached logprobs are the proximal ones and the no-grad forward is
+        skipped. Not with LoRA (adapter dropout is on in the gradient pass only), gradient checkpointing (its
+        forward belongs inside the checkpointing context) or several ranks (each forwards a share)."""
+        t = self.trainer
+        return (self._need_prox and t.epochs == 1 and t.mini_batches == 1 and n <= t.micro_batch_size
+                and self.dp.world_size == 1 and not self.lora and not self._checkpointing)
+
+    def _first_pass(self, trajs: list[Trajectory]) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (logprobs [N, L], entropy [N, L]) with grad, as `compute_gradients` computes them for its one
+        micro-batch, and the proximal rows [N, T] (their detached response-aligned copy)."""
+        batch = collate(trajs, torch.zeros(len(trajs)), self.pad_token_id, self.device)
+        logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                   batch.temperature, entropy_grad=self.algorithm.entropy_coef > 0,
+                                                   model=self.train_model)
+        width = max(max(len(t.response_ids) for t in trajs), 1)  # response_rows' width
+        return logprobs, entropy, gather_response(batch, trajs, logprobs, width)
+
     def _check_skips(self, all_skipped: bool) -> None:
         """Count train steps whose every optimizer step was skipped (non-finite gradients); stop the run
         after `trainer.max_skipped_steps` of them in a row, rather than train nothing forever."""
@@ -476,6 +480,8 @@ class Learner:
 
     def _check_finite(self) -> None:
         """The weights about to be broadcast are finite (a NaN never reaches the generators)."""
+        if self.dp.world_size == 1 and all_finite(list(self.model.parameters())):  # one pass, not one per tensor
+            return
         name = self.dp.all_finite(self.model)
         if name is not None:
             raise RuntimeError(f"parameter {name} is not finite after the update of version {self.version}; "
@@ -567,6 +573,7 @@ class Learner:
             if self.critic is not None:
                 self.critic.model.load_state_dict(tensors["critic"])
                 load_optimizer_state(self.critic.optimizer, tensors["critic_optimizer"], state["critic_optimizer"])
+        match_fused(self.optimizer)  # a checkpoint of the other implementation (or of FSDP2's) resumes here too
         if "scheduler" in state:  # (a checkpoint written before schedules: the schedule starts afresh)
             load_scheduler_state(self.scheduler, state["scheduler"])
         if self.lagrange is not None and "lagrange" in state:

@@ -110,3 +110,24 @@ def test_the_decode_floor_grows_with_batch_and_attended_width(monkeypatch):
     for f in (small, large):
         assert set(f) == {"floor_s", "linears_s", "attention_s"} and min(f.values()) > 0
     assert large["attention_s"] > small["attention_s"] and large["floor_s"] > small["floor_s"]
+
+
+def test_train_step_quick_run_prints_the_breakdown_and_the_result_json_line(capsys, monkeypatch):
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("train_step_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        returned = module.main(["--quick", "--decoupled", "--compare", "prox_from_gradient_pass"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "bare step" in out and "prox_from_gradient_pass off" in out
+    for section in ("forward + logprobs", "backward", "clip + optimizer", "collate", "prepare", "metrics"):
+        assert section in out, section
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == returned and last["benchmark"] == "train_step" and last["unit"] == "steps/s"
+    assert last["value"] > 0 and last["baseline"] > 0
+    assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"] + 1e-3

@@ -1,0 +1,365 @@
+"""asyncrl's train step (`Learner.update`) vs the bare forward/backward/AdamW step of the same batch.
+
+Place in the dataflow: none, this measures the Trainer role's step alone. The Trainer takes a step's groups off
+the train store and calls `Learner.update(groups)` (asyncrl/training/learner.py); this script calls exactly that,
+with realistic `Group`/`Trajectory` messages, and times it against the loop a user writes by hand on the same
+batch, the same model (the same initial weights) and the same torch threads:
+
+    bare step = GRPO advantages from the rewards (group mean/std) -> one forward of the padded batch ->
+                logprob of each sampled token (gather - logsumexp) -> PPO-clip vs the behaviour logprobs,
+                token-mean over the loss mask -> backward -> clip_grad_norm_ -> AdamW step -> zero_grad
+
+The bare side gets its padded tensors built once, before timing (a hand-written loop holds its batch as tensors
+already); asyncrl's side starts from the messages, as the Trainer does. Both train on every call (the weights
+move, the work per step does not). Timed calls are interleaved (bare, asyncrl, asyncrl, bare, ...) after warm-up,
+so load from other processes hits both sides alike, and each figure is the median of `--repeats` calls.
+
+A second pass, not timed against the bare step, splits asyncrl's step into sections with `time.perf_counter`
+wrappers around the Learner's own functions (flatten, prepare, collate, forward + logprobs, policy loss, loss
+aggregation, backward, per-micro-batch statistics, clip + optimizer, finite check, metrics); "other" is the rest of
+`update` (Python between them, zero_grad, loss counts). The bare step gets the same split.
+
+The JSON line: value = asyncrl steps/s, baseline = bare steps/s, ratio = value / baseline = bare s / asyncrl s;
+target 0.91 (asyncrl's step within 1.1x of the bare one).
+
+    python benchmarks/train_step.py                   # first_digit's tiny Qwen2, 128 samples, 1 thread
+    python benchmarks/train_step.py --threads 2
+    python benchmarks/train_step.py --model small     # SmolLM2-135M's shape (random init), 16 samples
+    python benchmarks/train_step.py --decoupled       # decoupled PPO (a proximal policy every step)
+    python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
+    python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
+    python benchmarks/train_step.py --quick           # smoke run (used by the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.config_schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from asyncrl.messages import Group, Trajectory  # noqa: E402
+from asyncrl.training import learner as learner_module  # noqa: E402
+from asyncrl.training import schedule  # noqa: E402
+from asyncrl.training.batch import GradientStats  # noqa: E402
+from asyncrl.training.learner import Learner  # noqa: E402
+
+PAD = 0
+TARGET = 1 / 1.1
+
+# name -> (transformers config class, kwargs, vocabulary size, default samples, prompt lengths, response lengths)
+MODELS: dict[str, dict[str, Any]] = {
+    # examples/tiny.toml + first_digit's 12-character vocabulary (+ specials): 16 tokens
+    "tiny": dict(arch="qwen2", vocab=16, hidden=64, inter=128, layers=2, heads=4, kv=2,
+                 samples=128, prompt=(5, 8), response=(1, 3)),
+    # SmolLM2-135M's shape (Llama, hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152), random weights
+    "small": dict(arch="llama", vocab=49152, hidden=576, inter=1536, layers=30, heads=9, kv=3,
+                  samples=16, prompt=(24, 40), response=(8, 24)),
+    # --quick: a 1-layer model, a few samples
+    "quick": dict(arch="qwen2", vocab=16, hidden=32, inter=64, layers=1, heads=4, kv=2,
+                  samples=8, prompt=(3, 5), response=(1, 3)),
+}
+
+
+def build_model(spec: dict[str, Any], seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if spec["arch"] == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = cls(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["inter"],
+              num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv"],
+              max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=PAD)
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
+
+
+def build_groups(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
+                 seed: int) -> list[Group]:
+    """Groups of trajectories with random prompts/responses and the model's own logprobs as behaviour logprobs
+    (an on-policy step, as with staleness 0), rewards 0/1."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = spec["vocab"]
+    trajs = []
+    for i in range(samples):
+        p = int(torch.randint(spec["prompt"][0], spec["prompt"][1] + 1, (1,), generator=gen))
+        r = int(torch.randint(spec["response"][0], spec["response"][1] + 1, (1,), generator=gen))
+        prompt = torch.randint(1, vocab, (p,), generator=gen).tolist()
+        response = torch.randint(1, vocab, (r,), generator=gen).tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, p - 1 : p + r - 1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
+        trajs.append(Trajectory(
+            seq_id=i, group_id=i // group_size, group_size=group_size, prompt_ids=prompt, response_ids=response,
+            loss_mask=[True] * r, behavior_logprobs=logp, versions=[0] * r, min_version=0, max_version=0,
+            finish_reason="stop", reward=float(torch.rand((), generator=gen) > 0.5), temperature=1.0,
+        ))
+    return [Group(group_id=g, min_version=0, trajectories=trajs[g * group_size : (g + 1) * group_size])
+            for g in range(samples // group_size)]
+
+
+class BareStep:
+    """The hand-written GRPO step on pre-padded tensors (module doc)."""
+
+    def __init__(self, model: torch.nn.Module, groups: list[Group], algorithm: AlgorithmConfig,
+                 trainer: TrainerConfig) -> None:
+        trajs = [t for g in groups for t in g.trajectories]
+        width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+        self.input_ids = torch.full((len(trajs), width), PAD, dtype=torch.long)
+        self.attention = torch.zeros((len(trajs), width), dtype=torch.long)
+        self.mask = torch.zeros((len(trajs), width - 1), dtype=torch.bool)   # predicting token t+1 at t
+        self.old = torch.zeros((len(trajs), width - 1))
+        for i, t in enumerate(trajs):
+            p, n = len(t.prompt_ids), len(t.response_ids)
+            self.input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids)
+            self.attention[i, : p + n] = 1
+            self.mask[i, p - 1 : p + n - 1] = True
+            self.old[i, p - 1 : p + n - 1] = torch.tensor(t.behavior_logprobs)
+        self.rewards = torch.tensor([t.reward for t in trajs]).view(len(groups), -1)
+        self.model, self.algorithm, self.trainer = model, algorithm, trainer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=trainer.lr, betas=tuple(trainer.betas),
+                                           weight_decay=trainer.weight_decay)
+        self.timer: Callable[[str], Any] = _no_timer
+
+    def __call__(self) -> None:
+        eps, t = self.algorithm.clip_eps, self.timer
+        with t("advantages"):
+            r = self.rewards
+            adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + self.algorithm.adv_eps)).view(-1, 1)
+        with t("forward + logprobs"):
+            logits = self.model(input_ids=self.input_ids, attention_mask=self.attention, use_cache=False).logits
+            logits = logits[:, :-1].float()
+            logp = logits.gather(-1, self.input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
+        with t("policy loss + agg"):
+            ratio = (logp - self.old).exp()
+            loss_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+            loss = (loss_tok * self.mask).sum() / self.mask.sum()
+        with t("backward"):
+            loss.backward()
+        with t("clip + optimizer"):
+            torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Sections:
+    """perf_counter sums by section name; nested sections are subtracted from their parent."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []
+
+    def __call__(self, name: str) -> Any:
+        sections = self
+
+        class _Ctx:
+            def __enter__(self) -> None:
+                sections._stack.append([time.perf_counter(), 0.0])
+
+            def __exit__(self, *exc: object) -> None:
+                start, inner = sections._stack.pop()
+                spent = time.perf_counter() - start
+                sections.total[name] += spent - inner
+                if sections._stack:
+                    sections._stack[-1][1] += spent
+
+        return _Ctx()
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self(name):
+                return fn(*args, **kwargs)
+        return timed
+
+
+class _NoTimer:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _no_timer(name: str) -> _NoTimer:
+    return _NoTimer()
+
+
+def instrument(learner: Learner, sections: _Sections) -> Callable[[], None]:
+    """Wrap the Learner's pieces in timed sections; returns the undo."""
+    undo: list[Callable[[], None]] = []
+
+    def patch(owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+        setattr(owner, attr, sections.wrap(name, original))
+        had = attr in vars(owner) if not isinstance(owner, type) else True
+        undo.append(lambda: setattr(owner, attr, original) if had else delattr(owner, attr))
+
+    patch(learner_module, "flatten_groups", "flatten")
+    patch(learner, "prepare", "prepare")
+    patch(learner_module, "collate", "collate")
+    patch(learner, "sequence_logprobs", "forward + logprobs")
+    patch(learner, "_policy_loss_fn", "policy loss + agg")
+    patch(learner, "_loss_agg_fn", "policy loss + agg")
+    patch(torch.autograd, "backward", "backward")
+    if hasattr(GradientStats, "record"):
+        patch(GradientStats, "record", "statistics")
+    else:  # the Learner before the statistics moved to GradientStats (the script also times older code)
+        patch(learner, "_record", "statistics")
+    patch(learner, "_optimizer_step", "clip + optimizer")
+    patch(learner, "_check_finite", "finite check")
+    patch(learner, "_metrics", "metrics")
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+    return restore
+
+
+def breakdown(learner: Learner, bare: BareStep, groups: list[Group], repeats: int) -> tuple[dict, dict]:
+    """Median seconds per section of each side over `repeats` instrumented calls (medians: the sections need
+    not add up to the step's median)."""
+    ours: list[dict[str, float]] = []
+    theirs: list[dict[str, float]] = []
+    for i in range(repeats):
+        for side in _order(i):
+            sections = _Sections()
+            if side == "asyncrl":
+                restore = instrument(learner, sections)
+                try:
+                    with sections("other"):
+                        learner.update(groups)
+                finally:
+                    restore()
+                ours.append(sections.total)
+            else:
+                bare.timer = sections
+                try:
+                    with sections("other"):
+                        bare()
+                finally:
+                    bare.timer = _no_timer
+                theirs.append(sections.total)
+    return _medians(ours), _medians(theirs)
+
+
+def _medians(calls: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in {k for c in calls for k in c}}
+
+
+def _default_adamw(learner: Learner) -> None:
+    t = learner.trainer
+    learner.optimizer = torch.optim.AdamW(learner._params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    learner.scheduler = schedule.build_scheduler(learner.optimizer, t)
+
+
+def _proximal_forward(learner: Learner) -> None:
+    learner._prox_from_first_pass = lambda n: False  # type: ignore[method-assign]
+
+
+# --compare: the speed-ups that can be turned off on a built Learner (the others replaced code outright; their
+# before/after figures are in benchmarks/README.md)
+LEVERS: dict[str, Callable[[Learner], None]] = {"fused_adamw": _default_adamw,
+                                                "prox_from_gradient_pass": _proximal_forward}
+
+
+def _order(i: int, sides: list[str] | None = None) -> list[str]:
+    """bare, asyncrl, asyncrl, bare, ... (three sides: rotated): the call after a switch of model pays for memory
+    the other side freed (about 20 ms at the tiny shape), so each side takes each place equally often."""
+    sides = sides or ["bare", "asyncrl"]
+    if len(sides) == 2:
+        return sides if i % 2 == 0 else sides[::-1]
+    k = i % len(sides)
+    return sides[k:] + sides[:k]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--samples", type=int, default=None, help="samples per step (default: the model's)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=60, help="timed calls per side (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--decoupled", action="store_true", help="algorithm.decoupled = true (proximal logprobs)")
+    p.add_argument("--compare", choices=sorted(LEVERS), default=None,
+                   help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
+    p.add_argument("--quick", action="store_true", help="a 1-layer model, 8 samples, 3 repeats")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    name = "quick" if args.quick else args.model
+    spec = MODELS[name]
+    samples = args.samples or spec["samples"]
+    group_size = min(args.group_size, samples)
+    repeats, warmup = (3, 1) if args.quick else (args.repeats, args.warmup)
+    if samples % group_size:
+        raise SystemExit(f"--samples {samples} must be a multiple of --group-size {group_size}")
+
+    model = build_model(spec, seed=0)
+    groups = build_groups(model, spec, samples, group_size, seed=1)
+    algorithm = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean", clip_eps=0.2,
+                                decoupled=args.decoupled)
+    trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples)
+    learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
+    bare = BareStep(model, groups, algorithm, trainer)
+
+    params = sum(p.numel() for p in model.parameters())
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
+    print(f"model {name}: {params:,} parameters, {samples} samples, {tokens / samples:.1f} tokens/sample, "
+          f"{args.threads} thread(s), decoupled={args.decoupled}, {repeats} timed calls per side")
+
+    for _ in range(warmup):
+        bare()
+        learner.update(groups)
+    times: dict[str, list[float]] = {"bare": [], "asyncrl": []}
+    step = {"bare": bare, "asyncrl": lambda: learner.update(groups)}
+    if args.compare:
+        off = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
+        LEVERS[args.compare](off)
+        times[f"{args.compare} off"] = []
+        step[f"{args.compare} off"] = lambda: off.update(groups)
+        for _ in range(warmup):
+            off.update(groups)
+    for i in range(repeats):  # interleaved, so load from other processes hits both sides alike
+        for side in _order(i, list(step)):
+            t0 = time.perf_counter()
+            step[side]()
+            times[side].append(time.perf_counter() - t0)
+    bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["asyncrl"])
+    print(f"\nbare step     {bare_s * 1e3:8.2f} ms (median)")
+    print(f"asyncrl step  {ours_s * 1e3:8.2f} ms (median)  = {ours_s / bare_s:.2f}x the bare step")
+    if args.compare:
+        off_s = statistics.median(times[f"{args.compare} off"])
+        print(f"asyncrl with {args.compare} off  {off_s * 1e3:8.2f} ms (median)  = {off_s / bare_s:.2f}x the bare "
+              f"step, {off_s / ours_s:.2f}x asyncrl's")
+
+    ours, theirs = breakdown(learner, bare, groups, max(repeats // 2, 1))
+    print("\nwhere the time goes (ms per step, instrumented calls, median of each section):")
+    print(f"{'section':<22}{'asyncrl':>10}{'bare':>10}")
+    for key in sorted(set(ours) | set(theirs), key=lambda k: -ours.get(k, 0.0)):
+        print(f"{key:<22}{ours.get(key, 0.0) * 1e3:>10.2f}{theirs.get(key, 0.0) * 1e3:>10.2f}")
+    print(f"{'total':<22}{sum(ours.values()) * 1e3:>10.2f}{sum(theirs.values()) * 1e3:>10.2f}")
+
+    result = {"benchmark": "train_step", "value": round(1 / ours_s, 3), "unit": "steps/s",
+              "baseline": round(1 / bare_s, 3), "ratio": round(bare_s / ours_s, 3), "target": round(TARGET, 3)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
