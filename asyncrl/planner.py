@@ -283,7 +283,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     for _ in range(4):
         # the slowdown while overlapped: the fitted f, and at least the roles' share of the cores
         slow = overlap_slowdown(msgspec.structs.replace(costs, contention=f))
-        alone = lambda value, share: value / (1.0 + (slow - 1.0) * share)  # noqa: E731
+        # `share` is the wall share overlapped: that part did 1/slow of its work per second, the rest all
+        # of it, so the work alone is value·((1 − share) + share / slow)
+        alone = lambda value, share: value * ((1.0 - share) + share / slow)  # noqa: E731
         costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train), gen_a=alone(a, o_gen),
                                         gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
         f = fit_contention(costs, setting, measured, steps)
