@@ -45,7 +45,7 @@ import bisect
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -183,24 +183,19 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     train_med = _median([train_by_step[k] for k in _after_warmup(train_by_step)])
     a, b = _in_flight_fit(gen)
     steps = len(rows)
-    trainer_steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
-    # controller work per step: the step window minus what the trainer's own spans explain
-    explained = {s.version: 0.0 for s in kind("wait_gate") if s.role == "trainer"}
-    for s in spans:
-        if s.role == "trainer" and s.kind in ("wait_gate", "train"):
-            explained[s.version] = explained.get(s.version, 0.0) + s.duration
-        if s.role == "trainer" and s.kind == "weights_send":
-            explained[s.version - 1] = explained.get(s.version - 1, 0.0) + s.duration
-    overheads = [r["time/step_s"] - explained.get(int(r["step"]) - 1, 0.0) for r in trainer_steps]
-    evals = sum(s.duration for s in kind("eval") if s.version > 0)  # version 0: before the loop
     swap = [s.duration for s in kind("weights_swap")]
     # scorer seconds per sample: its busy time over the samples generated (one generate span = one group)
     scored_samples = max(1, len(gen)) * cfg.rollout.group_size
     score_per_sample = sum(s.duration for s in score) / scored_samples
-    send = [s.duration for s in kind("weights_send")]
+    send_s, swap_s = _median([s.duration for s in kind("weights_send")]), _median(swap)
+    setting = Setting(cfg.rollout.num_generators, cfg.staleness.max_staleness)
+    eval_every = cfg.trainer.eval_every
     costs = Costs(
-        gen_a=a, gen_b=b, train_s=train_med, send_s=_median(send), swap_s=_median(swap),
-        overhead_s=max(0.0, _median(overheads) - _median(swap)) + evals / steps,
+        gen_a=a, gen_b=b, train_s=train_med, send_s=send_s, swap_s=swap_s,
+        overhead_s=_publish_latency(gen, train, send_s + swap_s) if setting.max_staleness == 0 else 0.0,
+        release_s=_release(train, kind("wait_gate"), lambda v: eval_every > 0 and v % eval_every == 0),
+        eval_s=_median([s.duration for s in kind("eval") if s.version > 0]),  # version 0: before the loop
+        eval_every=eval_every,
         score_s=score_per_sample, num_scorers=cfg.reward.num_scorers,
         contention=1.0, contention_measured=False, cores=cores, threads=threads,
         shared_interpreter=shared_interpreter,
@@ -209,7 +204,6 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
         concurrency=cfg.rollout.concurrency, steps=steps, source=str(run_dir),
     )
-    setting = Setting(cfg.rollout.num_generators, cfg.staleness.max_staleness)
     costs = msgspec.structs.replace(
         costs, train_jitter=_spread(train_by_step, train_med),
         gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),
@@ -259,10 +253,30 @@ def _spread(by_step: dict[int, float], base: float) -> list[float]:
     return [round(v / base, 4) for v in values] if base > 0 and len(values) >= 2 else []
 
 
+def _release(train: list[Span], waits: list[Span], eval_due: Callable[[int], bool]) -> float:
+    """The trainer's median time from the end of train step s to the start of its take of step s + 1 (the
+    send's release, the hand-off of the step asked for ahead), steps followed by an evaluation left out."""
+    ends = {s.version: s.end for s in train if s.role == "trainer"}
+    return max(0.0, _median([w.start - ends[w.version - 1] for w in waits
+                             if w.role == "trainer" and w.version - 1 in ends and not eval_due(w.version)]))
+
+
+def _publish_latency(gen: list[Span], train: list[Span], sync_s: float) -> float:
+    """On-policy run: the median over versions of the first generation of version v after the end of train
+    step v - 1, less the sync (send + swap) the model has already: the controller's latency to publish,
+    and the admission after it."""
+    ends = {s.version + 1: s.end for s in train if s.role == "trainer"}
+    first: dict[int, float] = {}
+    for s in gen:
+        if s.version in ends:
+            first[s.version] = min(first.get(s.version, math.inf), s.start)
+    return max(0.0, _median([t - ends[v] - sync_s for v, t in first.items()]))
+
+
 def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
     """On-policy run: the median over steps of the trainer's gate wait minus what the model explains for
-    that step (each generator's groups: a + b·m per wave of at most `concurrency`; then the scorers'
-    P·n samples), at least 0."""
+    that step (the publish after the trainer's release, then each generator's groups: a + b·m per wave of
+    at most `concurrency`; then the scorers' P·n samples), at least 0."""
     c = costs
     per_gen: dict[int, dict[str, int]] = {}
     for sp in gen:
@@ -277,7 +291,8 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
         for n in per_gen[w.version].values():
             m = min(n, c.concurrency)
             gen_phase = max(gen_phase, math.ceil(n / m) * (c.gen_a + c.gen_b * m))
-        residuals.append(w.duration - gen_phase - score)
+        publish = max(0.0, c.send_s + c.swap_s + c.overhead_s - c.release_s) if w.version > 0 else 0.0
+        residuals.append(w.duration - publish - gen_phase - score)
     return max(0.0, _median(residuals))
 
 

@@ -26,7 +26,15 @@ class Costs(msgspec.Struct, kw_only=True):
     train_s: float                # one train step (forward, backward, optimizer) alone on its cores
     send_s: float                 # the trainer's weight send
     swap_s: float                 # a generator's weight swap (generation stops meanwhile)
-    overhead_s: float             # per step controller work: publish, metrics, amortised evaluation
+    # the controller's latency from a sync's end to the publish of the new version (admission opens then);
+    # it runs beside the next train step, which the trainer starts as soon as the send released the weights
+    overhead_s: float
+    # the trainer's own time from a train step's end to its next take: the send's release of the weights
+    # (the next update must not change them under it), the step's metrics and the hand-off of the step
+    # asked for ahead. Serial on the trainer, unlike the rest of the sync
+    release_s: float = 0.0
+    eval_s: float = 0.0           # one held-out evaluation (the trainer idles from publish to its end)
+    eval_every: int = 0           # evaluate after every this many steps (and after the last); 0: never
     # latency from a group's generation end to the trainer having it, beyond the scoring modelled: the
     # hand-offs (publish, admit, put, the scorer's take, the trainer's take) and the spread of the groups'
     # starts and ends. Measured in an on-policy run (the part of its gate wait that the generation and
@@ -101,7 +109,10 @@ def closed_form(costs: Costs, setting: Setting) -> float:
     alternate; with k >= 1 they overlap fully and the slower one sets the pace (steady state, the gate
     never binding)."""
     c, P, G = costs, costs.prompts_per_step, setting.num_generators
-    cycle = c.send_s + c.swap_s + c.overhead_s
+    evals = c.eval_s / c.eval_every if c.eval_every > 0 else 0.0  # amortised per step
+    # on-policy the next generation waits for the publish; else only the trainer's release is serial
+    sync = max(c.send_s + c.swap_s + c.overhead_s, c.release_s)
+    cycle = (sync if setting.max_staleness == 0 else c.release_s) + evals
     shared = max(1.0, cpu_demand(c, G, False) / capacity(c))  # G generators decoding at once share the cores
     if setting.max_staleness == 0:
         per_gen = min(c.concurrency, math.ceil(P / G))
@@ -118,7 +129,7 @@ def closed_form(costs: Costs, setting: Setting) -> float:
         g = P / min(gen_rate, score_rate)
     t = c.train_s * _mean(c.train_jitter, 1.0)  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
-    # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
+    # which the longer one did min of its own: step = max + min·(f − 1), plus the trainer's serial part
     f = overlap_slowdown(c)
     return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
 
@@ -163,10 +174,14 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
     accepted_ids: set[int] = set()
     stall = [(0.0, 0.0)] * G                                    # (from, until): swapping weights
     trainer = {"phase": "wait", "left": 0.0, "step": 0}
+    publish_at: list[float] = []  # the publishes under way, in version order
     gen_busy = trainer_busy = 0.0
     hist: dict[int, int] = {}
 
-    while trainer["step"] < steps:
+    def eval_due(version: int) -> bool:
+        return c.eval_every > 0 and (version % c.eval_every == 0 or version == steps)
+
+    while published < steps or trainer["step"] < steps:  # (the last step's release and evaluation too)
         # admission: as many groups as the gate and the generator's slots allow, engine version first
         for g in range(G):
             # accepted + running = every group admitted so far (none are filtered or fail here)
@@ -176,7 +191,9 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
                 inflight[g][next_gid] = 1.0
                 admitted_at[next_gid] = engine_version[g]
                 next_gid += 1
-        if trainer["phase"] == "wait":
+        if trainer["phase"] == "eval_wait" and published > trainer["step"]:
+            trainer.update(phase="eval", left=c.eval_s)  # the evaluation reads the published weights
+        if trainer["phase"] == "wait" and trainer["step"] < steps:
             need = range(trainer["step"] * P, (trainer["step"] + 1) * P)
             if all(i in accepted_ids for i in need):
                 for i in need:
@@ -198,15 +215,16 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         events += [x for g in range(G) for x in stall[g] if x > t]
         if trainer["phase"] == "train":
             events.append(t + trainer["left"] * slow)
-        elif trainer["phase"] in ("sync", "overhead"):
+        elif trainer["phase"] in ("post", "eval"):
             events.append(t + trainer["left"])
+        events += publish_at[:1]
         if not events:
             raise RuntimeError(f"simulation stalled at step {trainer['step']} (setting {setting})")
         t_next = max(min(events), t)
         dt = t_next - t
         if generating:
             gen_busy += dt * len(generating) / G
-        if trainer["phase"] in ("train", "sync"):
+        if trainer["phase"] in ("train", "post", "eval"):
             trainer_busy += dt
         for q in score_q:  # each scorer's head group progresses at the slowdown of the moment, as generation
             if q:
@@ -226,19 +244,23 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         if trainer["phase"] == "train":
             trainer["left"] -= dt / slow
             if trainer["left"] <= 1e-9:
-                trainer.update(phase="sync", left=c.send_s + c.swap_s)
-                # generators keep decoding while the weights arrive, then stop for the swap
+                trainer.update(phase="post", left=c.release_s)
+                # generators keep decoding while the weights arrive, then stop for the swap; the controller
+                # publishes the version after it (and after the version before)
                 stall = [(t_next + c.send_s, t_next + c.send_s + c.swap_s)] * G
-        elif trainer["phase"] in ("sync", "overhead"):
+                publish_at.append(max([t_next + c.send_s + c.swap_s + c.overhead_s, *publish_at[-1:]]))
+        elif trainer["phase"] in ("post", "eval"):
             trainer["left"] -= dt
             if trainer["left"] <= 1e-9:
-                if trainer["phase"] == "sync":
-                    published += 1
-                    engine_version = [published] * G
-                    gen_factor = [draw(c.gen_jitter) for _ in range(G)]
-                    trainer.update(phase="overhead", left=c.overhead_s)
+                if trainer["phase"] == "post" and eval_due(trainer["step"] + 1):
+                    trainer.update(phase="eval_wait")
                 else:
                     trainer.update(phase="wait", step=trainer["step"] + 1)
+        while publish_at and publish_at[0] <= t_next + 1e-12:
+            publish_at.pop(0)
+            published += 1
+            engine_version = [published] * G
+            gen_factor = [draw(c.gen_jitter) for _ in range(G)]
         t = t_next
     total = sum(hist.values())
     return Prediction(
