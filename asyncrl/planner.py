@@ -194,7 +194,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         gen_a=a, gen_b=b, train_s=train_med, send_s=send_s, swap_s=swap_s,
         overhead_s=_publish_latency(gen, train, send_s + swap_s) if setting.max_staleness == 0 else 0.0,
         release_s=_release(train, kind("wait_gate"), lambda v: eval_every > 0 and v % eval_every == 0),
-        eval_s=_median([s.duration for s in kind("eval") if s.version > 0]),  # version 0: before the loop
+        eval_s=_mean([s.duration for s in kind("eval") if s.version > 0]),  # version 0: before the loop
         eval_every=eval_every,
         score_s=score_per_sample, num_scorers=cfg.reward.num_scorers,
         contention=1.0, contention_measured=False, cores=cores, threads=threads,
@@ -254,15 +254,17 @@ def _spread(by_step: dict[int, float], base: float) -> list[float]:
 
 
 def _release(train: list[Span], waits: list[Span], eval_due: Callable[[int], bool]) -> float:
-    """The trainer's median time from the end of train step s to the start of its take of step s + 1 (the
-    send's release, the hand-off of the step asked for ahead), steps followed by an evaluation left out."""
+    """The trainer's mean time from the end of train step s to the start of its take of step s + 1 (the
+    send's release, the hand-off of the step asked for ahead), steps followed by an evaluation left out.
+    Means, not medians, for the serial latencies: the planner predicts mean throughput, and a run's slow
+    steps (other jobs' load) are part of what it measured."""
     ends = {s.version: s.end for s in train if s.role == "trainer"}
-    return max(0.0, _median([w.start - ends[w.version - 1] for w in waits
+    return max(0.0, _mean([w.start - ends[w.version - 1] for w in waits
                              if w.role == "trainer" and w.version - 1 in ends and not eval_due(w.version)]))
 
 
 def _publish_latency(gen: list[Span], train: list[Span], sync_s: float) -> float:
-    """On-policy run: the median over versions of the first generation of version v after the end of train
+    """On-policy run: the mean over versions of the first generation of version v after the end of train
     step v - 1, less the sync (send + swap) the model has already: the controller's latency to publish,
     and the admission after it."""
     ends = {s.version + 1: s.end for s in train if s.role == "trainer"}
@@ -270,11 +272,11 @@ def _publish_latency(gen: list[Span], train: list[Span], sync_s: float) -> float
     for s in gen:
         if s.version in ends:
             first[s.version] = min(first.get(s.version, math.inf), s.start)
-    return max(0.0, _median([t - ends[v] - sync_s for v, t in first.items()]))
+    return max(0.0, _mean([t - ends[v] - sync_s for v, t in first.items()]))
 
 
 def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
-    """On-policy run: the median over steps of the trainer's gate wait minus what the model explains for
+    """On-policy run: the mean over steps of the trainer's gate wait minus what the model explains for
     that step (the publish after the trainer's release, then each generator's groups: a + b·m per wave of
     at most `concurrency`; then the scorers' P·n samples), at least 0."""
     c = costs
@@ -293,7 +295,7 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
             gen_phase = max(gen_phase, math.ceil(n / m) * (c.gen_a + c.gen_b * m))
         publish = max(0.0, c.send_s + c.swap_s + c.overhead_s - c.release_s) if w.version > 0 else 0.0
         residuals.append(w.duration - publish - gen_phase - score)
-    return max(0.0, _median(residuals))
+    return max(0.0, _mean(residuals))
 
 
 def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, *, top: float = 4.0) -> float:
