@@ -12,8 +12,12 @@ The model, in one screen:
                to the measured generate spans against how many groups were in flight meanwhile)
   admission    the gate's rule: accepted + running < (engine version + k + 1) · P, at most `concurrency`
                groups in flight per generator
-  training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, sends weights W;
-               every generator stops for the swap S; the version is published; O seconds of controller work
+  training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, then spends R
+               seconds before its next take (the send's release of the weights, hand-offs): the part of
+               the step serial on the trainer. Meanwhile the send takes W, every generator stops for the
+               swap S, and the version is published O seconds later (the Controller, after the previous
+               one). An evaluation (E seconds, every eval_every steps) starts at that publish; the next
+               step waits for its end
   scoring      each scorer takes the next generated group and scores its n samples, σ seconds each;
                the group reaches the trainer H seconds later (hand-offs: put, take, publish → admit; the
                part of an on-policy run's gate wait that generation and scoring do not explain)
@@ -334,7 +338,8 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
                        else "not observable in an on-policy run: calibrate from an asynchronous one")
     lines = [
         f"calibrated from {c.source}: generation a={c.gen_a:.4f}s + b={c.gen_b:.4f}s per group in flight, "
-        f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, overhead {c.overhead_s:.4f}s, "
+        f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, release {c.release_s:.4f}s, "
+        f"publish {c.overhead_s:.4f}s, eval {c.eval_s:.4f}s/{c.eval_every or '-'} steps, "
         f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s), hand-off {c.handoff_s:.4f}s"
         f"{'' if c.handoff_s or not c.contention_measured else ' (not observable in an asynchronous run)'}",
         f"spread drawn from (value / median, per step): train {_range(c.train_jitter)}, generation "
