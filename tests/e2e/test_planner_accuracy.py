@@ -39,12 +39,12 @@ def prediction_error(calibration: Path, run: Path) -> float:
 
 
 def check(k0: Path, k1: Path) -> dict[str, float]:
-    errors = {"k0 on itself": prediction_error(k0, k0), "k1 on itself": prediction_error(k1, k1),
-              "k1 from k0 (held out)": prediction_error(k0, k1)}
+    errors = {"on-policy on itself": prediction_error(k0, k0), "async on itself": prediction_error(k1, k1),
+              "async from on-policy (held out)": prediction_error(k0, k1)}
     print({name: f"{e:+.1%}" for name, e in errors.items()})
-    assert abs(errors["k0 on itself"]) <= SELF_TOLERANCE, errors
-    assert abs(errors["k1 on itself"]) <= SELF_TOLERANCE, errors
-    assert abs(errors["k1 from k0 (held out)"]) <= HELD_OUT_TOLERANCE, errors
+    assert abs(errors["on-policy on itself"]) <= SELF_TOLERANCE, errors
+    assert abs(errors["async on itself"]) <= SELF_TOLERANCE, errors
+    assert abs(errors["async from on-policy (held out)"]) <= HELD_OUT_TOLERANCE, errors
     return errors
 
 
