@@ -212,7 +212,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         costs, train_jitter=_spread(train_by_step, train_med),
         gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),
         handoff_s=_handoff(costs, gen, kind("wait_gate")) if setting.max_staleness == 0 else 0.0)
-    measured = summarize_rows(rows).get("throughput/samples_per_s")
+    # the warm-up steps left out, as from T and the spread: the costs have no term for first-call work
+    measured = summarize_rows(rows[JITTER_WARMUP:] if len(rows) > 2 * JITTER_WARMUP else rows).get(
+        "throughput/samples_per_s")
     if setting.max_staleness == 0 or not measured:
         return costs  # on-policy: generation and training never overlap, contention is not observable
     # Fixed point: the costs alone depend on f (divide the slowdown out of the overlapped share), and f
