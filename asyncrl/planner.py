@@ -12,8 +12,12 @@ The model, in one screen:
                to the measured generate spans against how many groups were in flight meanwhile)
   admission    the gate's rule: accepted + running < (engine version + k + 1) · P, at most `concurrency`
                groups in flight per generator
-  training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, sends weights W;
-               every generator stops for the swap S; the version is published; O seconds of controller work
+  training     step s waits for groups sP .. (s+1)P-1 (admission order), trains T seconds, then spends R
+               seconds before its next take (the send's release of the weights, hand-offs): the part of
+               the step serial on the trainer. Meanwhile the send takes W, every generator stops for the
+               swap S, and the version is published O seconds later (the Controller, after the previous
+               one). An evaluation (E seconds, every eval_every steps) starts at that publish; the next
+               step waits for its end
   scoring      each scorer takes the next generated group and scores its n samples, σ seconds each;
                the group reaches the trainer H seconds later (hand-offs: put, take, publish → admit; the
                part of an on-policy run's gate wait that generation and scoring do not explain)
@@ -42,95 +46,35 @@ Staleness of a trained group = the step that trains it − the engine version it
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import os
-import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
 
 from asyncrl.config import read_run_config
+from asyncrl.planner_model import (  # noqa: F401 (re-exported: the planner's public names live here too)
+    REPLICATES,
+    Costs,
+    Prediction,
+    Setting,
+    _mean,
+    capacity,
+    closed_form,
+    cpu_demand,
+    overlap_slowdown,
+    simulate,
+    simulate_once,
+)
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.spans import Span, intersection_length
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import read_trace, spans_from_trace
 
 TIE_SHARE = 0.02  # settings within 2% of the best predicted throughput count as tied
-REPLICATES = 8    # simulations averaged per prediction when the costs carry a spread (seeds 0..7)
 JITTER_WARMUP = 3  # first steps of a calibration run left out of T and the spread (first-call allocations)
-
-
-class Costs(msgspec.Struct, kw_only=True):
-    """What a run measured, in seconds, with contention from its own overlap taken out."""
-
-    gen_a: float                  # per-group generation time at 0 groups in flight (intercept)
-    gen_b: float                  # extra seconds per group for each other group in flight (batching slope)
-    train_s: float                # one train step (forward, backward, optimizer) alone on its cores
-    send_s: float                 # the trainer's weight send
-    swap_s: float                 # a generator's weight swap (generation stops meanwhile)
-    overhead_s: float             # per step controller work: publish, metrics, amortised evaluation
-    # latency from a group's generation end to the trainer having it, beyond the scoring modelled: the
-    # hand-offs (publish, admit, put, the scorer's take, the trainer's take) and the spread of the groups'
-    # starts and ends. Measured in an on-policy run (the part of its gate wait that the generation and
-    # scoring model does not explain); 0 from an asynchronous run, whose gate wait does not show it
-    handoff_s: float = 0.0
-    # each step's train time and each version's generation time over their medians in the calibration
-    # run (warm-up left out): the spread the simulation draws from. Empty: every step takes the median
-    train_jitter: list[float] = []
-    gen_jitter: list[float] = []
-    score_s: float                # scorer seconds per sample (a group of n costs n·score_s)
-    num_scorers: int              # scorers pulling from the rollout queue (first free takes the next group)
-    contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
-    contention_measured: bool     # True: fitted to an asynchronous run; False: on-policy run, assumed 1
-    cores: float
-    shared_interpreter: bool = False  # every role in one process (--local): one interpreter lock, capacity 1
-    # process CPU seconds per wall second (in process, measured on the trainer's spans; else 1): while
-    # the trainer waits on the gate (generation + scoring), and while it trains. Below 1, a phase spends
-    # part of its time waiting (thread hand-offs, the OS) and that part overlaps with the others for free
-    gate_cpu_share: float = 1.0
-    train_cpu_share: float = 1.0
-    threads: int                  # torch threads per role
-    prompts_per_step: int
-    group_size: int
-    concurrency: int
-    steps: int = 0                # train steps of that run (the default length of a prediction)
-    source: str = ""              # the run directory calibrated from
-
-
-def capacity(costs: Costs) -> float:
-    """Cores the computing roles share: 1 when they share one interpreter lock, else the machine's."""
-    return 1.0 if costs.shared_interpreter else costs.cores
-
-
-def cpu_demand(costs: Costs, gate_roles: int, training: bool) -> float:
-    """Cores wanted by `gate_roles` generators/scorers and (if `training`) the trainer computing at once."""
-    c = costs
-    return c.threads * (gate_roles * c.gate_cpu_share + (c.train_cpu_share if training else 0.0))
-
-
-def overlap_slowdown(costs: Costs) -> float:
-    """The slowdown of generation (or scoring) and training computing at once: the fitted contention,
-    and never less than the cores they want over the cores they share."""
-    return max(costs.contention, cpu_demand(costs, 1, True) / capacity(costs))
-
-
-class Setting(msgspec.Struct, frozen=True):
-    num_generators: int
-    max_staleness: int
-
-
-class Prediction(msgspec.Struct, kw_only=True):
-    setting: Setting
-    samples_per_s: float          # discrete-event simulation
-    closed_form_samples_per_s: float
-    step_s: float
-    generator_busy: float
-    trainer_busy: float
-    staleness_mean: float
-    staleness_hist: dict[int, float]   # staleness -> share of trained groups
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,24 +187,19 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     train_med = _median([train_by_step[k] for k in _after_warmup(train_by_step)])
     a, b = _in_flight_fit(gen)
     steps = len(rows)
-    trainer_steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
-    # controller work per step: the step window minus what the trainer's own spans explain
-    explained = {s.version: 0.0 for s in kind("wait_gate") if s.role == "trainer"}
-    for s in spans:
-        if s.role == "trainer" and s.kind in ("wait_gate", "train"):
-            explained[s.version] = explained.get(s.version, 0.0) + s.duration
-        if s.role == "trainer" and s.kind == "weights_send":
-            explained[s.version - 1] = explained.get(s.version - 1, 0.0) + s.duration
-    overheads = [r["time/step_s"] - explained.get(int(r["step"]) - 1, 0.0) for r in trainer_steps]
-    evals = sum(s.duration for s in kind("eval") if s.version > 0)  # version 0: before the loop
     swap = [s.duration for s in kind("weights_swap")]
     # scorer seconds per sample: its busy time over the samples generated (one generate span = one group)
     scored_samples = max(1, len(gen)) * cfg.rollout.group_size
     score_per_sample = sum(s.duration for s in score) / scored_samples
-    send = [s.duration for s in kind("weights_send")]
+    send_s, swap_s = _median([s.duration for s in kind("weights_send")]), _median(swap)
+    setting = Setting(cfg.rollout.num_generators, cfg.staleness.max_staleness)
+    eval_every = cfg.trainer.eval_every
     costs = Costs(
-        gen_a=a, gen_b=b, train_s=train_med, send_s=_median(send), swap_s=_median(swap),
-        overhead_s=max(0.0, _median(overheads) - _median(swap)) + evals / steps,
+        gen_a=a, gen_b=b, train_s=train_med, send_s=send_s, swap_s=swap_s,
+        overhead_s=_publish_latency(gen, train, send_s + swap_s) if setting.max_staleness == 0 else 0.0,
+        release_s=_release(train, kind("wait_gate"), lambda v: eval_every > 0 and v % eval_every == 0),
+        eval_s=_mean([s.duration for s in kind("eval") if s.version > 0]),  # version 0: before the loop
+        eval_every=eval_every,
         score_s=score_per_sample, num_scorers=cfg.reward.num_scorers,
         contention=1.0, contention_measured=False, cores=cores, threads=threads,
         shared_interpreter=shared_interpreter,
@@ -269,12 +208,13 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
         concurrency=cfg.rollout.concurrency, steps=steps, source=str(run_dir),
     )
-    setting = Setting(cfg.rollout.num_generators, cfg.staleness.max_staleness)
     costs = msgspec.structs.replace(
         costs, train_jitter=_spread(train_by_step, train_med),
         gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),
         handoff_s=_handoff(costs, gen, kind("wait_gate")) if setting.max_staleness == 0 else 0.0)
-    measured = summarize_rows(rows).get("throughput/samples_per_s")
+    # the warm-up steps left out, as from T and the spread: the costs have no term for first-call work
+    measured = summarize_rows(rows[JITTER_WARMUP:] if len(rows) > 2 * JITTER_WARMUP else rows).get(
+        "throughput/samples_per_s")
     if setting.max_staleness == 0 or not measured:
         return costs  # on-policy: generation and training never overlap, contention is not observable
     # Fixed point: the costs alone depend on f (divide the slowdown out of the overlapped share), and f
@@ -283,7 +223,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     for _ in range(4):
         # the slowdown while overlapped: the fitted f, and at least the roles' share of the cores
         slow = overlap_slowdown(msgspec.structs.replace(costs, contention=f))
-        alone = lambda value, share: value / (1.0 + (slow - 1.0) * share)  # noqa: E731
+        # `share` is the wall share overlapped: that part did 1/slow of its work per second, the rest all
+        # of it, so the work alone is value·((1 − share) + share / slow)
+        alone = lambda value, share: value * ((1.0 - share) + share / slow)  # noqa: E731
         costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train), gen_a=alone(a, o_gen),
                                         gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
         f = fit_contention(costs, setting, measured, steps)
@@ -317,10 +259,32 @@ def _spread(by_step: dict[int, float], base: float) -> list[float]:
     return [round(v / base, 4) for v in values] if base > 0 and len(values) >= 2 else []
 
 
+def _release(train: list[Span], waits: list[Span], eval_due: Callable[[int], bool]) -> float:
+    """The trainer's mean time from the end of train step s to the start of its take of step s + 1 (the
+    send's release, the hand-off of the step asked for ahead), steps followed by an evaluation left out.
+    Means, not medians, for the serial latencies: the planner predicts mean throughput, and a run's slow
+    steps (other jobs' load) are part of what it measured."""
+    ends = {s.version: s.end for s in train if s.role == "trainer"}
+    return max(0.0, _mean([w.start - ends[w.version - 1] for w in waits
+                             if w.role == "trainer" and w.version - 1 in ends and not eval_due(w.version)]))
+
+
+def _publish_latency(gen: list[Span], train: list[Span], sync_s: float) -> float:
+    """On-policy run: the mean over versions of the first generation of version v after the end of train
+    step v - 1, less the sync (send + swap) the model has already: the controller's latency to publish,
+    and the admission after it."""
+    ends = {s.version + 1: s.end for s in train if s.role == "trainer"}
+    first: dict[int, float] = {}
+    for s in gen:
+        if s.version in ends:
+            first[s.version] = min(first.get(s.version, math.inf), s.start)
+    return max(0.0, _mean([t - ends[v] - sync_s for v, t in first.items()]))
+
+
 def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
-    """On-policy run: the median over steps of the trainer's gate wait minus what the model explains for
-    that step (each generator's groups: a + b·m per wave of at most `concurrency`; then the scorers'
-    P·n samples), at least 0."""
+    """On-policy run: the mean over steps of the trainer's gate wait minus what the model explains for
+    that step (the publish after the trainer's release, then each generator's groups: a + b·m per wave of
+    at most `concurrency`; then the scorers' P·n samples), at least 0."""
     c = costs
     per_gen: dict[int, dict[str, int]] = {}
     for sp in gen:
@@ -335,12 +299,9 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
         for n in per_gen[w.version].values():
             m = min(n, c.concurrency)
             gen_phase = max(gen_phase, math.ceil(n / m) * (c.gen_a + c.gen_b * m))
-        residuals.append(w.duration - gen_phase - score)
-    return max(0.0, _median(residuals))
-
-
-def _mean(values: Sequence[float], default: float = 0.0) -> float:
-    return sum(values) / len(values) if values else default
+        publish = max(0.0, c.send_s + c.swap_s + c.overhead_s - c.release_s) if w.version > 0 else 0.0
+        residuals.append(w.duration - publish - gen_phase - score)
+    return max(0.0, _mean(residuals))
 
 
 def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, *, top: float = 4.0) -> float:
@@ -358,164 +319,6 @@ def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, 
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sps(mid) > measured else (lo, mid)
     return (lo + hi) / 2
-
-
-# ---------------------------------------------------------------------------------------------
-# prediction
-
-
-def closed_form(costs: Costs, setting: Setting) -> float:
-    """Trained samples/s in the two regimes that have one: on-policy (k = 0) generation and training
-    alternate; with k >= 1 they overlap fully and the slower one sets the pace (steady state, the gate
-    never binding)."""
-    c, P, G = costs, costs.prompts_per_step, setting.num_generators
-    cycle = c.send_s + c.swap_s + c.overhead_s
-    shared = max(1.0, cpu_demand(c, G, False) / capacity(c))  # G generators decoding at once share the cores
-    if setting.max_staleness == 0:
-        per_gen = min(c.concurrency, math.ceil(P / G))
-        waves = math.ceil(P / (G * per_gen))
-        # all P groups finish together, then the scorers work through their P·n samples
-        gen_phase = waves * (c.gen_a + c.gen_b * per_gen) * shared + P * c.group_size * c.score_s / c.num_scorers
-        return P * c.group_size / (gen_phase + c.handoff_s + c.train_s * _mean(c.train_jitter, 1.0) + cycle)
-    m = c.concurrency
-    gen_rate = G * m / (c.gen_a + c.gen_b * m) / shared  # groups/s with every slot busy
-    score_rate = c.num_scorers / max(c.score_s * c.group_size, 1e-12)
-    if c.shared_interpreter:  # decoding and scoring take turns on the one interpreter lock
-        g = P / gen_rate + P / score_rate
-    else:  # generation and scoring pipeline: the slower sets the pace
-        g = P / min(gen_rate, score_rate)
-    t = c.train_s * _mean(c.train_jitter, 1.0)  # each phase's work per step, alone
-    # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
-    # which the longer one did min of its own: step = max + min·(f − 1), plus the unhidden sync cycle
-    f = overlap_slowdown(c)
-    return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
-
-
-def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
-    """The discrete-event simulation (`simulate_once`), averaged over REPLICATES seeds when the costs
-    carry a spread (the same seeds every call, so predictions are repeatable and comparable)."""
-    if not (costs.train_jitter or costs.gen_jitter):
-        return simulate_once(costs, setting, steps)
-    runs = [simulate_once(costs, setting, steps, seed=i) for i in range(REPLICATES)]
-    hist: dict[int, float] = {}
-    for r in runs:
-        for s, share in r.staleness_hist.items():
-            hist[s] = hist.get(s, 0.0) + share / len(runs)
-    step_s = _mean([r.step_s for r in runs])  # every replicate trains the same samples: pool their time
-    return Prediction(
-        setting=setting, samples_per_s=costs.prompts_per_step * costs.group_size / step_s,
-        closed_form_samples_per_s=runs[0].closed_form_samples_per_s, step_s=step_s,
-        generator_busy=_mean([r.generator_busy for r in runs]), trainer_busy=_mean([r.trainer_busy for r in runs]),
-        staleness_mean=_mean([r.staleness_mean for r in runs]), staleness_hist=dict(sorted(hist.items())))
-
-
-def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None = None) -> Prediction:
-    """Discrete-event simulation of `steps` train steps of the real protocol (see the module docstring).
-    With a `seed`, each train step takes train_s times a factor drawn from `train_jitter`, and each
-    generator's groups of one weights version take their time times a factor drawn from `gen_jitter`."""
-    c, P, k, G = costs, costs.prompts_per_step, setting.max_staleness, setting.num_generators
-    rng = random.Random(seed) if seed is not None else None
-
-    def draw(factors: list[float]) -> float:
-        return rng.choice(factors) if rng is not None and factors else 1.0
-
-    gen_factor = [draw(c.gen_jitter) for _ in range(G)]
-    t = 0.0
-    published = 0
-    engine_version = [0] * G
-    inflight: list[dict[int, float]] = [{} for _ in range(G)]   # group id -> remaining work (0..1]
-    admitted_at: dict[int, int] = {}
-    next_gid = 0
-    score_q: list[list[list[float]]] = [[] for _ in range(c.num_scorers)]  # per scorer: [group id, work left]
-    scored: list[tuple[float, int]] = []                        # (time accepted, group id), a heap
-    accepted_ids: set[int] = set()
-    stall = [(0.0, 0.0)] * G                                    # (from, until): swapping weights
-    trainer = {"phase": "wait", "left": 0.0, "step": 0}
-    gen_busy = trainer_busy = 0.0
-    hist: dict[int, int] = {}
-
-    while trainer["step"] < steps:
-        # admission: as many groups as the gate and the generator's slots allow, engine version first
-        for g in range(G):
-            # accepted + running = every group admitted so far (none are filtered or fail here)
-            room = (engine_version[g] + k + 1) * P - next_gid
-            slots = c.concurrency - len(inflight[g])
-            for _ in range(max(0, min(room, slots))):
-                inflight[g][next_gid] = 1.0
-                admitted_at[next_gid] = engine_version[g]
-                next_gid += 1
-        if trainer["phase"] == "wait":
-            need = range(trainer["step"] * P, (trainer["step"] + 1) * P)
-            if all(i in accepted_ids for i in need):
-                for i in need:
-                    s = trainer["step"] - admitted_at[i]
-                    hist[s] = hist.get(s, 0) + 1
-                trainer.update(phase="train", left=c.train_s * draw(c.train_jitter))
-        generating = [g for g in range(G) if inflight[g] and not stall[g][0] <= t < stall[g][1]]
-        scoring = sum(1 for q in score_q if q)
-        slow = c.contention if ((generating or scoring) and trainer["phase"] == "train") else 1.0
-        slow = max(slow, cpu_demand(c, len(generating) + scoring, trainer["phase"] == "train") / capacity(c))
-        # next event
-        events = [scored[0][0]] if scored else []
-        events += [t + q[0][1] * slow for q in score_q if q]  # a group scored (and the contention changes)
-        rates = {}
-        for g in generating:
-            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow * gen_factor[g])
-            rates[g] = rate
-            events.append(t + min(inflight[g].values()) / rate)
-        events += [x for g in range(G) for x in stall[g] if x > t]
-        if trainer["phase"] == "train":
-            events.append(t + trainer["left"] * slow)
-        elif trainer["phase"] in ("sync", "overhead"):
-            events.append(t + trainer["left"])
-        if not events:
-            raise RuntimeError(f"simulation stalled at step {trainer['step']} (setting {setting})")
-        t_next = max(min(events), t)
-        dt = t_next - t
-        if generating:
-            gen_busy += dt * len(generating) / G
-        if trainer["phase"] in ("train", "sync"):
-            trainer_busy += dt
-        for q in score_q:  # each scorer's head group progresses at the slowdown of the moment, as generation
-            if q:
-                q[0][1] -= dt / slow
-                while q and q[0][1] <= 1e-9:
-                    heapq.heappush(scored, (t_next + c.handoff_s, int(q.pop(0)[0])))
-        for g in generating:
-            for gid in list(inflight[g]):
-                inflight[g][gid] -= dt * rates[g]
-                if inflight[g][gid] <= 1e-9:
-                    del inflight[g][gid]
-                    # the scorer with the least work queued takes it
-                    j = min(range(c.num_scorers), key=lambda i: sum(w for _, w in score_q[i]))
-                    score_q[j].append([gid, c.score_s * c.group_size])
-        while scored and scored[0][0] <= t_next + 1e-12:
-            accepted_ids.add(heapq.heappop(scored)[1])
-        if trainer["phase"] == "train":
-            trainer["left"] -= dt / slow
-            if trainer["left"] <= 1e-9:
-                trainer.update(phase="sync", left=c.send_s + c.swap_s)
-                # generators keep decoding while the weights arrive, then stop for the swap
-                stall = [(t_next + c.send_s, t_next + c.send_s + c.swap_s)] * G
-        elif trainer["phase"] in ("sync", "overhead"):
-            trainer["left"] -= dt
-            if trainer["left"] <= 1e-9:
-                if trainer["phase"] == "sync":
-                    published += 1
-                    engine_version = [published] * G
-                    gen_factor = [draw(c.gen_jitter) for _ in range(G)]
-                    trainer.update(phase="overhead", left=c.overhead_s)
-                else:
-                    trainer.update(phase="wait", step=trainer["step"] + 1)
-        t = t_next
-    total = sum(hist.values())
-    return Prediction(
-        setting=setting, samples_per_s=steps * P * c.group_size / t,
-        closed_form_samples_per_s=closed_form(c, setting), step_s=t / steps,
-        generator_busy=gen_busy / t, trainer_busy=trainer_busy / t,
-        staleness_mean=sum(s * n for s, n in hist.items()) / total,
-        staleness_hist={s: n / total for s, n in sorted(hist.items())},
-    )
 
 
 def recommend(predictions: Sequence[Prediction]) -> Prediction:
@@ -537,7 +340,8 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
                        else "not observable in an on-policy run: calibrate from an asynchronous one")
     lines = [
         f"calibrated from {c.source}: generation a={c.gen_a:.4f}s + b={c.gen_b:.4f}s per group in flight, "
-        f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, overhead {c.overhead_s:.4f}s, "
+        f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, release {c.release_s:.4f}s, "
+        f"publish {c.overhead_s:.4f}s, eval {c.eval_s:.4f}s/{c.eval_every or '-'} steps, "
         f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s), hand-off {c.handoff_s:.4f}s"
         f"{'' if c.handoff_s or not c.contention_measured else ' (not observable in an asynchronous run)'}",
         f"spread drawn from (value / median, per step): train {_range(c.train_jitter)}, generation "
