@@ -24,7 +24,7 @@ WARMUP = 3
 SELF_TOLERANCE = 0.10
 HELD_OUT_TOLERANCE = 0.15
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.accuracy]  # run: pytest -m accuracy (pyproject.toml)
 
 
 def prediction_error(calibration: Path, run: Path) -> float:
