@@ -136,7 +136,8 @@ def test_a_loop_monitor_sees_a_blocked_loop_and_says_where_it_is_blocked_and_wha
             monitor.stop()
 
     quiet, stalled = asyncio.run(main())
-    assert quiet.stalled_s == 0.0 and quiet.where == "" and quiet.activities == []
+    # before the block: nothing begun and no blocking call seen (a loaded machine may still run the loop late)
+    assert quiet.stalled_s < stalled.stalled_s and "blocking_env_step" not in quiet.where and quiet.activities == []
     assert stalled.stalled_s >= 0.25
     assert stalled.where.startswith("test_watchdog.py:") and " in blocking_env_step <- " in stalled.where
     (line,) = stalled.activities
