@@ -88,6 +88,7 @@ class Producer:
         self.version = 0
         self.holder = f"generator/{index}#0"
         self._next = index << 40  # the plain path numbers its own groups
+        self.stopped = False
 
     async def set_version(self, version: int) -> None:
         """The new weights landed (the trainer's broadcast): admit at `version` from now on."""
@@ -96,12 +97,14 @@ class Producer:
             await self.hub.note_held(version)
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             if self.gated:
                 ids = await self.hub.admit(self.concurrency, self.version, timeout=0.5, holder=self.holder)
             else:
                 ids = list(range(self._next, self._next + self.concurrency))
                 self._next += self.concurrency
+            if not ids:  # a newer version published and no room at ours: yield until the swap lands
+                await asyncio.sleep(0)  # (in process the admit returned without giving up the loop)
             await asyncio.gather(*[self.hub.put_rollouts(self._group(gid)) for gid in ids])
 
     def _group(self, gid: int) -> list[Trajectory]:
@@ -116,10 +119,13 @@ class Scorer:
     def __init__(self, hub: Any, index: int, batch: int = 256) -> None:
         self.hub, self.batch, self.holder = hub, batch, f"scorer/{index}#0"
         self.assembler = GroupAssembler()
+        self.stopped = False
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             trajs = await self.hub.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
+            if not trajs:  # closed (the run is over): in process that returned without giving up the loop
+                await asyncio.sleep(0)
             done = []
             for t in trajs:
                 t.reward = 1.0
@@ -216,11 +222,15 @@ def run_in_process(cfg, payload: tuple[int, int], producers: int, scorers: int, 
     async def main() -> tuple[int, float]:
         hub = build_buffer(cfg)
         prods = [Producer(hub, i, payload, gated=True) for i in range(producers)]
-        loops = [asyncio.ensure_future(r.run()) for r in [*prods, *[Scorer(hub, i) for i in range(scorers)]]]
+        roles = [*prods, *[Scorer(hub, i) for i in range(scorers)]]
+        loops = [asyncio.ensure_future(r.run()) for r in roles]
         try:
             return await Consumer(hub, prods).run(steps, warmup)
         finally:
-            await hub.close()
+            for role in roles:
+                role.stopped = True
+            await hub.close()  # wakes every waiter; a put after it raises QueueClosed, which ends that loop
+            await asyncio.wait(loops, timeout=5)
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
