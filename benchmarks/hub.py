@@ -258,14 +258,18 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
     prods = [ray.remote(Producer).options(**opts).remote(hub, i, payload, gated) for i in range(producers)]
     scs = [ray.remote(Scorer).options(**opts).remote(hub, i) for i in range(scorers)]
     consumer = ray.remote(Consumer).options(**opts).remote(hub, [Remote(p) for p in prods])
+    loops: list[Any] = []
     try:
-        loops = [a.run.remote() for a in [*prods, *scs]]
-        count, seconds = ray.get(consumer.run.remote(steps, warmup))
-        del loops  # they run until their actors are killed below
-        return count, seconds
+        loops = [a.run.remote() for a in [*prods, *scs]]  # they run until their actors are killed below
+        return ray.get(consumer.run.remote(steps, warmup))
     finally:
         for actor in [consumer, *prods, *scs, handle]:
             ray.kill(actor)
+        for ref in loops:  # retrieved: their ActorDiedError is expected, not an unhandled error to print
+            try:
+                ray.get(ref, timeout=10)
+            except Exception:
+                pass
 
 
 def bench_hub(args: argparse.Namespace) -> dict[str, dict[str, tuple[float, float]]]:
