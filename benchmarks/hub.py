@@ -277,6 +277,10 @@ def bench_hub(args: argparse.Namespace) -> dict[str, dict[str, tuple[float, floa
     import ray
 
     cfg = hub_config(args.producers, args.scorers, args.quick)
+    if __name__ != "__main__":  # loaded from a file (the smoke test): the actors' workers cannot import it by name
+        from ray import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     payloads = {"tiny": (8, 16)} if args.quick else PAYLOADS
     ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, object_store_memory=256 * 2**20)
