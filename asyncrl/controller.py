@@ -124,6 +124,9 @@ class Controller:
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
         self._window_end = 0.0
+        # the event loop thread's CPU seconds at the window's end: `time/controller_s` is the next window's
+        # increment (thread_time, not wall: awaiting the roles costs the driver nothing)
+        self._cpu_mark = 0.0
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py); colocated:
         # in series, the generators asleep from before the train step to after the weight sync
         self.colocated = cfg.cluster.placement == "colocated"
@@ -167,7 +170,7 @@ class Controller:
             if not self.colocated:
                 await self._first_eval(sinks, first_step, t_start)
             await self.steps.start()
-            t_prev = time.time()
+            t_prev, self._cpu_mark = time.time(), time.thread_time()
             for step in range(first_step, cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
@@ -238,11 +241,16 @@ class Controller:
                 await evaluate()
             row.update(evaluated)
             self.rollouts.write(version, row.pop(EVAL_SAMPLES_KEY, []))
-        t_end = time.time()
+        t_end, cpu = time.time(), time.thread_time()
         if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
+        # the driver's own work in that window: the Controller, the step pipeline, supervision, the watch and
+        # the Ray calls they make (their row work of the previous step included); on Ray its share of
+        # time/step_s is what driving the run costs (benchmarks/hub.py)
+        row["time/controller_s"] = cpu - self._cpu_mark
+        self._cpu_mark = cpu
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
         self._window_end = t_end
         return row

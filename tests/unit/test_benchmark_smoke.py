@@ -131,3 +131,41 @@ def test_train_step_quick_run_prints_the_breakdown_and_the_result_json_line(caps
     assert last == returned and last["benchmark"] == "train_step" and last["unit"] == "steps/s"
     assert last["value"] > 0 and last["baseline"] > 0
     assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"] + 1e-3
+
+
+HUB = SCRIPT.parent / "hub.py"
+
+
+def load_hub(monkeypatch):
+    spec = importlib.util.spec_from_file_location("hub_benchmark", HUB)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hub_benchmark_moves_every_steps_trajectories_through_the_in_process_buffer(monkeypatch):
+    hub = load_hub(monkeypatch)
+    cfg = hub.hub_config(producers=2, scorers=1, quick=True)
+    count, seconds = hub.run_in_process(cfg, (8, 16), producers=2, scorers=1, steps=3, warmup=1)
+    assert count == 3 * cfg.trainer.prompts_per_step * hub.GROUP_SIZE and seconds > 0
+
+
+def test_hub_benchmark_share_is_the_controllers_seconds_over_the_step_windows_after_the_first(monkeypatch):
+    share = load_hub(monkeypatch).controller_share
+    rows = [{"step": 1, "time/step_s": 5.0, "time/controller_s": 1.0},  # the first: setup, left out
+            {"step": 2, "time/step_s": 1.0, "time/controller_s": 0.01},
+            {"step": 3, "time/step_s": 3.0, "time/controller_s": 0.03}]
+    percent, median_s, counted = share(rows)
+    assert percent == pytest.approx(1.0) and median_s == pytest.approx(0.02) and counted == 2
+
+
+@pytest.mark.slow
+def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the_json_line(capsys, monkeypatch):
+    returned = load_hub(monkeypatch).main(["--quick"])
+    out = capsys.readouterr().out
+    assert "in-process" in out and "plain Ray" in out and "B. the Controller" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == returned and last["benchmark"] == "hub" and last["target"] == 1.0
+    assert last["value"] > 0 and last["ratio"] == pytest.approx(2.0 / last["value"], rel=0.01)
+    assert last["hub_traj_per_s"] > 0 and last["plain_traj_per_s"] > 0

@@ -98,3 +98,36 @@ def test_controller_keeps_the_newest_rows_and_counts_them_all(tmp_path):
     for step in range(ROWS_KEPT + 5):
         c._keep_row([], {"step": step + 1})
     assert len(c.rows) == ROWS_KEPT and c.rows[0]["step"] == 6 and c.rows_written == ROWS_KEPT + 5
+
+
+def test_controller_seconds_count_the_drivers_cpu_in_each_window_not_its_waiting(tmp_path):
+    """`time/controller_s` is the loop thread's CPU in the step's window: a step whose pipeline computes on the
+    driver shows it, a step that only awaits (the roles working elsewhere) shows almost none."""
+    import time
+
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def step(step: int, while_asleep=None):
+        if step == 0:
+            busy(0.05)  # the driver's own work
+        else:
+            await asyncio.sleep(0.05)  # waiting on the roles: no CPU here
+        return {}, {}
+
+    c = controller(tmp_path, [], [], FakeRole(RoleStats(), RoleStats()),
+                   FakeRole(buffer(0, 0), buffer(0, 0)))
+    c.steps.step, c.steps.ask_next = step, lambda version: None
+
+    async def two_steps():
+        c._cpu_mark, t_prev = time.thread_time(), time.time()
+        first = await c._one_step(0, t_prev, t_prev)
+        second = await c._one_step(1, t_prev, c._window_end)
+        return first, second
+
+    first, second = asyncio.run(two_steps())
+    assert first["time/controller_s"] >= 0.05  # the busy step's CPU is all counted
+    assert second["time/controller_s"] < first["time/controller_s"]
+    assert second["time/controller_s"] < second["time/step_s"]  # awaiting is not the driver's time
