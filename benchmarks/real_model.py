@@ -12,7 +12,7 @@ Goal (issue 21): the native engine >= 2x HF `generate` at batch 32 on this CPU. 
 
 | section | what is timed |
 |---|---|
-| A. generation, batches 32 and 64 | one call of B prompts, each to its full `--new-tokens`, per engine, per thread count |
+| A. generation, batches 32 and 64 | one call of B prompts, each to its full 64 new tokens, per engine, per threads |
 | B. train step | `Learner.update` on 8 prompts x 4 samples of the engine's own completions; beside it the bare |
 | | forward + backward + AdamW step of the same padded batch |
 | C. weight sync | the Learner's `state_dict_for_sync()` from this process (rank 0, `CollectiveSender`) to a spawned |
@@ -231,8 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model: {path.name}, fp32, {params:,} parameters; torch {torch.__version__}; {os.cpu_count()} CPUs "
           f"(shared with other jobs: contended figures)")
 
-    gen = {t: generation(s, path, t, not args.no_vllm) for t in threads}
-    train = {t: train_step(s, path, t) for t in threads}
+    gen, train = {}, {}
+    for t in threads:  # each thread count whole before the next: a long run's first figures come early
+        gen[t] = generation(s, path, t, not args.no_vllm)
+        train[t] = train_step(s, path, t)
     sync = weight_sync(path, repeats=max(3, s.repeats) if not args.quick else 1)
 
     first = threads[0]

@@ -49,8 +49,9 @@ def _learner(path: Path) -> tuple[Learner, int]:
 def sampled_groups(s, path: Path, tokenizer_prompts: list[list[int]]) -> list[Group]:
     """The native engine's completions of the prompts (`s.train_samples` each, `s.train_new_tokens` long, EOS
     ignored), as scored groups with seeded random 0/1 rewards."""
-    from engines.torch_engine import TorchEngine
     from real_model import sampling
+
+    from engines.torch_engine import TorchEngine
 
     engine = TorchEngine(str(path), dtype="float32", max_prompt_len=max(map(len, tokenizer_prompts)), seed=0)
     try:
@@ -89,8 +90,9 @@ def bare_step(learner: Learner, trajs: list[Trajectory]):
 
 def train_step(s, path: Path, threads: int) -> dict[str, float]:
     """Median seconds of `Learner.update` and of the bare step on one step's samples, at `threads` threads."""
-    from engines import hf
     from real_model import chat_prompts
+
+    from engines import hf
 
     torch.set_num_threads(threads)
     prompts, _ = chat_prompts(hf.load_tokenizer(path), s.train_prompts)
