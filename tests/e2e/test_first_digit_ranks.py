@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.long]  # 3 x 60 steps: pytest -m long
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "first_digit" / "config.toml"
 HELD_OUT = 0.8  # the final eval/greedy_reward every variant reaches (README: 0.87-0.94 at step 60)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "runs" / "models" / "smollm2-135m-instruct"
 
 pytestmark = [
+    pytest.mark.long,  # the real model on every engine: pytest -m long
     pytest.mark.slow,  # a 135M model loaded five times and vLLM started: minutes on 2 shared cores
     pytest.mark.skipif(not (MODEL / "config.json").is_file(),
                        reason=f"no {MODEL.relative_to(ROOT)}: run python examples/smollm_arith/prepare.py"),
