@@ -262,6 +262,7 @@ class CheckpointRelay:
         there = await self._proxy.save_state(str(self._folder / checkpoint.CHECKPOINTS), **kwargs)
         here = Path(root) / PurePosixPath(there).name
         await fetch(self._ranks[0][0], there, here, hashes=False)
+        # the rule checkpoint.save applies after its own writes, so RUN_DIR keeps what the trainer's folder keeps
         await asyncio.to_thread(checkpoint._prune, Path(root), here, self._keep_last)
         log.info("fetched checkpoint %s from the trainer's node (%s) into %s", here.name, there, here)
         return str(here)
