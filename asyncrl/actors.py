@@ -31,6 +31,7 @@ from asyncrl.build import (
     set_torch_threads,
     sync_dtype,
 )
+from asyncrl.ckpt_transfer import NodeFiles
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
@@ -109,9 +110,10 @@ def _model_on_this_node(cfg: Config, kind: str) -> None:
                            f"every node that runs a role, or put it on storage they share") from None
 
 
-class RoleActor:
+class RoleActor(NodeFiles):
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
-    hosts the scorers with `cluster.scorer_placement = "buffer"`."""
+    hosts the scorers with `cluster.scorer_placement = "buffer"`. NodeFiles: the driver's file calls, which carry
+    checkpoints to and from a trainer on another node (asyncrl/ckpt_transfer.py)."""
 
     def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
                  incarnation: int = 0) -> None:

@@ -393,6 +393,13 @@ class RunConfig(Section):
     """The run directory, seed, checkpoints, and the limits that stop a run."""
 
     output_dir: Annotated[str, _d("run directory (config, metrics.jsonl, checkpoint)", min_length=1)] = "runs/default"
+    trainer_dir: Annotated[
+        str,
+        _d("Ray runs: the folder the trainer writes checkpoints and the final export into on its own node (e.g. a "
+           "node-local disk); empty = run.output_dir. When the trainer does not see run.output_dir there (another "
+           "node without shared storage, or this folder), the driver fetches each checkpoint and the export into "
+           "run.output_dir through Ray and ships the checkpoint to resume from back (docs/checkpoints.md)"),
+    ] = ""
     seed: Annotated[int, _d("base seed; each generator derives its own", ge=0)] = 0
     log_every: Annotated[int, _d("print a progress line every N steps", ge=1)] = 1
     save_checkpoint: Annotated[bool, _d("write the final weights as an HF folder into RUN_DIR/checkpoint")] = True

@@ -19,6 +19,7 @@ import ray
 from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard, run_loop
 from asyncrl.build import pin_cpus
+from asyncrl.ckpt_transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
@@ -119,6 +120,7 @@ class RayDeployment:
         self._replaced: dict[str, str] = {}  # the actor id of every restarted incarnation -> its role
         self._incarnations: dict[str, int] = {}  # role -> how often it was restarted (its holder name at the buffer)
         self._store_address: tuple[str, int] | None = None  # the trainer's rendezvous store, opened once
+        self._relay: CheckpointRelay | None = None  # set by relay_checkpoints when the trainer lacks RUN_DIR
         self.buffer = RayProxy(self.buffer_actor)
         self.trainer = RayProxy(self.trainer_actor)
         self.generators = [RayProxy(a) for a in self.generator_actors]
@@ -259,8 +261,21 @@ class RayDeployment:
         await asyncio.wait_for(new.ready.remote(), READY_TIMEOUT_S)
         (self.generators if kind == "generator" else self.scorers)[index].rebind(new)
 
+    def relay_checkpoints(self, *, fresh: bool) -> None:
+        """When a trainer rank does not see RUN_DIR, checkpoints and the final export travel through Ray from now
+        on: `trainer` becomes a CheckpointRelay (asyncrl/ckpt_transfer.py). `fresh`: a new run (no --resume)."""
+        run = self.cfg.run
+        self._relay = asyncio.run(relay_for(self.trainer, [self.trainer_actor, *self.rank_actors],
+                                            run_dir=run.output_dir, trainer_dir=run.trainer_dir,
+                                            keep_last=run.keep_last, fresh=fresh))
+        if self._relay is not None:
+            self.trainer = self._relay
+
     async def save_checkpoint(self, path: str) -> None:
-        await self.trainer_actor.save_checkpoint.remote(path)
+        if self._relay is not None:
+            await self._relay.save_export(path)
+        else:
+            await self.trainer_actor.save_checkpoint.remote(path)
 
     async def shutdown(self) -> None:
         for a in self.actors:
@@ -295,6 +310,7 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
             try:
                 deployment.wait_ready()
                 write_placement(cfg, deployment.where())
+                deployment.relay_checkpoints(fresh=not resume)
             except BaseException:
                 asyncio.run(deployment.shutdown())
                 raise

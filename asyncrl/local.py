@@ -70,6 +70,9 @@ class LocalDeployment:
         if cfg.trainer.num_ranks > 1:  # one process holds one trainer rank
             raise ValueError(f"trainer.num_ranks = {cfg.trainer.num_ranks}: an in-process run (--local) trains in one "
                              f"process — run it on Ray (drop --local), or set trainer.num_ranks = 1")
+        if cfg.run.trainer_dir:  # the trainer is this process: it writes run.output_dir itself
+            raise ValueError(f"run.trainer_dir = {cfg.run.trainer_dir!r}: an in-process run (--local) writes "
+                             f"run.output_dir itself — remove run.trainer_dir, or run it on Ray (drop --local)")
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.buffer_obj = build_buffer(cfg)
