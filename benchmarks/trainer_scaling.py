@@ -1,7 +1,7 @@
 """Trainer scaling: train-step throughput of 1 and 2 trainer ranks (`trainer.num_ranks`) for DDP and FSDP2 on the
 same batch, and the weight send after it.
 
-    python benchmarks/trainer_scaling.py              # Llama 4 layers hidden 256 (3.5M), 5 rounds: ~2 minutes
+    python benchmarks/trainer_scaling.py              # Llama 4 layers hidden 256 (3.5M), 5 rounds: ~5 minutes
     python benchmarks/trainer_scaling.py --rounds 9   # more rounds: steadier medians on a shared machine
     python benchmarks/trainer_scaling.py --quick      # tiny smoke run (the test); says nothing about the target
 
