@@ -1,7 +1,7 @@
 """Trainer scaling: train-step throughput of 1 and 2 trainer ranks (`trainer.num_ranks`) for DDP and FSDP2 on the
 same batch, and the weight send after it.
 
-    python benchmarks/trainer_scaling.py              # Llama 4 layers hidden 256 (3.5M), 5 rounds: ~2 minutes
+    python benchmarks/trainer_scaling.py              # Llama 4 layers hidden 256 (3.5M), 5 rounds: ~5 minutes
     python benchmarks/trainer_scaling.py --rounds 9   # more rounds: steadier medians on a shared machine
     python benchmarks/trainer_scaling.py --quick      # tiny smoke run (the test); says nothing about the target
 
@@ -364,6 +364,11 @@ def _med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _round_efficiency(s: Settings, times: dict[str, dict[str, list[float]]], config: str) -> list[float]:
+    one, two = times[CONFIGS[0]]["step"], times[config]["step"]
+    return [_med(one[i:i + s.steps]) / (2 * _med(two[i:i + s.steps])) for i in range(0, len(two), s.steps)]
+
+
 def report(s: Settings, times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     """Print the figures; -> the result object (the JSON line)."""
     tps = {c: s.tokens / _med(times[c]["step"]) for c in CONFIGS}
@@ -388,7 +393,8 @@ def report(s: Settings, times: dict[str, dict[str, list[float]]]) -> dict[str, A
         step, alone = _med(t["step"]), _med(t["compute alone"])
         sync, local = _med(t.get("sync micro-batch", [])), _med(t.get("local micro-batch", []))
         print(f"  {c}: step {step:.3f} s = compute alone {alone:.3f} s + communication and overhead "
-              f"{step - alone:.3f} s ({(step - alone) / step:.0%})")
+              f"{step - alone:.3f} s ({(step - alone) / step:.0%}); efficiency with no communication at all "
+              f"(1-rank step / (2 x compute alone)): {_med(times[CONFIGS[0]]['step']) / (2 * alone):.3f}")
         print(f"    one micro-batch's forward + backward: {local:.3f} s local, {sync:.3f} s synchronising "
               f"(the gradient reduction exposed: {sync - local:+.3f} s); other collectives of the step "
               f"{_med(t.get('other collectives', [])):.3f} s")
@@ -398,6 +404,10 @@ def report(s: Settings, times: dict[str, dict[str, list[float]]]) -> dict[str, A
     for c in CONFIGS:
         print(f"  {c:<20} gather {_med(times[c]['gather']):.4f} s + send {_med(times[c]['send']):.4f} s = "
               f"{send[c]:.4f} s ({send[c] / send[CONFIGS[0]]:.2f}x 1 rank)")
+    print("\nD. efficiency within each round (its own 1-rank and 2-rank medians, minutes apart at most: a load that "
+          "comes and goes shows here)")
+    for c in CONFIGS[2:]:
+        print(f"  {c}: " + " ".join(f"{e:.3f}" for e in _round_efficiency(s, times, c)))
     ddp, fsdp2 = eff[CONFIGS[2]], eff[CONFIGS[3]]
     print(f"\nscaling efficiency (2-rank tokens/s / 2 x 1-rank 1-thread tokens/s): ddp {ddp:.3f}, fsdp2 {fsdp2:.3f} "
           f"(target {TARGET}); against 1 rank with 2 threads: ddp {tps[CONFIGS[2]] / base2:.3f}, "
