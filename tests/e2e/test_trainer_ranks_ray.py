@@ -162,7 +162,7 @@ def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_wei
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp2", marks=pytest.mark.long)])  # fsdp2: pytest -m long
 def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_resumes_on_both_ranks(
         ray_cluster, make_config, tmp_path, caplog, mode):
     import asyncio
