@@ -307,24 +307,27 @@ class AffinityConfig(Section):
     ] = []
 
 
+_Resources = dict[str, Annotated[float, Meta(gt=0)]]  # Ray resource name -> amount each actor asks for
+
+
 class ResourcesConfig(Section):
     """Custom Ray resources each actor of a role asks for, e.g. `trainer = {gpu_node = 1}`: the role runs only on
     nodes that offer them (`ray start --resources '{"gpu_node": 1}'`), which pins roles to nodes or node types."""
 
     trainer: Annotated[
-        dict[str, Annotated[float, Meta(gt=0)]],
+        _Resources,
         _d("custom Ray resources of the trainer actor (each rank), e.g. {gpu_node = 1}"),
     ] = {}
     generator: Annotated[
-        dict[str, Annotated[float, Meta(gt=0)]],
+        _Resources,
         _d("custom Ray resources of every generator actor, e.g. {gpu_node = 1}"),
     ] = {}
     scorer: Annotated[
-        dict[str, Annotated[float, Meta(gt=0)]],
+        _Resources,
         _d("custom Ray resources of every scorer actor, e.g. {gpu_node = 1}"),
     ] = {}
     buffer: Annotated[
-        dict[str, Annotated[float, Meta(gt=0)]],
+        _Resources,
         _d("custom Ray resources of the replay buffer actor, e.g. {gpu_node = 1}"),
     ] = {}
 

@@ -133,24 +133,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
-    torch.set_num_threads(1)
-    steps = _steps()
+def _spawn(target: Any, world: int, *args: Any, limit_s: float = 300) -> Any:
+    """Run `target(rank, port, *args, out)` in `world` spawned processes; -> what rank 0 put into `out`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, mode, steps, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        result = _result(out, procs, limit_s=240)
+        result = _result(out, procs, limit_s=limit_s)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
+    return result
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
+    torch.set_num_threads(1)
+    steps = _steps()
+    result = _spawn(_rank_main, WORLD, mode, steps, limit_s=240)
     for case in CASES:
         weights, losses = result[case]
         ref_learner = _learner(case, 4)  # one process, micro-batches of 4 (a whole mini-batch)

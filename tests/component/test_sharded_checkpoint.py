@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 
 from asyncrl import checkpoint
@@ -32,7 +31,7 @@ from asyncrl.training.learner import Learner
 from asyncrl.training.parallel import DataParallel, copy_weights
 from asyncrl.training.reference import ReferencePolicy
 from tests.component.test_data_parallel import CASES as CASES_KW
-from tests.component.test_data_parallel import PAD, _free_port, _model, _result, _steps
+from tests.component.test_data_parallel import PAD, _model, _spawn, _steps
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks importing torch: about 90 s on 2 cores
 
@@ -145,25 +144,6 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, Any], list]:
     for case in CASES:
         _full_checkpoint(tmp / "full", case, steps)
     return tmp, _spawn(_rank_main, WORLD, str(tmp / "ck"), str(tmp / "full"), steps), steps
-
-
-def _spawn(target: Any, world: int, *args: Any) -> Any:
-    """Run `target(rank, port, *args, out)` in `world` spawned processes; -> what rank 0 put into `out`."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = _result(out, procs, limit_s=300)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return result
 
 
 def _full_state(learner: Learner) -> dict[str, torch.Tensor]:
