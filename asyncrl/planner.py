@@ -74,7 +74,11 @@ from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import read_trace, spans_from_trace
 
 TIE_SHARE = 0.02  # settings within 2% of the best predicted throughput count as tied
+GATE_OPEN_S = 0.003  # a generation starting this soon after its generator's gate wait ended: the gate opened it
+# a trainer gate wait longer than both of these waited for its groups (else they were ready: no hand-off seen)
+WAITED_S, WAITED_SHARE = 0.001, 0.1
 JITTER_WARMUP = 3  # first steps of a calibration run left out of T and the spread (first-call allocations)
+MIN_FIT_STEPS = 8  # train steps (after warm-up) an asynchronous run needs for the per-step fit of T alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +200,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     eval_every = cfg.trainer.eval_every
     costs = Costs(
         gen_a=a, gen_b=b, train_s=train_med, send_s=send_s, swap_s=swap_s,
-        overhead_s=_publish_latency(gen, train, send_s + swap_s) if setting.max_staleness == 0 else 0.0,
+        overhead_s=_publish_latency(gen, train, send_s + swap_s, kind("wait_gate")),
         release_s=_release(train, kind("wait_gate"), lambda v: eval_every > 0 and v % eval_every == 0),
         eval_s=_mean([s.duration for s in kind("eval") if s.version > 0]),  # version 0: before the loop
         eval_every=eval_every,
@@ -211,7 +215,8 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     costs = msgspec.structs.replace(
         costs, train_jitter=_spread(train_by_step, train_med),
         gen_jitter=_spread({v: _median(r) for v, r in _fit_residuals(gen, a, b).items()}, 1.0),
-        handoff_s=_handoff(costs, gen, kind("wait_gate")) if setting.max_staleness == 0 else 0.0)
+        handoff_s=(_handoff(costs, gen, kind("wait_gate")) if setting.max_staleness == 0
+                   else _handoff_async(costs, gen, kind("wait_gate"), train_med)))
     # the warm-up steps left out, as from T and the spread: the costs have no term for first-call work
     measured = summarize_rows(rows[JITTER_WARMUP:] if len(rows) > 2 * JITTER_WARMUP else rows).get(
         "throughput/samples_per_s")
@@ -219,6 +224,11 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         return costs  # on-policy: generation and training never overlap, contention is not observable
     # Fixed point: the costs alone depend on f (divide the slowdown out of the overlapped share), and f
     # is fitted with those costs. A few rounds settle it.
+    alone_by_step = _train_alone(train, busy_iv)
+    if alone_by_step:  # T from the steps themselves: each step's work alone, the overlap's cost taken out
+        t_alone = _median([alone_by_step[k] for k in _after_warmup(alone_by_step)])
+        costs = msgspec.structs.replace(costs, train_s=t_alone, train_jitter=_spread(alone_by_step, t_alone),
+                                        train_alone_fitted=True)
     f = 1.0
     for _ in range(4):
         # the slowdown while overlapped: the fitted f, and at least the roles' share of the cores
@@ -226,10 +236,32 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         # `share` is the wall share overlapped: that part did 1/slow of its work per second, the rest all
         # of it, so the work alone is value·((1 − share) + share / slow)
         alone = lambda value, share: value * ((1.0 - share) + share / slow)  # noqa: E731
-        costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train), gen_a=alone(a, o_gen),
-                                        gen_b=alone(b, o_gen), score_s=alone(score_per_sample, o_score))
+        costs = msgspec.structs.replace(costs, gen_a=alone(a, o_gen), gen_b=alone(b, o_gen),
+                                        score_s=alone(score_per_sample, o_score))
+        if not alone_by_step:
+            costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train))
         f = fit_contention(costs, setting, measured, steps)
     return msgspec.structs.replace(costs, contention=f, contention_measured=True)
+
+
+def _train_alone(train: list[Span], busy_iv: list[tuple[float, float]]) -> dict[int, float] | None:
+    """Asynchronous run: each train step's time alone. Step s took d_s of wall, ov_s of it beside generation
+    or scoring; while beside them it did 1/f of its work per second, so d_s = T_s + ov_s·(1 − 1/f). The
+    least-squares line through (ov_s, d_s), warm-up left out, gives the slope β = 1 − 1/f, and each step's
+    work alone is d_s − β·ov_s. None when the steps' overlaps do not spread enough to fit a slope (then the
+    overlapped share is divided out with the fitted f instead)."""
+    steps = {s.version: s for s in train if s.role == "trainer" and s.duration > 0}
+    ov = {v: intersection_length([(s.start, s.end)], busy_iv) for v, s in steps.items()}
+    fit = _after_warmup({v: s.duration for v, s in steps.items()})
+    if len(fit) < MIN_FIT_STEPS:
+        return None
+    xs, ys = [ov[v] for v in fit], [steps[v].duration for v in fit]
+    mx, my = _mean(xs), _mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= (0.05 * my) ** 2 * len(xs):  # overlaps within ±5% of a step of each other: no slope to see
+        return None
+    beta = min(1.0, max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var))
+    return {v: max(1e-6, steps[v].duration - beta * ov[v]) for v in steps}
 
 
 def _fit_residuals(gen: list[Span], a: float, b: float) -> dict[int, list[float]]:
@@ -269,16 +301,51 @@ def _release(train: list[Span], waits: list[Span], eval_due: Callable[[int], boo
                              if w.role == "trainer" and w.version - 1 in ends and not eval_due(w.version)]))
 
 
-def _publish_latency(gen: list[Span], train: list[Span], sync_s: float) -> float:
-    """On-policy run: the mean over versions of the first generation of version v after the end of train
-    step v - 1, less the sync (send + swap) the model has already: the controller's latency to publish,
-    and the admission after it."""
+def _publish_latency(gen: list[Span], train: list[Span], sync_s: float, waits: list[Span]) -> float:
+    """The mean over versions of the first generation of version v after the end of train step v - 1,
+    less the sync (send + swap) the model has already: the controller's latency to publish, and the
+    admission after it. Only the versions whose first generation followed a generator's gate wait count
+    (when there are any): there the publish opened the gate; a generator still busy with older groups
+    starts the new version later than its publish (an asynchronous run's versions, some of them)."""
     ends = {s.version + 1: s.end for s in train if s.role == "trainer"}
     first: dict[int, float] = {}
     for s in gen:
         if s.version in ends:
             first[s.version] = min(first.get(s.version, math.inf), s.start)
-    return max(0.0, _mean([t - ends[v] - sync_s for v, t in first.items()]))
+    gate_ends = sorted(w.end for w in waits if w.role.startswith("generator"))
+    opened = {v: t for v, t in first.items() if _near(gate_ends, t, GATE_OPEN_S)}
+    return max(0.0, _mean([t - ends[v] - sync_s for v, t in (opened or first).items()]))
+
+
+def _near(points: list[float], t: float, within: float) -> bool:
+    """Whether a sorted `points` has one in [t - within, t]."""
+    i = bisect.bisect_right(points, t)
+    return i > 0 and t - points[i - 1] <= within
+
+
+def _handoff_async(costs: Costs, gen: list[Span], waits: list[Span], train_s: float) -> float:
+    """Asynchronous run: the hand-off latency H seen on the steps where the trainer waited on the gate.
+    The groups of step s are the s-th P generate spans in admission (start) order; the scorers take them
+    as they end (n·σ each, one after the other); a waiting trainer took the step H after its last group
+    was scored. Steps the trainer did not wait for (its groups were ready before it asked) do not show H
+    and are left out, as are the warm-up steps (first calls); none such: 0 (H then does not limit the run,
+    nor shows in its costs)."""
+    c, P = costs, costs.prompts_per_step
+    spans = sorted((s for s in gen if s.duration > 0), key=lambda s: s.start)
+    ready, done = {}, 0.0
+    per_group = c.group_size * c.score_s / max(1, c.num_scorers)
+    for s in sorted(spans, key=lambda s: s.end):  # scored in the order they end
+        done = max(done, s.end) + per_group
+        ready[id(s)] = done
+    residuals = []
+    steps = _after_warmup({w.version: w.duration for w in waits if w.role == "trainer"})
+    for w in waits:
+        group = spans[w.version * P:(w.version + 1) * P]
+        if (w.role != "trainer" or w.version not in steps or len(group) < P
+                or w.duration <= max(WAITED_S, WAITED_SHARE * train_s)):
+            continue
+        residuals.append(w.end - max(ready[id(s)] for s in group))
+    return max(0.0, _mean(residuals))
 
 
 def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
@@ -304,18 +371,29 @@ def _handoff(costs: Costs, gen: list[Span], waits: list[Span]) -> float:
     return max(0.0, _mean(residuals))
 
 
+def steady_throughput(costs: Costs, setting: Setting, steps: int, warmup: int = JITTER_WARMUP) -> float:
+    """Predicted trained samples/s of a run of `steps` steps without its first `warmup` (as a run's
+    throughput is measured): the simulated run less its simulated first `warmup` steps (the pipeline's
+    fill, which weighs on a run of a few long steps). The whole run when it is not longer than 2·warmup."""
+    whole = simulate(costs, setting, steps).step_s
+    if steps <= 2 * warmup:
+        return costs.prompts_per_step * costs.group_size / whole
+    start = simulate(costs, setting, warmup).step_s
+    return costs.prompts_per_step * costs.group_size / ((steps * whole - warmup * start) / (steps - warmup))
+
+
 def fit_contention(costs: Costs, setting: Setting, measured: float, steps: int, *, top: float = 4.0) -> float:
     """The slowdown f in [1, top] under which the simulation of the calibration run's own setting gives
     its measured throughput (bisection: throughput falls as f grows); 1 or `top` at the ends."""
     def sps(f: float) -> float:
-        return simulate(msgspec.structs.replace(costs, contention=f), setting, steps).samples_per_s
+        return steady_throughput(msgspec.structs.replace(costs, contention=f), setting, steps)
 
     lo, hi = 1.0, top
     if sps(lo) <= measured:
         return lo
     if sps(hi) >= measured:
         return hi
-    for _ in range(30):
+    while hi - lo > 1e-3:  # f to a thousandth: a finer f moves the prediction by less than the spread
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sps(mid) > measured else (lo, mid)
     return (lo + hi) / 2

@@ -48,6 +48,10 @@ class Costs(msgspec.Struct, kw_only=True):
     num_scorers: int              # scorers pulling from the rollout queue (first free takes the next group)
     contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
     contention_measured: bool     # True: fitted to an asynchronous run; False: on-policy run, assumed 1
+    # True: T alone came from the asynchronous run's own steps (each step's duration against the seconds
+    # of it beside generation), so the f fitted with it says alone how the roles' threads slow each other;
+    # False: the threads' demand over the cores is a floor under the slowdown
+    train_alone_fitted: bool = False
     cores: float
     shared_interpreter: bool = False  # every role in one process (--local): one interpreter lock, capacity 1
     # process CPU seconds per wall second (in process, measured on the trainer's spans; else 1): while
@@ -74,10 +78,19 @@ def cpu_demand(costs: Costs, gate_roles: int, training: bool) -> float:
     return c.threads * (gate_roles * c.gate_cpu_share + (c.train_cpu_share if training else 0.0))
 
 
-def overlap_slowdown(costs: Costs) -> float:
-    """The slowdown of generation (or scoring) and training computing at once: the fitted contention,
-    and never less than the cores they want over the cores they share."""
-    return max(costs.contention, cpu_demand(costs, 1, True) / capacity(costs))
+def overlap_slowdown(costs: Costs, roles: int = 1) -> float:
+    """The slowdown of `roles` generating, scoring or handing-off roles and training computing at once.
+    The fitted contention f is the slowdown beside one such role: the cores shared as if that role kept
+    f·C − (the trainer's demand) of them busy (itself and the processes serving it: the buffer, the
+    Controller, Ray's); each further role keeps as many busy. Never less than the cores the roles' threads
+    want over the cores they share."""
+    c, cap = costs, capacity(costs)
+    trainer = c.threads * c.train_cpu_share
+    per_role = max(0.0, c.contention * cap - trainer)
+    # f fitted with T alone known already says how much the roles' threads slow each other; else the
+    # threads' demand over the cores is the floor
+    floor = 1.0 if c.train_alone_fitted else cpu_demand(c, roles, True) / cap
+    return max(1.0, (trainer + roles * per_role) / cap, floor)
 
 
 class Setting(msgspec.Struct, frozen=True):
@@ -130,7 +143,7 @@ def closed_form(costs: Costs, setting: Setting) -> float:
     t = c.train_s * _mean(c.train_jitter, 1.0)  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
     # which the longer one did min of its own: step = max + min·(f − 1), plus the trainer's serial part
-    f = overlap_slowdown(c)
+    f = overlap_slowdown(c, G)
     return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
 
 
@@ -202,8 +215,14 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
                 trainer.update(phase="train", left=c.train_s * draw(c.train_jitter))
         generating = [g for g in range(G) if inflight[g] and not stall[g][0] <= t < stall[g][1]]
         scoring = sum(1 for q in score_q if q)
-        slow = c.contention if ((generating or scoring) and trainer["phase"] == "train") else 1.0
-        slow = max(slow, cpu_demand(c, len(generating) + scoring, trainer["phase"] == "train") / capacity(c))
+        # groups on their way to the trainer (the hand-off: puts, takes, the buffer's and the Controller's
+        # work) compute too: as one more role beside training while any is under way
+        handing = 1 if scored else 0
+        busy_roles = len(generating) + scoring + handing
+        if busy_roles and trainer["phase"] == "train":
+            slow = overlap_slowdown(c, busy_roles)
+        else:
+            slow = max(1.0, cpu_demand(c, busy_roles, False) / capacity(c))
         # next event
         events = [scored[0][0]] if scored else []
         events += [t + q[0][1] * slow for q in score_q if q]  # a group scored (and the contention changes)

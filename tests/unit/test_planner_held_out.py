@@ -1,0 +1,82 @@
+"""The planner on settings it never saw, checked against real runs stored as fixtures (no Ray): calibrated on
+the asynchronous run of a workload, it predicts that run within 10% and the workload's other settings
+within 15%. The runs were recorded on Ray, 2 CPUs (tests/e2e/test_planner_accuracy.py re-measures them and
+can write them again: ASYNCRL_PLANNER_FIXTURES=DIR).
+
+  first_digit  examples/first_digit (the README's run: 1 generator, k = 1, evaluation every 10 steps),
+               30 steps: g<G>_k<K> = G generators, max_staleness K (g2_k1 is kept as the known miss: predicted
+               25% too fast, see docs/observability.md, "The planner")
+  overlap      the overlap benchmark's workload (benchmarks/overlap.py), 24 steps: k0 (synchronous), k2
+  smollm       the SmolLM2-135M example at a quarter of its batch (2 prompts x 4 samples), 8 steps: k0, k1
+"""
+
+import functools
+import statistics
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from asyncrl.planner import Costs, Setting, measured_throughput, simulate
+from asyncrl.planner import calibrate as calibrate_run
+from asyncrl.planner_fixture import prediction_error
+from asyncrl.telemetry.trace import read_trace, spans_from_trace
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIRST_DIGIT, OVERLAP = FIXTURES / "planner_first_digit", FIXTURES / "planner_overlap"
+SMOLLM = FIXTURES / "planner_smollm"
+SELF, HELD_OUT = 0.10, 0.15
+
+
+@functools.cache
+def calibrate(run: Path, cores: float = 2.0) -> Costs:
+    """Each fixture calibrated once per session (an asynchronous run's fit takes seconds)."""
+    return calibrate_run(run, cores=cores)
+
+
+@pytest.mark.parametrize("run", ["g1_k0", "g1_k2", "g2_k0", "g2_k2"])
+def test_first_example_calibrated_on_its_readme_run_predicts_other_settings(run):
+    assert abs(prediction_error(calibrate(FIRST_DIGIT / "g1_k1"), FIRST_DIGIT / "g1_k1")) <= SELF
+    assert abs(prediction_error(calibrate(FIRST_DIGIT / "g1_k1"), FIRST_DIGIT / run)) <= HELD_OUT
+
+
+def test_overlap_workload_calibrated_on_its_asynchronous_run_predicts_the_synchronous_one():
+    assert abs(prediction_error(calibrate(OVERLAP / "k2"), OVERLAP / "k2")) <= SELF
+    assert abs(prediction_error(calibrate(OVERLAP / "k2"), OVERLAP / "k0")) <= HELD_OUT
+
+
+@pytest.mark.skipif(not SMOLLM.exists(), reason="tests/fixtures/planner_smollm missing")
+def test_real_model_example_calibrated_on_its_asynchronous_run_predicts_the_synchronous_one():
+    # (its error on itself, -10.3% on this 8-step record, is over the 10% the others meet: 5 steps measured,
+    # trainer-bound, so the contention fit sits at its floor; tests/e2e/test_planner_accuracy.py checks it)
+    assert abs(prediction_error(calibrate(SMOLLM / "k1"), SMOLLM / "k0")) <= HELD_OUT
+
+
+def test_the_latencies_an_on_policy_run_waits_on_are_measured_in_the_asynchronous_run():
+    """The publish latency O and the hand-off H are on an on-policy step's critical path; an asynchronous
+    run hides most of them, yet its generators' gate waits and the trainer's waited steps show them: about
+    the values the on-policy run measures (H 0.032 s against 0.021 s: beside training the hand-off is
+    slower), and without them the on-policy prediction is far too fast."""
+    async_run, on_policy = calibrate(FIRST_DIGIT / "g1_k1"), calibrate(FIRST_DIGIT / "g1_k0")
+    assert 0.5 < async_run.overhead_s / on_policy.overhead_s < 2.0
+    assert 0.5 < async_run.handoff_s / on_policy.handoff_s < 2.0
+    bare = msgspec.structs.replace(async_run, overhead_s=0.0, handoff_s=0.0)
+    measured = measured_throughput(FIRST_DIGIT / "g1_k0", skip=3)
+    assert simulate(bare, Setting(1, 0), 30).samples_per_s > 1.3 * measured
+
+
+def test_the_train_step_alone_is_fitted_from_the_asynchronous_steps():
+    """Each train step of an asynchronous run took longer the more of it ran beside generation; the line
+    through (overlapped seconds, duration) gives the step alone: within 10% of the on-policy run's train
+    span, where the step's median (every step slowed by its overlap) is well above it."""
+    on_policy = calibrate(FIRST_DIGIT / "g1_k0").train_s
+    assert calibrate(FIRST_DIGIT / "g1_k1").train_s == pytest.approx(on_policy, rel=0.10)
+    overlap_alone = calibrate(OVERLAP / "k0").train_s
+    assert calibrate(OVERLAP / "k2").train_s == pytest.approx(overlap_alone, rel=0.10)
+    # the median asynchronous step, slowed by the generation beside it, is well above the step alone
+    assert _median_train_span(OVERLAP / "k2") > 1.1 * overlap_alone
+
+
+def _median_train_span(run: Path) -> float:
+    spans = spans_from_trace(read_trace(run / "trace.json"))
+    return statistics.median(s.duration for s in spans if s.kind == "train")
