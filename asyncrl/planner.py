@@ -20,26 +20,32 @@ The model, in one screen:
                step waits for its end
   scoring      each scorer takes the next generated group and scores its n samples, σ seconds each;
                the group reaches the trainer H seconds later (hand-offs: put, take, publish → admit; the
-               part of an on-policy run's gate wait that generation and scoring do not explain)
+               part of an on-policy run's gate wait that generation and scoring do not explain; in an
+               asynchronous run, the time from a waited-for step's last group scored to the trainer's take)
   spread       each train step takes T times a factor drawn from the calibration run's train spans over
                their median, each version's generation its time times a factor drawn likewise (the
                residuals of the batching fit); a prediction is the mean of several seeded simulations.
                The spread is what makes k = 1 wait on the gate when generation is nearly as long as
                training (a slow generation can not be made up within one step) while k = 2 absorbs it
-  contention   while generation or scoring runs beside training, all of them slow down by f: the value under
-               which the simulation of an asynchronous calibration run reproduces its measured throughput
-               (from an on-policy run f is not observable: 1); never less than r·threads / C for r roles
-               computing with `torch_threads` threads each on C cores. In the in-process deployment every
+  contention   while generation, scoring or a hand-off (a group between its scoring and the trainer: one
+               more role) runs beside training, all of them slow down: by f beside one such role, the value
+               under which the simulation of an asynchronous calibration run reproduces its measured
+               throughput (from an on-policy run f is not observable: 1); beside r roles by
+               (threads + r·(f·C − threads)) / C, as if each kept f·C − threads of the C cores busy. Unless
+               T alone came from the steps' own fit (below), never less than (r + 1)·threads / C for r
+               roles computing with `torch_threads` threads each. In the in-process deployment every
                role shares one interpreter lock and C is 1 whatever the machine has: the Python work of
                the roles (engine scheduler, scorer, optimizer loop) serialises, so overlap buys little
                and a second generator adds no capacity (measured on a quiet machine; under other jobs'
                load the scorer's hand-offs wait for the CPU too, and overlap pays off more). Opt-in,
                r counts each role by its CPU share: in process, the process CPU seconds per wall second
                the trainer saw while it waited on the gate (generation + scoring) and while it trained
-Calibrate from an on-policy run (k = 0) where possible: it is the one setting in which every phase runs
-alone, so its spans are the uncontended costs (the trainer's gate wait is generation + scoring, its train
-span is T). Spans of an asynchronous run carry the slowdown of whatever ran beside them (a scorer beside
-training took 3x its time alone, measured), which `calibrate` can only divide out on average.
+Calibration run: on Ray an asynchronous one (k >= 1, such as the README's first run). It shows the
+contention, which an on-policy run cannot; its steps give T alone (each train step's duration against the
+seconds of it spent beside generation: the line's intercept); its generators' gate waits show O and the
+steps the trainer waited for show H. In process an on-policy run (k = 0): every phase alone, its spans the
+uncontended costs (the trainer's gate wait is generation + scoring, its train span is T); there the roles
+share one interpreter lock, which the model has as capacity 1.
 Staleness of a trained group = the step that trains it − the engine version it was admitted at.
 """
 
@@ -421,15 +427,16 @@ def format_plan(costs: Costs, predictions: Sequence[Prediction]) -> str:
         f"train {c.train_s:.4f}s, send {c.send_s:.4f}s, swap {c.swap_s:.4f}s, release {c.release_s:.4f}s, "
         f"publish {c.overhead_s:.4f}s, eval {c.eval_s:.4f}s/{c.eval_every or '-'} steps, "
         f"score {c.score_s * 1e3:.3f} ms/sample x {c.num_scorers} scorer(s), hand-off {c.handoff_s:.4f}s"
-        f"{'' if c.handoff_s or not c.contention_measured else ' (not observable in an asynchronous run)'}",
+        f"{'' if c.handoff_s or not c.contention_measured else ' (the trainer never waited on the gate)'}",
         f"spread drawn from (value / median, per step): train {_range(c.train_jitter)}, generation "
         f"{_range(c.gen_jitter)}" + (f"; each prediction the mean of {REPLICATES} simulations"
                                      if c.train_jitter or c.gen_jitter else ""),
-        f"contention when generation and training overlap: x{c.contention:.2f} "
-        f"({contention_note}; "
-        f"at least the CPU the roles computing at once want (gate phase {c.gate_cpu_share:.2f}, training "
-        f"{c.train_cpu_share:.2f} core-seconds per second, x {c.threads} thread(s)) / {capacity(c):g} core(s)"
-        f"{'; one interpreter lock shared by every role (in-process run)' if c.shared_interpreter else ''})",
+        f"contention beside one generating, scoring or handing-off role: x{c.contention:.2f} "
+        f"({contention_note}; each further role adds as much CPU demand; "
+        + ("train time alone fitted from the steps' overlaps" if c.train_alone_fitted else
+           f"at least the CPU the roles computing at once want (gate phase {c.gate_cpu_share:.2f}, training "
+           f"{c.train_cpu_share:.2f} core-seconds per second, x {c.threads} thread(s)) / {capacity(c):g} core(s)")
+        + f"{'; one interpreter lock shared by every role (in-process run)' if c.shared_interpreter else ''})",
         "",
         "| generators | max_staleness | samples/s (sim) | samples/s (closed form) | step s | generator busy "
         "| trainer busy | staleness mean | staleness histogram |",

@@ -38,7 +38,8 @@ class Costs(msgspec.Struct, kw_only=True):
     # latency from a group's generation end to the trainer having it, beyond the scoring modelled: the
     # hand-offs (publish, admit, put, the scorer's take, the trainer's take) and the spread of the groups'
     # starts and ends. Measured in an on-policy run (the part of its gate wait that the generation and
-    # scoring model does not explain); 0 from an asynchronous run, whose gate wait does not show it
+    # scoring model does not explain), in an asynchronous one on the steps the trainer waited for (from
+    # the step's last group scored to the wait's end); 0 when it never waited
     handoff_s: float = 0.0
     # each step's train time and each version's generation time over their medians in the calibration
     # run (warm-up left out): the spread the simulation draws from. Empty: every step takes the median
@@ -78,18 +79,19 @@ def cpu_demand(costs: Costs, gate_roles: int, training: bool) -> float:
     return c.threads * (gate_roles * c.gate_cpu_share + (c.train_cpu_share if training else 0.0))
 
 
-def overlap_slowdown(costs: Costs, roles: int = 1) -> float:
+def overlap_slowdown(costs: Costs, roles: int = 1, threaded: int | None = None) -> float:
     """The slowdown of `roles` generating, scoring or handing-off roles and training computing at once.
     The fitted contention f is the slowdown beside one such role: the cores shared as if that role kept
     f·C − (the trainer's demand) of them busy (itself and the processes serving it: the buffer, the
     Controller, Ray's); each further role keeps as many busy. Never less than the cores the roles' threads
-    want over the cores they share."""
+    want over the cores they share (`threaded`: the roles among them that compute with torch threads,
+    generators and scorers; default all)."""
     c, cap = costs, capacity(costs)
     trainer = c.threads * c.train_cpu_share
     per_role = max(0.0, c.contention * cap - trainer)
     # f fitted with T alone known already says how much the roles' threads slow each other; else the
     # threads' demand over the cores is the floor
-    floor = 1.0 if c.train_alone_fitted else cpu_demand(c, roles, True) / cap
+    floor = 1.0 if c.train_alone_fitted else cpu_demand(c, roles if threaded is None else threaded, True) / cap
     return max(1.0, (trainer + roles * per_role) / cap, floor)
 
 
@@ -220,9 +222,9 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         handing = 1 if scored else 0
         busy_roles = len(generating) + scoring + handing
         if busy_roles and trainer["phase"] == "train":
-            slow = overlap_slowdown(c, busy_roles)
+            slow = overlap_slowdown(c, busy_roles, threaded=busy_roles - handing)
         else:
-            slow = max(1.0, cpu_demand(c, busy_roles, False) / capacity(c))
+            slow = max(1.0, cpu_demand(c, busy_roles - handing, False) / capacity(c))
         # next event
         events = [scored[0][0]] if scored else []
         events += [t + q[0][1] * slow for q in score_q if q]  # a group scored (and the contention changes)
