@@ -47,7 +47,7 @@ class Costs(msgspec.Struct, kw_only=True):
     gen_jitter: list[float] = []
     score_s: float                # scorer seconds per sample (a group of n costs n·score_s)
     num_scorers: int              # scorers pulling from the rollout queue (first free takes the next group)
-    contention: float             # slowdown while generation (or scoring) and training run at once (>= 1)
+    contention: float             # slowdown of training beside one generating, scoring or handing-off role (>= 1)
     contention_measured: bool     # True: fitted to an asynchronous run; False: on-policy run, assumed 1
     # True: T alone came from the asynchronous run's own steps (each step's duration against the seconds
     # of it beside generation), so the f fitted with it says alone how the roles' threads slow each other;
