@@ -74,7 +74,7 @@ def test_overlap_benchmark_workload_is_predicted_on_its_own_setting_and_on_one_i
     check("planner_overlap", tmp_path / "k2", tmp_path / "k0")
 
 
-@pytest.mark.timeout(1800)  # SmolLM2-135M on 2 CPUs: the model's conversion and two runs of 8 steps
+@pytest.mark.timeout(1800)  # SmolLM2-135M on 2 CPUs: the model's conversion and two runs of 16 steps
 def test_real_model_example_is_predicted_on_its_own_setting_and_on_one_it_never_saw(ray_cluster, tmp_path):
     from examples.smollm_arith import prepare
 
@@ -85,7 +85,7 @@ def test_real_model_example_is_predicted_on_its_own_setting_and_on_one_it_never_
     train, held_out = prepare.write_data(model, tmp_path / "data")
     config = ROOT / "examples" / "smollm_arith" / "config.toml"
     common = (f'model.path="{model}"', f'data.path="{train}"', f'data.eval_path="{held_out}"',
-              "trainer.total_steps=8", "trainer.eval_every=0",
+              "trainer.total_steps=16", "trainer.eval_every=0",
               # a quarter of the example's batch (8 samples a step): 4x shorter train steps, same model
               "trainer.prompts_per_step=2", "rollout.group_size=4")
     k1 = launch(config, tmp_path / "k1", *common)
