@@ -21,8 +21,9 @@ Three decisions, each overridden by an explicit setting:
   light roles and Ray's threads preempted the trainer 4-10% of its update time on 2 cores. Nothing is pinned
   when `[cluster.affinity]` names any CPU, on a cluster at `cluster.address`, or when a role uses a GPU.
 
-`resolve_ray(cfg)` (the driver, before the local cluster starts; a cluster it joins is not pinned) writes the placement and affinity decisions into
-the config the actors get; each actor then pins itself and calls `role_threads` with the CPUs it may run on.
+`resolve_ray(cfg)` (the driver, before the local cluster starts; a cluster it joins is not pinned) writes the
+placement and affinity decisions into the config the actors get; each actor then pins itself and calls
+`decide_threads` (and `thread_candidates` for its tuner) with the CPUs it may run on.
 """
 
 from __future__ import annotations
