@@ -459,7 +459,7 @@ def _check_placement(cfg: Config) -> list[str]:
     need = sum(p.total_cpus for p in plans)
     if need <= cfg.cluster.num_cpus + 1e-9:
         return []
-    parts = ", ".join(f"{p.count} {p.role}{'s' if p.count != 1 else ''} x {p.cpus:g}" for p in plans)
+    parts = ", ".join(f"{p.count} {p.role}{'s' if p.count != 1 else ''} x {p.cpus:g}" for p in plans if p.count)
     return [f"cluster.num_cpus: the plan needs {need:g} CPUs ({parts}) but the local cluster has "
             f"{cfg.cluster.num_cpus:g} — lower cluster.generator_cpus (or another cluster.*_cpus) "
             f"or raise cluster.num_cpus"]

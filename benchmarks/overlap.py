@@ -3,6 +3,7 @@
     python benchmarks/overlap.py                # Ray, 2 CPUs, 5 rounds of 40 steps: about 8 minutes
     python benchmarks/overlap.py --local        # in-process deployment instead of Ray
     python benchmarks/overlap.py --quick        # tiny smoke run (used by the test); says nothing about the target
+    python benchmarks/overlap.py --defaults --rounds 3   # what a user gets: no cluster.* key set (about 5 minutes)
 
 Issue 7's goal: with the same model, task and number of trained samples, asynchronous training
 (max_staleness >= 1) reaches at least 0.95 of the ideal speed-up over synchronous training
@@ -45,6 +46,14 @@ weight receive and swap); the script prints G/T and warns when a run lands outsi
 Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`), so each one has exactly
 --tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
+
+--defaults: every run leaves [cluster] at its defaults (scorer_placement, torch_threads and auto_affinity
+decide by themselves: asyncrl/auto.py) and starts its own local cluster, as `asyncrl launch` does; the async run
+takes the config's max_staleness and weight_update unless --staleness / --weight-update say otherwise. The sync
+runs set cluster.torch_threads to --sync-threads (1: what the async run's roles get on 2 cores) so that G and
+T describe the threads the async run has; sync-2t is then the untouched defaults at max_staleness 0 (every
+role may use both cores and measures which count is faster). The "train cpu/wall" column is the trainer's
+process CPU per wall second of its updates: below 1, something took its core (another role, Ray, another job).
 
 Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, replay buffer
 and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin lets every
@@ -176,7 +185,20 @@ def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -
     out["run_s"] = time.time() - t0
     placed = root / name / "placement.json"  # Ray: each role's torch threads and CPUs as it ran
     out["placement"] = json.loads(placed.read_text()) if placed.exists() else {}
+    out["train_cpu_share"] = train_cpu_share(root / name / "trace.json", args.warmup)
     return out
+
+
+def train_cpu_share(trace: Path, warmup: int) -> float:
+    """The trainer process's CPU seconds per wall second of its updates (`train` spans after the warm-up): below
+    1 when something took its core from it (another role, Ray, another job on the machine); nan without a trace."""
+    from asyncrl.telemetry.trace import read_trace, spans_from_trace
+
+    if not trace.exists():
+        return float("nan")
+    spans = [s for s in spans_from_trace(read_trace(trace)) if s.kind == "train" and s.version > warmup]
+    wall = sum(s.duration for s in spans)
+    return sum(max(s.cpu_s, 0.0) for s in spans) / wall if wall > 0 else float("nan")
 
 
 def threads_of(out: dict) -> str:
@@ -285,8 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
           + (f"; overrides {args.sets}" if args.sets else ""))
     print()
     print("| round | run | max_staleness | threads/role | G s | T s | G/T | step s | samples/s | vs sync | ideal | "
-          "share of ideal | staleness mean | overlap | run s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "share of ideal | staleness mean | overlap | train cpu/wall | run s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     shares = []
     for i, (sync, asyn) in enumerate(rounds, 1):
         G, T = sync["G"], sync["T"]
@@ -296,15 +318,16 @@ def main(argv: list[str] | None = None) -> dict:
         band = "" if 0.75 <= G / T <= 1.33 else " (outside 0.75..1.33)"
         print(f"| {i} | sync | 0 | {threads_of(sync)} | {G:.3f} | {T:.3f} | {G / T:.2f}{band} | {sync['step_s']:.3f} | "
               f"{sync['samples_per_s']:.1f} | 1.00x | | | {sync['staleness_mean']:.2f} | {sync['overlap']:.2f} | "
-              f"{sync['run_s']:.0f} |")
+              f"{sync['train_cpu_share']:.2f} | {sync['run_s']:.0f} |")
         print(f"| {i} | async | {args.staleness} | {threads_of(asyn)} | | | | {asyn['step_s']:.3f} | "
               f"{asyn['samples_per_s']:.1f} | "
               f"{speedup:.2f}x | {ideal:.3f} | **{speedup / ideal:.3f}** | {asyn['staleness_mean']:.2f} | "
-              f"{asyn['overlap']:.2f} | {asyn['run_s']:.0f} |")
+              f"{asyn['overlap']:.2f} | {asyn['train_cpu_share']:.2f} | {asyn['run_s']:.0f} |")
     last_sync = rounds[-1][0]
     print(f"| - | sync-2t | 0 | {threads_of(sync2)} | | | | {sync2['step_s']:.3f} | {sync2['samples_per_s']:.1f} | "
           f"{sync2['samples_per_s'] / last_sync['samples_per_s']:.2f}x (vs round {len(rounds)}) | | | "
-          f"{sync2['staleness_mean']:.2f} | {sync2['overlap']:.2f} | {sync2['run_s']:.0f} |")
+          f"{sync2['staleness_mean']:.2f} | {sync2['overlap']:.2f} | {sync2['train_cpu_share']:.2f} | "
+          f"{sync2['run_s']:.0f} |")
     print()
     # The round whose share of the ideal is the median one (rounds alternate sync and async, so a change of
     # the machine's speed between two runs moves one round's share, not the figure).

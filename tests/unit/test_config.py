@@ -142,8 +142,8 @@ CASES = [
     ("unknown_loss_agg", {"algorithm.loss_agg": "token_mean"},
      "algorithm.loss_agg: unknown loss aggregation 'token_mean' — did you mean 'token-mean'?"),
     ("plan_exceeds_cluster", {"rollout.num_generators": 3},
-     "cluster.num_cpus: the plan needs 2.5 CPUs (3 generators x 0.5, 1 scorer x 0.25, 1 trainer x 0.5, "
-     "1 buffer x 0.25) but the local cluster has 2 — lower cluster.generator_cpus"),
+     "cluster.num_cpus: the plan needs 2.25 CPUs (3 generators x 0.5, 1 trainer x 0.5, "
+     "1 buffer x 0.25) but the local cluster has 2 — lower cluster.generator_cpus"),  # the scorer: in the buffer
     ("heads_not_dividing_hidden", {"model.build_tiny.hidden_size": 30},
      "model.build_tiny.num_heads: 4 does not divide model.build_tiny.hidden_size = 30"),
     ("odd_head_size", {"model.build_tiny.hidden_size": 36},
@@ -318,7 +318,7 @@ RANK_CASES = [
      "trainer.num_ranks: 3 does not divide a mini-batch of samples_per_step / trainer.mini_batches = 16 / 2 = 8 "
      "samples (each rank trains an equal share) — use a divisor of 8, e.g. 2"),
     ("ranks_beyond_the_cluster", {"trainer.num_ranks": 4},
-     "cluster.num_cpus: the plan needs 3 CPUs (1 generator x 0.5, 1 scorer x 0.25, 4 trainers x 0.5, 1 buffer x "
+     "cluster.num_cpus: the plan needs 2.75 CPUs (1 generator x 0.5, 4 trainers x 0.5, 1 buffer x "
      "0.25) but the local cluster has 2"),
     ("ranks_colocated", {"trainer.num_ranks": 2, "cluster.placement": "colocated"},
      "trainer.num_ranks: 2 trainer ranks cannot share the one colocated device"),
