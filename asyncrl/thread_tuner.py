@@ -1,11 +1,12 @@
 """A role's torch threads chosen from its measured speed (`cluster.torch_threads = "auto"`, Ray deployment).
 
-Which thread count is faster depends on the work, not only on the cores: on the 2-core machine of
-benchmarks/README.md (overlap), the trainer's update of a 0.8M-parameter model took 0.224 s a step on 1 thread and
-0.173 s on 2, while the generator's decode of the same model took 0.171 s on 1 thread and 0.227 s on 2 (small
-matmuls: the second thread's hand-offs cost more than it computes). So where asyncrl.auto offers a role more
-than one count (`thread_candidates`: the phases alternate, or the role has cores of its own), a `ThreadTuner`
-measures them on the role's own work and keeps the faster:
+Which thread count is faster depends on the work and on what else runs, not only on the cores. On the 2-core
+machine of benchmarks/README.md (overlap, max_staleness 0, a 0.8M-parameter model), the trainer's update took a
+median 0.187 s on 1 thread and 0.134 s on 2, and a step's generation 0.095 s and 0.068 s. But with every
+process at 2 threads (`torch_threads = 2`: the buffer's and the scorer's too) generation went from 0.114 s to
+0.174 s. And small matmuls can lose more to a second thread's hand-offs than it computes. So where asyncrl.auto
+offers a role more than one count (`thread_candidates`: the phases alternate, or the role has cores of its own),
+a `ThreadTuner` measures them on the role's own work and keeps the faster:
 
 - after `skip` warm-up units, windows of `window` units run with each candidate in turn (1, n, 1, n, ...: a steady
   drift of the machine's speed favours neither), `windows` per candidate;

@@ -171,3 +171,29 @@ def test_tuned_updater_runs_each_update_with_the_tuners_threads_on_its_own_threa
     assert [r["trainer/torch_threads"] for r in rows] == [float(n) for n in learner.threads]
     assert rows[0]["trainer/loss"] == 0.5 and tuned.version == 7  # the learner's attributes pass through
     assert torch.get_num_threads() == before  # the caller's own thread is left alone
+
+
+def test_the_native_engine_decodes_with_the_tuners_threads_and_keeps_the_faster(tmp_path):
+    import asyncio
+
+    from asyncrl.config_schema import TinyModelConfig
+    from asyncrl.messages import SamplingParams
+    from engines import hf
+    from engines.torch_engine import TorchEngine
+
+    hf.build_tiny_model(tmp_path, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=64))
+    engine = TorchEngine(str(tmp_path), seed=0)
+    tuner = ThreadTuner([1, 2], window=2, windows=2, skip=1)
+    engine.scheduler.tuner = tuner
+    threads_seen = []
+    engine.scheduler.on_step = lambda step: threads_seen.append(torch.get_num_threads())  # on the engine's thread
+    try:
+        out = asyncio.run(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, ignore_eos=True)))
+    finally:
+        asyncio.run(engine.close())
+    assert all(len(c[0].response_ids) == 12 for c in out)
+    assert tuner.chosen in (1, 2) and len(tuner.samples[1]) == 4 and len(tuner.samples[2]) == 4
+    # each decode step ran with the count the tuner asked for: warm-up and windows of 2, then the faster one
+    assert threads_seen[:9] == [1, 1, 1, 2, 2, 1, 1, 2, 2]
+    assert set(threads_seen[9:]) <= {tuner.chosen} and engine.scheduler.num_threads == tuner.chosen
