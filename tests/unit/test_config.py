@@ -261,11 +261,12 @@ def test_colocated_placement_with_an_engine_that_cannot_sleep_is_one_line_naming
 
 def test_placement_is_not_checked_against_an_existing_cluster():
     cfg = load_config(write_config({"rollout.num_generators": 8, "cluster.address": "10.0.0.1:6379"}))
-    assert derived(cfg)["cpus_requested"] == 5.0 and derived(cfg)["cpus_available"] is None
+    assert derived(cfg)["cpus_requested"] == 4.75 and derived(cfg)["cpus_available"] is None
 
 
 def test_plan_resources_lists_every_role_with_its_cpus():
-    cfg = load_config(write_config({"rollout.num_generators": 2, "reward.num_scorers": 1}))
+    cfg = load_config(write_config({"rollout.num_generators": 2, "reward.num_scorers": 1,
+                                    "cluster.scorer_placement": "actor"}))
     assert plan_resources(cfg) == [
         ActorPlan(role="generator", count=2, cpus=0.5), ActorPlan(role="scorer", count=1, cpus=0.25),
         ActorPlan(role="trainer", count=1, cpus=0.5), ActorPlan(role="buffer", count=1, cpus=0.25),
@@ -290,7 +291,7 @@ def test_derived_numbers_for_a_known_config():
     assert d["samples_per_mini_batch"] == 8 and d["micro_batches_per_mini_batch"] == 3
     assert d["max_groups_in_flight"] == 24 and d["max_samples_in_flight"] == 96
     assert d["rollout_queue_capacity_samples"] == 64 and d["train_store_capacity_groups"] == 16
-    assert d["cpus_requested"] == 1.5 and d["cpus_available"] == 2.0
+    assert d["cpus_requested"] == 1.25 and d["cpus_available"] == 2.0  # the scorer: in the buffer actor (auto)
     assert d["weight_sync_backend"] == "gloo"  # auto without CUDA
     assert [a["role"] for a in d["actors"]] == ["generator", "scorer", "trainer", "buffer"]
 
