@@ -186,6 +186,7 @@ def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -
     placed = root / name / "placement.json"  # Ray: each role's torch threads and CPUs as it ran
     out["placement"] = json.loads(placed.read_text()) if placed.exists() else {}
     out["train_cpu_share"] = train_cpu_share(root / name / "trace.json", args.warmup)
+    out["threads"] = str(cfg.cluster.torch_threads)  # as configured (placement.json: as the roles got it)
     return out
 
 
@@ -202,9 +203,9 @@ def train_cpu_share(trace: Path, warmup: int) -> float:
 
 
 def threads_of(out: dict) -> str:
-    """"trainer/generator" torch threads as the run's roles reported them (placement.json), or "-"."""
+    """"trainer/generator" torch threads as the run's roles reported them (placement.json), else as configured."""
     p = out.get("placement", {})
-    return "/".join(str(p[r]["torch_threads"]) for r in ("trainer", "generator 0") if r in p) or "-"
+    return "/".join(str(p[r]["torch_threads"]) for r in ("trainer", "generator 0") if r in p) or out["threads"]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -435,7 +435,8 @@ class Generator:
         samples = self._window.take("samples", self.samples_generated)
         truncated = self._window.take("prompts_truncated", self.prompts_truncated)
         own = f"generator/{self.generator_id}"
-        threads = getattr(getattr(self.engine, "scheduler", None), "num_threads", 0)  # the native engine's loop
+        loop = getattr(self.engine, "scheduler", None)  # the native engine's: its threads, where a tuner picks them
+        threads = loop.num_threads if getattr(loop, "tuner", None) is not None else 0
         return RoleStats(metrics={
             "generation/tokens_per_s": Rate(tokens),
             f"{own}/tokens_per_s": Rate(tokens),
