@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import ray
 
+from asyncrl.auto import available_cpus, decide_threads, scorers_in_buffer, thread_candidates
 from asyncrl.build import (
     build_buffer,
     build_generator,
@@ -37,6 +38,7 @@ from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.spans import SpanRecorder
+from asyncrl.thread_tuner import ThreadTuner, TunedUpdater
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
 from transports.base import SENDERS
@@ -110,6 +112,18 @@ def _model_on_this_node(cfg: Config, kind: str) -> None:
                            f"every node that runs a role, or put it on storage they share") from None
 
 
+def tune_threads(cfg: Config, kind: str, role: Any) -> None:
+    """Where `cluster.torch_threads = "auto"` offers the role more than one thread count, measure them on its own
+    work and keep the faster (asyncrl/thread_tuner.py): the trainer's updates, the native engine's decode steps."""
+    candidates = thread_candidates(cfg, len(available_cpus()), kind)
+    if len(candidates) < 2:
+        return
+    if kind == "trainer" and cfg.trainer.num_ranks == 1:
+        role.pipeline.learner = TunedUpdater(role.pipeline.learner, ThreadTuner(candidates))
+    elif kind == "generator" and hasattr(getattr(role.engine, "scheduler", None), "tuner"):
+        role.engine.scheduler.tuner = ThreadTuner(candidates, window=8, skip=8)  # decode steps
+
+
 class RoleActor(NodeFiles):
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
     hosts the scorers with `cluster.scorer_placement = "buffer"`. NodeFiles: the driver's file calls, which carry
@@ -119,11 +133,11 @@ class RoleActor(NodeFiles):
                  incarnation: int = 0) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
-        set_torch_threads(cfg.cluster.torch_threads)
+        set_torch_threads(decide_threads(cfg, len(available_cpus()), kind))  # after pinning: the CPUs it may use
         self.kind = kind
         self.cfg = cfg
         self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
-        if kind != "buffer" or cfg.cluster.scorer_placement == "buffer":
+        if kind != "buffer" or scorers_in_buffer(cfg):
             _model_on_this_node(cfg, kind)
         self._buffer = RayProxy(buffer_handle) if buffer_handle is not None else None
         # trainer.num_ranks > 1: every trainer rank builds its role once the trainer group formed (join_trainer_group)
@@ -131,9 +145,11 @@ class RoleActor(NodeFiles):
         self.role = None if ranked else _build(kind, cfg, index, self._buffer)
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
+        if self.role is not None:
+            tune_threads(cfg, kind, self.role)
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
-        if kind == "buffer" and cfg.cluster.scorer_placement == "buffer":
+        if kind == "buffer" and scorers_in_buffer(cfg):
             # in-process: the scorers await the buffer's methods directly (same event loop, no actor calls)
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
@@ -153,7 +169,8 @@ class RoleActor(NodeFiles):
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_initialized": torch.cuda.is_initialized(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "torch_threads": torch.get_num_threads(), "cpus": available_cpus()}
 
     def pid(self) -> int:
         """This actor's process id (fault tests kill it with SIGKILL)."""

@@ -16,6 +16,7 @@ import torch
 
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
+from asyncrl.auto import scorers_in_buffer
 from asyncrl.config_schema import Config, RewardConfig
 from asyncrl.data import PromptStream
 from asyncrl.messages import SamplingParams
@@ -180,7 +181,7 @@ def build_rewards(cfg: RewardConfig, *, with_cost: bool = True, device: str = "c
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
     _, decode = tokenizer_fns(cfg.model.path)
     reference = None
-    device = role_device(cfg, "scorer") if cfg.cluster.scorer_placement == "actor" else "cpu"
+    device = "cpu" if scorers_in_buffer(cfg) else role_device(cfg, "scorer")
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":
         reference = build_reference(cfg, device)
     return Scorer(scorer_id=scorer_id, buffer=buffer, rewards=build_rewards(cfg.reward, device=device),

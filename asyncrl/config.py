@@ -133,6 +133,7 @@ def config_to_toml(cfg: Config) -> str:
 
 def plan_resources(cfg: Config) -> list[ActorPlan]:
     """The actors a run starts, with the logical CPUs each asks for (cluster.*_cpus)."""
+    from asyncrl.auto import scorers_in_buffer
     from asyncrl.placement import role_device, role_gpus
 
     c = cfg.cluster
@@ -143,8 +144,8 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
 
     return [
         plan("generator", cfg.rollout.num_generators, c.generator_cpus),
-        # scorer_placement = "buffer": the scorers live in the buffer actor's process and ask for nothing
-        plan("scorer", cfg.reward.num_scorers if c.scorer_placement == "actor" else 0, c.scorer_cpus),
+        # scorers in the buffer actor's process (scorer_placement, asyncrl/auto.py) ask for nothing
+        plan("scorer", 0 if scorers_in_buffer(cfg) else cfg.reward.num_scorers, c.scorer_cpus),
         plan("trainer", cfg.trainer.num_ranks, c.trainer_cpus),  # rank 0 and the other trainer ranks
         plan("buffer", 1, c.buffer_cpus),
     ]
@@ -458,7 +459,7 @@ def _check_placement(cfg: Config) -> list[str]:
     need = sum(p.total_cpus for p in plans)
     if need <= cfg.cluster.num_cpus + 1e-9:
         return []
-    parts = ", ".join(f"{p.count} {p.role}{'s' if p.count != 1 else ''} x {p.cpus:g}" for p in plans)
+    parts = ", ".join(f"{p.count} {p.role}{'s' if p.count != 1 else ''} x {p.cpus:g}" for p in plans if p.count)
     return [f"cluster.num_cpus: the plan needs {need:g} CPUs ({parts}) but the local cluster has "
             f"{cfg.cluster.num_cpus:g} — lower cluster.generator_cpus (or another cluster.*_cpus) "
             f"or raise cluster.num_cpus"]

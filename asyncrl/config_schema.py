@@ -345,15 +345,27 @@ class ClusterConfig(Section):
         _d("logical CPUs each scorer actor asks for (scorer_placement = 'actor')", ge=0),
     ] = 0.25
     scorer_placement: Annotated[
-        Literal["actor", "buffer"],
+        Literal["auto", "actor", "buffer"],
         _d("actor: each scorer is its own actor (process); buffer: the scorers run inside the replay buffer actor's "
            "process and call the buffer without actor calls (light rule rewards: one process and two actor calls per "
            "batch fewer; reward functions still run on worker threads, or worker processes with "
-           "reward.isolation = 'process')"),
-    ] = "actor"
+           "reward.isolation = 'process'); auto: buffer for a light reward (no reward.model, no scorer GPU, "
+           "resources or affinity, one scorer or reward.isolation = 'process'), else actor"),
+    ] = "auto"
     trainer_cpus: Annotated[float, _d("logical CPUs the trainer actor asks for", ge=0)] = 0.5
     buffer_cpus: Annotated[float, _d("logical CPUs the buffer actor asks for", ge=0)] = 0.25
-    torch_threads: Annotated[int, _d("torch intra-op threads per actor", ge=1)] = 1
+    torch_threads: Annotated[
+        Annotated[int, Meta(ge=1)] | Literal["auto"],
+        _d("torch intra-op threads per actor; auto: from the cores each role may use — with max_staleness = 0 the "
+           "trainer and the generators each get every core (the phases alternate), else the cores are split "
+           "between them, and the buffer and scorers get 1 (docs/config.md)"),
+    ] = "auto"
+    auto_affinity: Annotated[
+        bool,
+        _d("Ray, local cluster: when the roles overlap (max_staleness >= 1) and want more threads than there are "
+           "cores, pin the trainer to cores of its own and the other roles, the Controller and Ray to the rest; "
+           "off when [cluster.affinity] names any CPU, on a remote cluster or with GPUs (docs/config.md)"),
+    ] = True
     placement: Annotated[
         Literal["disaggregated", "colocated"],
         _d("disaggregated: trainer and generators on devices of their own, weights broadcast (gloo or NCCL); "

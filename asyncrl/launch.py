@@ -18,6 +18,7 @@ import ray
 
 from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard, run_loop
+from asyncrl.auto import available_cpus, resolve_ray, scorers_in_buffer
 from asyncrl.build import pin_cpus
 from asyncrl.ckpt_transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
@@ -114,7 +115,7 @@ class RayDeployment:
         self.generator_actors = [actor("generator").remote("generator", cfg, i, self.buffer_actor)
                                  for i in range(cfg.rollout.num_generators)]
         # scorer_placement = "buffer": the buffer actor built the scorers beside the buffer (RoleActor.hosted)
-        in_buffer = cfg.cluster.scorer_placement == "buffer"
+        in_buffer = scorers_in_buffer(cfg)
         self.scorer_actors = [] if in_buffer else [actor("scorer").remote("scorer", cfg, i, self.buffer_actor)
                                                 for i in range(cfg.reward.num_scorers)]
         self._replaced: dict[str, str] = {}  # the actor id of every restarted incarnation -> its role
@@ -188,7 +189,7 @@ class RayDeployment:
     def probes(self) -> dict[str, Probe]:
         """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop.
         A probe asks the role's current actor, so it follows a restart (`restart`)."""
-        hosted = " (and the scorers it hosts)" if self.cfg.cluster.scorer_placement == "buffer" else ""
+        hosted = " (and the scorers it hosts)" if scorers_in_buffer(self.cfg) else ""
         named: dict[str, Callable[[], Any]] = {
             f"buffer{hosted}": lambda: self.buffer_actor, "trainer": lambda: self.trainer_actor,
             **{f"trainer rank {r}": (lambda a=a: a) for r, a in enumerate(self.rank_actors, start=1)},
@@ -299,9 +300,12 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     deployment)`, when given, runs on the Controller's loop beside each attempt's run and is cancelled when
     the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
     ensure_model(cfg.model)
+    # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/auto.py)
+    cfg = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
     problems = check_prompts(cfg)  # an over-long or unrenderable prompt: one line here, not an actor's death
     if problems:
         raise ValueError("\n".join(problems))
+    before = available_cpus()  # the driver's CPUs: start_ray may pin it (cluster.affinity.controller)
     started = start_ray(cfg)
     try:
         resumes = 0
@@ -327,6 +331,8 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     finally:
         if started:
             ray.shutdown()
+            if cfg.cluster.affinity.controller:  # the process outlives the run (tests, benchmarks): unpin it
+                pin_cpus(before, "controller")
 
 
 def write_placement(cfg: Config, where: dict[str, dict[str, Any]]) -> None:

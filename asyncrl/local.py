@@ -12,6 +12,7 @@ import inspect
 from typing import Any
 
 from asyncrl.aio import run_loop
+from asyncrl.auto import available_cpus, local_threads
 from asyncrl.build import (
     build_buffer,
     build_generator,
@@ -73,7 +74,7 @@ class LocalDeployment:
         if cfg.run.trainer_dir:  # the trainer is this process: it writes run.output_dir itself
             raise ValueError(f"run.trainer_dir = {cfg.run.trainer_dir!r}: an in-process run (--local) writes "
                              f"run.output_dir itself — remove run.trainer_dir, or run it on Ray (drop --local)")
-        set_torch_threads(cfg.cluster.torch_threads)
+        set_torch_threads(local_threads(cfg, len(available_cpus())))
         self.cfg = cfg
         self.buffer_obj = build_buffer(cfg)
         self.trainer_obj = build_trainer(cfg, self.buffer_obj)

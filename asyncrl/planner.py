@@ -60,6 +60,7 @@ from pathlib import Path
 
 import msgspec
 
+from asyncrl.auto import overlap_threads
 from asyncrl.config import read_run_config
 from asyncrl.planner_model import (  # noqa: F401 (re-exported: the planner's public names live here too)
     REPLICATES,
@@ -186,8 +187,8 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
     gen_iv = [(s.start, s.end) for s in gen]
     train_iv = [(s.start, s.end) for s in train]
     score = kind("score")
-    threads = cfg.cluster.torch_threads
     cores = float(cores or os.cpu_count() or 1)
+    threads = overlap_threads(cfg, int(cores))
     # Measured durations include the slowdown of whatever ran beside them; `o_*` is the mean share of
     # each kind's time spent beside the other phase, used below to take that slowdown back out.
     busy_iv = gen_iv + [(s.start, s.end) for s in score]

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(tempfile.mkdtemp(prefix="faults-"))
     sets = ["trainer.eval_every=0", "run.save_checkpoint=false", "logging.live=false",
             f"cluster.max_restarts={GENERATOR_KILLS + SCORER_KILLS}", f"run.max_resumes={TRAINER_KILLS}",
-            f"run.save_every={SAVE_EVERY}", "cluster.num_cpus=4", *args.set]
+            f"run.save_every={SAVE_EVERY}", "cluster.num_cpus=4",
+            'cluster.scorer_placement="actor"', *args.set]  # scorer actors to kill (by default: in the buffer)
     if args.quick:
         sets += ["trainer.prompts_per_step=4", "rollout.group_size=4", "rollout.concurrency=4",
                  "weight_sync.timeout_s=30", "trainer.micro_batch_size=16", "model.build_tiny.hidden_size=32",

@@ -3,6 +3,7 @@
     python benchmarks/overlap.py                # Ray, 2 CPUs, 5 rounds of 40 steps: about 8 minutes
     python benchmarks/overlap.py --local        # in-process deployment instead of Ray
     python benchmarks/overlap.py --quick        # tiny smoke run (used by the test); says nothing about the target
+    python benchmarks/overlap.py --defaults --rounds 3   # what a user gets: no cluster.* key set (about 5 minutes)
 
 Issue 7's goal: with the same model, task and number of trained samples, asynchronous training
 (max_staleness >= 1) reaches at least 0.95 of the ideal speed-up over synchronous training
@@ -45,6 +46,14 @@ weight receive and swap); the script prints G/T and warns when a run lands outsi
 Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`), so each one has exactly
 --tokens tokens. Without it the three runs' policies drift apart and so do their response lengths (mean 17
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
+
+--defaults: every run leaves [cluster] at its defaults (scorer_placement, torch_threads and auto_affinity
+decide by themselves: asyncrl/auto.py) and starts its own local cluster, as `asyncrl launch` does; the async run
+takes the config's max_staleness and weight_update unless --staleness / --weight-update say otherwise. The sync
+runs set cluster.torch_threads to --sync-threads (1: what the async run's roles get on 2 cores) so that G and
+T describe the threads the async run has; sync-2t is then the untouched defaults at max_staleness 0 (every
+role may use both cores and measures which count is faster). The "train cpu/wall" column is the trainer's
+process CPU per wall second of its updates: below 1, something took its core (another role, Ray, another job).
 
 Placement (Ray, default): `cluster.affinity` pins the trainer to core 1 and the generator, replay buffer
 and the Controller (with Ray's own processes) to core 0 (PINNED below), in every run; --no-pin lets every
@@ -104,14 +113,7 @@ epochs = {epochs}
 lr = 1e-3
 eval_every = 0
 
-[cluster]
-num_cpus = {cpus}
-generator_cpus = 0.5
-scorer_cpus = 0.25
-trainer_cpus = 0.5
-buffer_cpus = 0.25
-scorer_placement = "buffer"
-{affinity}
+{cluster}
 
 [logging]
 live = false
@@ -146,16 +148,31 @@ def measure(rows: list[dict], warmup: int) -> dict[str, float]:
 PINNED = {"trainer": [1], "controller": [0], "generator": [0], "scorer": [0], "buffer": [0]}
 
 
-def affinity_toml(args: argparse.Namespace) -> str:
-    if not args.pin:
+TUNED = """[cluster]
+num_cpus = {cpus}
+generator_cpus = 0.5
+scorer_cpus = 0.25
+trainer_cpus = 0.5
+buffer_cpus = 0.25
+scorer_placement = "buffer"
+"""
+
+
+def cluster_toml(args: argparse.Namespace) -> str:
+    """The [cluster] tables of every run: none with --defaults (every cluster.* key at its default, as a user
+    gets it); else the tuned placement (the scorers in the buffer's actor, PINNED unless --no-pin)."""
+    if args.defaults:
         return ""
-    return "[cluster.affinity]\n" + "".join(f"{role} = {cpus}\n" for role, cpus in PINNED.items())
+    text = TUNED.format(cpus=args.cpus)
+    if not args.pin:  # nothing pinned: not by hand, not automatically (cluster.auto_affinity)
+        return text + "auto_affinity = false\n"
+    return text + "[cluster.affinity]\n" + "".join(f"{role} = {cpus}\n" for role, cpus in PINNED.items())
 
 
 def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
     from asyncrl.launch import run_local, run_with_ray
 
-    text = CONFIG.format(affinity=affinity_toml(args), model_dir=root / "model", run_dir=root / name, cpus=args.cpus,
+    text = CONFIG.format(cluster=cluster_toml(args), model_dir=root / "model", run_dir=root / name,
                          hidden=args.hidden, layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts,
                          group=args.group, tokens=args.tokens, weight_update=args.weight_update, steps=args.steps,
                          micro=args.micro, epochs=args.epochs)
@@ -166,16 +183,48 @@ def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -
     rows = (run_local if args.local else run_with_ray)(cfg)
     out = measure(rows, args.warmup)
     out["run_s"] = time.time() - t0
+    placed = root / name / "placement.json"  # Ray: each role's torch threads and CPUs as it ran
+    out["placement"] = json.loads(placed.read_text()) if placed.exists() else {}
+    out["train_cpu_share"] = train_cpu_share(root / name / "trace.json", args.warmup)
+    out["threads"] = str(cfg.cluster.torch_threads)  # as configured (placement.json: as the roles got it)
     return out
+
+
+def train_cpu_share(trace: Path, warmup: int) -> float:
+    """The trainer process's CPU seconds per wall second of its updates (`train` spans after the warm-up): below
+    1 when something took its core from it (another role, Ray, another job on the machine); nan without a trace."""
+    from asyncrl.telemetry.trace import read_trace, spans_from_trace
+
+    if not trace.exists():
+        return float("nan")
+    spans = [s for s in spans_from_trace(read_trace(trace)) if s.kind == "train" and s.version > warmup]
+    wall = sum(s.duration for s in spans)
+    return sum(max(s.cpu_s, 0.0) for s in spans) / wall if wall > 0 else float("nan")
+
+
+def threads_of(out: dict) -> str:
+    """"trainer/generator" torch threads as the run's roles reported them (placement.json), else as configured."""
+    p = out.get("placement", {})
+    return "/".join(str(p[r]["torch_threads"]) for r in ("trainer", "generator 0") if r in p) or out["threads"]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--local", action="store_true", help="in-process deployment instead of Ray")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (no meaningful figures)")
-    ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async run")
-    ap.add_argument("--weight-update", default="between_requests", choices=["in_flight", "between_requests"],
-                    help="rollout.weight_update of every run (see the module docstring)")
+    ap.add_argument("--staleness", type=int, default=None,
+                    help="max_staleness of the async run (default 2; with --defaults the config's default)")
+    ap.add_argument("--weight-update", default=None, choices=["in_flight", "between_requests"],
+                    help="rollout.weight_update of every run (see the module docstring; default between_requests, "
+                    "with --defaults the config's default)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="what a user gets without tuning: no cluster.* key set (placement, affinity, threads "
+                    "automatic), each run starts its own local cluster; the sync runs set cluster.torch_threads to "
+                    "the async run's per-role threads (--sync-threads) so G and T describe the same threads, and "
+                    "sync-2t is the untouched defaults at max_staleness 0")
+    ap.add_argument("--sync-threads", type=int, default=1,
+                    help="--defaults: cluster.torch_threads of the sync runs (the threads the async run's roles get "
+                    "on this machine: 1 each on 2 cores)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="sync and async runs alternate this many times (the machine's speed drifts between runs); "
                     "default 5 (1 with --quick)")
@@ -202,19 +251,25 @@ def main(argv: list[str] | None = None) -> dict:
         args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    if args.local or (os.cpu_count() or 1) < 2:
+    from asyncrl.config_schema import RolloutConfig, StalenessConfig
+
+    if args.staleness is None:
+        args.staleness = StalenessConfig().max_staleness if args.defaults else 2
+    if args.weight_update is None:
+        args.weight_update = RolloutConfig().weight_update if args.defaults else "between_requests"
+    if args.local or args.defaults or (os.cpu_count() or 1) < 2:
         args.pin = False  # in process there is one process to pin; on one CPU nothing to separate
     if args.quick:
         args.pin = False
         args.local, args.steps, args.warmup, args.hidden, args.layers = True, 3, 1, 32, 1
         args.tokens, args.epochs, args.prompts, args.group, args.micro = 2, 1, 2, 2, 4
     started = False
-    if not args.local:
+    os.environ.setdefault("RAY_worker_niceness", "0")  # see below
+    if not args.local and not args.defaults:  # --defaults: every run starts its own cluster, as `asyncrl launch`
         import ray
 
         # Ray starts its workers at niceness 15 by default; with other jobs on the machine they would
         # lose the cores to them while the driver (the Controller) does not. Same priority for all.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         if args.pin:  # the driver (Controller) and the cluster it starts: see PINNED
             from asyncrl.build import pin_cpus
 
@@ -223,19 +278,22 @@ def main(argv: list[str] | None = None) -> dict:
                  object_store_memory=256 * 2**20, log_to_driver=False)
         started = True
     one = ["cluster.torch_threads=1", *args.sets]
+    sync_one = [f"cluster.torch_threads={args.sync_threads}", *args.sets] if args.defaults else one
+    async_one = list(args.sets) if args.defaults else one
+    two = ["staleness.max_staleness=0", *args.sets, *([] if args.defaults else ["cluster.torch_threads=2"])]
     rounds: list[tuple[dict[str, float], dict[str, float]]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
             root = Path(args.out or tmp)
             root.mkdir(parents=True, exist_ok=True)
             for i in range(1, args.rounds + 1):
-                pair = {"sync": ["staleness.max_staleness=0", *one],
-                        "async": [f"staleness.max_staleness={args.staleness}", *one]}
+                pair = {"sync": ["staleness.max_staleness=0", *sync_one],
+                        "async": [f"staleness.max_staleness={args.staleness}", *async_one]}
                 order = ["sync", "async"] if i % 2 else ["async", "sync"]  # ABBA: a steady drift favours neither
                 out = {name: run(f"{name}-{i}", args, root, pair[name]) for name in order}
                 sync, asyn = out["sync"], out["async"]
                 rounds.append((sync, asyn))
-            sync2 = run("sync-2t", args, root, ["staleness.max_staleness=0", *args.sets, "cluster.torch_threads=2"])
+            sync2 = run("sync-2t", args, root, two)
     finally:
         if started:
             import ray
@@ -244,12 +302,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"deployment: {'in-process (--local)' if args.local else 'Ray'}, {args.cpus} CPUs; model hidden "
           f"{args.hidden} x {args.layers} layers; {args.prompts} prompts x {args.group} samples per step, "
           f"{args.tokens} new tokens (eos ignored), {args.epochs} epoch(s); {args.steps} steps, first {args.warmup} "
-          f"excluded; weight_update {args.weight_update}; " + (f"pinned {PINNED}" if args.pin else "not pinned")
+          f"excluded; weight_update {args.weight_update}; "
+          + ("config defaults for cluster.* (placement, affinity, threads automatic)" if args.defaults
+             else f"pinned {PINNED}" if args.pin else "not pinned")
           + (f"; overrides {args.sets}" if args.sets else ""))
     print()
     print("| round | run | max_staleness | threads/role | G s | T s | G/T | step s | samples/s | vs sync | ideal | "
-          "share of ideal | staleness mean | overlap | run s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "share of ideal | staleness mean | overlap | train cpu/wall | run s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     shares = []
     for i, (sync, asyn) in enumerate(rounds, 1):
         G, T = sync["G"], sync["T"]
@@ -257,16 +317,18 @@ def main(argv: list[str] | None = None) -> dict:
         speedup = asyn["samples_per_s"] / sync["samples_per_s"]
         shares.append((speedup / ideal, speedup, ideal, G / T))
         band = "" if 0.75 <= G / T <= 1.33 else " (outside 0.75..1.33)"
-        print(f"| {i} | sync | 0 | 1 | {G:.3f} | {T:.3f} | {G / T:.2f}{band} | {sync['step_s']:.3f} | "
+        print(f"| {i} | sync | 0 | {threads_of(sync)} | {G:.3f} | {T:.3f} | {G / T:.2f}{band} | {sync['step_s']:.3f} | "
               f"{sync['samples_per_s']:.1f} | 1.00x | | | {sync['staleness_mean']:.2f} | {sync['overlap']:.2f} | "
-              f"{sync['run_s']:.0f} |")
-        print(f"| {i} | async | {args.staleness} | 1 | | | | {asyn['step_s']:.3f} | {asyn['samples_per_s']:.1f} | "
+              f"{sync['train_cpu_share']:.2f} | {sync['run_s']:.0f} |")
+        print(f"| {i} | async | {args.staleness} | {threads_of(asyn)} | | | | {asyn['step_s']:.3f} | "
+              f"{asyn['samples_per_s']:.1f} | "
               f"{speedup:.2f}x | {ideal:.3f} | **{speedup / ideal:.3f}** | {asyn['staleness_mean']:.2f} | "
-              f"{asyn['overlap']:.2f} | {asyn['run_s']:.0f} |")
+              f"{asyn['overlap']:.2f} | {asyn['train_cpu_share']:.2f} | {asyn['run_s']:.0f} |")
     last_sync = rounds[-1][0]
-    print(f"| - | sync-2t | 0 | 2 | | | | {sync2['step_s']:.3f} | {sync2['samples_per_s']:.1f} | "
+    print(f"| - | sync-2t | 0 | {threads_of(sync2)} | | | | {sync2['step_s']:.3f} | {sync2['samples_per_s']:.1f} | "
           f"{sync2['samples_per_s'] / last_sync['samples_per_s']:.2f}x (vs round {len(rounds)}) | | | "
-          f"{sync2['staleness_mean']:.2f} | {sync2['overlap']:.2f} | {sync2['run_s']:.0f} |")
+          f"{sync2['staleness_mean']:.2f} | {sync2['overlap']:.2f} | {sync2['train_cpu_share']:.2f} | "
+          f"{sync2['run_s']:.0f} |")
     print()
     # The round whose share of the ideal is the median one (rounds alternate sync and async, so a change of
     # the machine's speed between two runs moves one round's share, not the figure).

@@ -32,9 +32,9 @@ that reach it; the sync loop's held-out greedy reward (the first `trainer.eval_p
 
 The floor (printed per run): G_alone = one step's generation (16 prompts x 8) by asyncrl's own engine
 (`TorchEngine`) alone in this process, T_alone = asyncrl's `Learner.update` of one step's groups alone, each
-at `cluster.torch_threads` (the thread count each role runs with), each the median of --floor-reps timed
-calls after a warm-up. An asynchronous step cannot be shorter than max(G_alone, T_alone); the run's median
-step time as a multiple of it (target <= 1.1) says how much per-step overhead the runtime adds.
+at its role's torch threads (`cluster.torch_threads`; "auto" as asyncrl/auto.py decides it), each the median
+of --floor-reps timed calls after a warm-up. An asynchronous step cannot be shorter than max(G_alone, T_alone);
+the run's median step time as a multiple of it (target <= 1.1) says how much per-step overhead the runtime adds.
 
 The JSON line: value = the median wall to target of `asyncrl launch` on Ray (with --no-ray, of --local),
 baseline = the sync loop's, ratio = sync / asyncrl, target 1.5 (asyncrl in <= 0.67x the sync loop's time). A
@@ -256,8 +256,18 @@ def run_launch(args: argparse.Namespace, root: Path, model_dir: Path, seed: int,
 # ------------------------------------------------------------------------------------------ the floor
 
 
+def role_threads(cfg) -> tuple[int, int]:
+    """The generator's and the trainer's torch threads in a Ray run of `cfg` on this machine (cluster.torch_threads;
+    "auto": asyncrl/auto.py, on the CPUs the automatic affinity gives each role)."""
+    from asyncrl.auto import available_cpus, decide_threads, resolve_ray
+
+    placed = resolve_ray(cfg)
+    return tuple(decide_threads(placed, len(getattr(placed.cluster.affinity, role)) or len(available_cpus()), role)
+                 for role in ("generator", "trainer"))
+
+
 def measure_floor(cfg, reps: int) -> dict[str, float]:
-    """G_alone, T_alone: asyncrl's engine and Learner on one step's batch, each alone at cluster.torch_threads."""
+    """G_alone, T_alone: asyncrl's engine and Learner on one step's batch, each alone at its role's threads."""
     from asyncrl.build import build_learner, derive_seed, set_torch_threads, training_sampling
     from asyncrl.data import load_rows
     from asyncrl.messages import Group, Trajectory
@@ -266,10 +276,12 @@ def measure_floor(cfg, reps: int) -> dict[str, float]:
     from engines.base import create_engine
     from engines.hf import load_model, load_tokenizer
 
-    set_torch_threads(cfg.cluster.torch_threads)
+    gen_threads, train_threads = role_threads(cfg)
+    set_torch_threads(gen_threads)  # the engine's loop keeps the count it is created with
     tok = load_tokenizer(cfg.model.path)
     engine = create_engine("torch", model_path=cfg.model.path, dtype=cfg.model.dtype,
                            max_prompt_len=cfg.data.max_prompt_len, seed=derive_seed(cfg.run.seed, "floor"))
+    set_torch_threads(train_threads)  # this thread runs the updates
     learner = build_learner(cfg, load_model(cfg.model.path, dtype=cfg.model.dtype), tok.pad_token_id or 0)
     reward = RULES.get(cfg.reward.fn)(cfg.reward.answer_key)
     rows = load_rows(cfg.data, "train", cfg.run.seed)[:cfg.trainer.prompts_per_step]
@@ -391,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{base.rollout.group_size} samples, {base.rollout.max_new_tokens} new tokens per step); up to "
           f"{args.steps} steps; target: moving mean of the training reward over {args.window} steps >= {args.target}; "
           f"sync loop threads: the faster of {args.threads} in its warm-up (per run below), asyncrl roles on "
-          f"cluster.torch_threads = {base.cluster.torch_threads}"
+          f"cluster.torch_threads = {base.cluster.torch_threads} (generator, trainer: {role_threads(base)})"
           + (f"; overrides {args.sets}" if args.sets else ""))
     for seed, f in enumerate(floors):
         print(f"floor (seed {seed}): G_alone {f['G_alone']:.3f} s, T_alone {f['T_alone']:.3f} s, "

@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -99,6 +99,9 @@ class Scheduler:
         self.swap_pause_s_sum = 0.0  # over every swap (the record above keeps the last `history`)
         self.swap_pause_s_max = 0.0
         self.on_step: Callable[[int], None] | None = None
+        # asyncrl.thread_tuner.ThreadTuner (or None): the loop runs with its `current` thread count and reports
+        # each decode step's seconds per token to it
+        self.tuner: Any = None
         self.idle_exit_s = 30.0
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
@@ -158,6 +161,11 @@ class Scheduler:
         """Swaps waiting for the next step boundary."""
         with self._cv:
             return len(self._swaps)
+
+    @property
+    def num_threads(self) -> int:
+        """The torch threads the loop runs with."""
+        return self._num_threads
 
     def close(self, timeout_s: float | None = None) -> None:
         with self._cv:
@@ -247,6 +255,10 @@ class Scheduler:
         self._drop_cancelled()
         if sleeps:
             self._sleep(sleeps)
+        tuner = self.tuner
+        if tuner is not None and tuner.current != self._num_threads:  # on this thread: OpenMP's are per thread
+            self._num_threads = tuner.current
+            torch.set_num_threads(self._num_threads)
         with torch.inference_mode():
             self._admit()
             if self._active:
@@ -377,6 +389,8 @@ class Scheduler:
         self._advance(self._active, logits, self._rows)
         self._retire()
         self.step_times_s.append(time.perf_counter() - t0)
+        if self.tuner is not None:
+            self.tuner.record(self.step_times_s[-1], batch)
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, rows: RowParams | None = None) -> None:
         """Sample one token for each of `seqs` (rows of `logits`), append it, mark finished ones."""

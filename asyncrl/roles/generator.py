@@ -435,6 +435,8 @@ class Generator:
         samples = self._window.take("samples", self.samples_generated)
         truncated = self._window.take("prompts_truncated", self.prompts_truncated)
         own = f"generator/{self.generator_id}"
+        loop = getattr(self.engine, "scheduler", None)  # the native engine's: its threads, where a tuner picks them
+        threads = loop.num_threads if getattr(loop, "tuner", None) is not None else 0
         return RoleStats(metrics={
             "generation/tokens_per_s": Rate(tokens),
             f"{own}/tokens_per_s": Rate(tokens),
@@ -443,6 +445,7 @@ class Generator:
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window
             "generator/rss_mb": Max(rss_mb()),
+            **({"generator/torch_threads": Max(threads)} if threads else {}),
             "data/truncated_prompts": Total(truncated),
             "data/filtered_overlong": Max(self.prompts_filtered),  # the same rows in every generator
             **peak_memory_metrics("generator", f"generator/{self.generator_id}"),

@@ -213,7 +213,7 @@ def test_ctrl_c_on_launch_checkpoints_exits_130_and_leaves_no_actors(ray_cluster
                 return metrics.is_file() and len(metrics.read_text().splitlines()) >= 2
 
             _wait_for(two_rows, 150, "two metrics rows")
-            assert len(_alive_role_actors() - before) == 4  # buffer, trainer, generator, scorer
+            assert len(_alive_role_actors() - before) == 3  # buffer (hosting the scorer), trainer, generator
             proc.send_signal(signal.SIGINT)
             t0 = time.monotonic()
             try:
@@ -263,7 +263,7 @@ def test_a_stalled_role_actor_ends_the_run_with_one_error_naming_it(ray_cluster,
                     "last activity: generator 0: ", ", begun "]
     else:
         overrides = ['reward.fn="tests.e2e.stall_fixtures:gil_holding_reward"', "trainer.eval_every=0",
-                     "run.save_checkpoint=false"]
+                     "run.save_checkpoint=false", 'cluster.scorer_placement="actor"']  # the scorer's own process
         expected = ["scorer 0 has not answered for 3 s (run.role_timeout_s): nothing in its process runs, so "
                     "something there holds the interpreter lock"]
     cfg = make_config(*overrides, "run.role_timeout_s=3.0", "trainer.total_steps=50",

@@ -85,7 +85,8 @@ def test_a_scorer_killed_with_sigkill_is_restarted_and_its_groups_are_released(r
                                                                               tmp_path):
     run_dir = tmp_path / "scorer"
     cfg = make_config(f"trainer.total_steps={STEPS}", "trainer.eval_every=0", "run.save_checkpoint=false",
-                      "logging.live=false", f'run.output_dir="{run_dir}"')
+                      "logging.live=false", f'run.output_dir="{run_dir}"',
+                      'cluster.scorer_placement="actor"')  # a scorer of its own to kill (auto: in the buffer)
     controller, outcome = _run_and_kill(cfg, lambda d: d.scorer_actors[0])
     assert isinstance(outcome, list), repr(outcome)
     train = [r for r in outcome if "trainer/samples" in r]

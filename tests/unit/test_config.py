@@ -142,8 +142,8 @@ CASES = [
     ("unknown_loss_agg", {"algorithm.loss_agg": "token_mean"},
      "algorithm.loss_agg: unknown loss aggregation 'token_mean' — did you mean 'token-mean'?"),
     ("plan_exceeds_cluster", {"rollout.num_generators": 3},
-     "cluster.num_cpus: the plan needs 2.5 CPUs (3 generators x 0.5, 1 scorer x 0.25, 1 trainer x 0.5, "
-     "1 buffer x 0.25) but the local cluster has 2 — lower cluster.generator_cpus"),
+     "cluster.num_cpus: the plan needs 2.25 CPUs (3 generators x 0.5, 1 trainer x 0.5, "
+     "1 buffer x 0.25) but the local cluster has 2 — lower cluster.generator_cpus"),  # the scorer: in the buffer
     ("heads_not_dividing_hidden", {"model.build_tiny.hidden_size": 30},
      "model.build_tiny.num_heads: 4 does not divide model.build_tiny.hidden_size = 30"),
     ("odd_head_size", {"model.build_tiny.hidden_size": 36},
@@ -261,11 +261,12 @@ def test_colocated_placement_with_an_engine_that_cannot_sleep_is_one_line_naming
 
 def test_placement_is_not_checked_against_an_existing_cluster():
     cfg = load_config(write_config({"rollout.num_generators": 8, "cluster.address": "10.0.0.1:6379"}))
-    assert derived(cfg)["cpus_requested"] == 5.0 and derived(cfg)["cpus_available"] is None
+    assert derived(cfg)["cpus_requested"] == 4.75 and derived(cfg)["cpus_available"] is None
 
 
 def test_plan_resources_lists_every_role_with_its_cpus():
-    cfg = load_config(write_config({"rollout.num_generators": 2, "reward.num_scorers": 1}))
+    cfg = load_config(write_config({"rollout.num_generators": 2, "reward.num_scorers": 1,
+                                    "cluster.scorer_placement": "actor"}))
     assert plan_resources(cfg) == [
         ActorPlan(role="generator", count=2, cpus=0.5), ActorPlan(role="scorer", count=1, cpus=0.25),
         ActorPlan(role="trainer", count=1, cpus=0.5), ActorPlan(role="buffer", count=1, cpus=0.25),
@@ -290,7 +291,7 @@ def test_derived_numbers_for_a_known_config():
     assert d["samples_per_mini_batch"] == 8 and d["micro_batches_per_mini_batch"] == 3
     assert d["max_groups_in_flight"] == 24 and d["max_samples_in_flight"] == 96
     assert d["rollout_queue_capacity_samples"] == 64 and d["train_store_capacity_groups"] == 16
-    assert d["cpus_requested"] == 1.5 and d["cpus_available"] == 2.0
+    assert d["cpus_requested"] == 1.25 and d["cpus_available"] == 2.0  # the scorer: in the buffer actor (auto)
     assert d["weight_sync_backend"] == "gloo"  # auto without CUDA
     assert [a["role"] for a in d["actors"]] == ["generator", "scorer", "trainer", "buffer"]
 
@@ -318,7 +319,7 @@ RANK_CASES = [
      "trainer.num_ranks: 3 does not divide a mini-batch of samples_per_step / trainer.mini_batches = 16 / 2 = 8 "
      "samples (each rank trains an equal share) — use a divisor of 8, e.g. 2"),
     ("ranks_beyond_the_cluster", {"trainer.num_ranks": 4},
-     "cluster.num_cpus: the plan needs 3 CPUs (1 generator x 0.5, 1 scorer x 0.25, 4 trainers x 0.5, 1 buffer x "
+     "cluster.num_cpus: the plan needs 2.75 CPUs (1 generator x 0.5, 4 trainers x 0.5, 1 buffer x "
      "0.25) but the local cluster has 2"),
     ("ranks_colocated", {"trainer.num_ranks": 2, "cluster.placement": "colocated"},
      "trainer.num_ranks: 2 trainer ranks cannot share the one colocated device"),

@@ -1,0 +1,146 @@
+"""Placement and threads chosen from the run's shape and the machine: the `"auto"` defaults of `[cluster]`.
+
+Three decisions, each overridden by an explicit setting:
+
+- `cluster.scorer_placement = "auto"` (Ray): the scorers run inside the replay buffer's actor when the reward is
+  light — rule or Python functions, no reward model, no GPU or custom resources or CPUs pinned for the scorer, one
+  scorer (or `reward.isolation = "process"`, whose worker processes score in parallel anyway). A scorer actor of
+  its own costs a process, its event loop and two actor calls per batch: on a 2-core machine about 50 ms of CPU a
+  step against 7 ms of scoring (benchmarks/README.md, overlap). A reward model or several thread-isolated scorers
+  keep actors of their own (processes that score in parallel).
+- `cluster.torch_threads = "auto"`: torch intra-op threads per role from the cores it may use and when it works.
+  With `max_staleness = 0` the phases alternate (the generators wait for the new weights, the trainer for the
+  groups), so the trainer and the generators each get all the cores (split over trainer ranks, or over the
+  generators, which decode at the same time). With `max_staleness >= 1` they run at once and the cores (less one
+  for the light roles from 4 cores on) are split between them by their busy shares (`split_cores`; equal by
+  default); the buffer and the scorers get one. Where that leaves a role more than one count to choose from
+  (1 or all its cores), it measures both on its own work and keeps the faster (asyncrl/thread_tuner.py).
+- `cluster.auto_affinity` (Ray, local cluster): when the roles overlap (`max_staleness >= 1`) and the threads they
+  want — the trainer's, the generators', one for the light roles (buffer, scorers, the Controller and Ray's own
+  processes) — exceed the cores, the trainer gets cores of its own and everything else the rest. Floating, the
+  light roles and Ray's threads preempted the trainer 4-10% of its update time on 2 cores. Nothing is pinned
+  when `[cluster.affinity]` names any CPU, on a cluster at `cluster.address`, or when a role uses a GPU.
+
+`resolve_ray(cfg)` (the driver, before the local cluster starts; a cluster it joins is not pinned) writes the
+placement and affinity decisions into the config the actors get; each actor then pins itself and calls
+`decide_threads` (and `thread_candidates` for its tuner) with the CPUs it may run on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from asyncrl.config_schema import Config
+
+AFFINITY_ROLES = ("trainer", "generator", "scorer", "buffer", "controller")
+
+
+def available_cpus() -> list[int]:
+    """The CPU ids this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def scorers_in_buffer(cfg: Config) -> bool:
+    """Whether the scorers run inside the buffer actor's process (Ray deployment; module docstring)."""
+    placement = cfg.cluster.scorer_placement
+    if placement != "auto":
+        return placement == "buffer"
+    c, r = cfg.cluster, cfg.reward
+    light = not r.model and c.scorer_gpus == 0 and not c.resources.scorer and not c.affinity.scorer
+    return light and (r.num_scorers == 1 or r.isolation == "process")
+
+
+def split_cores(cores: int, trainer_busy: float = 1.0, generator_busy: float = 1.0) -> tuple[int, int]:
+    """Cores for (the trainer, the generators) when they run at once: in proportion to their busy shares, each at
+    least one (a single core: both get it). The shares are the fraction of a step each side computes
+    (asyncrl.planner_model's `trainer_busy` and `generator_busy`); equal by default."""
+    if cores <= 1:
+        return 1, 1
+    total = trainer_busy + generator_busy
+    share = 0.5 if total <= 0 else trainer_busy / total
+    trainer = min(cores - 1, max(1, round(cores * share)))
+    return trainer, cores - trainer
+
+
+def decide_threads(cfg: Config, cores: int, role: str, *, trainer_busy: float = 1.0,
+                   generator_busy: float = 1.0) -> int:
+    """torch intra-op threads of `role` ("trainer", "generator", "scorer", "buffer") whose process may run on
+    `cores` CPUs: `cluster.torch_threads` when it is a number, else the rule of the module docstring."""
+    fixed = cfg.cluster.torch_threads
+    if fixed != "auto":
+        return int(fixed)
+    if role not in ("trainer", "generator"):
+        return 1
+    ranks, gens = cfg.trainer.num_ranks, cfg.rollout.num_generators
+    mine, count = (0, ranks) if role == "trainer" else (1, gens)
+    aff = cfg.cluster.affinity
+    own, other = (aff.trainer, aff.generator) if role == "trainer" else (aff.generator, aff.trainer)
+    alone = bool(own) and bool(other) and not set(own) & set(other)  # pinned to cores of its own
+    if cfg.staleness.max_staleness == 0 or alone:  # the phases alternate, or no other side on these cores
+        return max(1, cores // count)
+    computing = cores - 1 if cores >= 4 else cores  # from 4 cores on, one is left to the light roles
+    return max(1, split_cores(computing, trainer_busy, generator_busy)[mine] // count)
+
+
+def thread_candidates(cfg: Config, cores: int, role: str) -> list[int]:
+    """The thread counts a role's ThreadTuner measures (asyncrl/thread_tuner.py): 1 and `decide_threads` when
+    that is more and `cluster.torch_threads = "auto"`, else only `decide_threads`."""
+    n = decide_threads(cfg, cores, role)
+    return [1, n] if cfg.cluster.torch_threads == "auto" and n > 1 else [n]
+
+
+def overlap_threads(cfg: Config, cores: int) -> int:
+    """Threads of a generator while generation and training run at once on `cores` CPUs (the planner's threads
+    per computing role)."""
+    if cfg.cluster.torch_threads != "auto":
+        return int(cfg.cluster.torch_threads)
+    return decide_threads(cfg if cfg.staleness.max_staleness else _overlapping(cfg), cores, "generator")
+
+
+def _overlapping(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, staleness=msgspec.structs.replace(cfg.staleness, max_staleness=1))
+
+
+def local_threads(cfg: Config, cores: int) -> int:
+    """Threads of the in-process deployment (one process, one torch setting for every role): all cores when the
+    phases alternate, else the larger side of the split (generation and training share the process)."""
+    if cfg.cluster.torch_threads != "auto":
+        return int(cfg.cluster.torch_threads)
+    if cfg.staleness.max_staleness == 0:
+        return max(1, cores)
+    return max(1, min(split_cores(cores)))
+
+
+def auto_affinity(cfg: Config, cpus: list[int]) -> dict[str, list[int]]:
+    """The CPUs of each role when `cluster.auto_affinity` pins them (module docstring); {} when it does not."""
+    c = cfg.cluster
+    from asyncrl.placement import uses_gpus
+
+    if (not c.auto_affinity or c.address or cfg.staleness.max_staleness == 0 or len(cpus) < 2 or uses_gpus(cfg)
+            or any(getattr(c.affinity, role) for role in AFFINITY_ROLES)):
+        return {}
+    n = len(cpus)
+    ranks, gens = cfg.trainer.num_ranks, cfg.rollout.num_generators
+    want_t = ranks * decide_threads(cfg, n, "trainer")
+    want_g = gens * decide_threads(cfg, n, "generator")
+    if want_t + want_g + 1 <= n:  # room for every role and the light ones: the scheduler keeps them apart
+        return {}
+    own = min(n - 1, max(1, want_t if c.torch_threads != "auto" else split_cores(n)[0]))
+    trainer, rest = cpus[n - own:], cpus[:n - own]
+    return {"trainer": trainer, "generator": rest, "scorer": rest, "buffer": rest, "controller": rest}
+
+
+def resolve_ray(cfg: Config, cpus: list[int] | None = None, *, starts_cluster: bool = True) -> Config:
+    """The config a Ray run's actors get: scorer placement decided ("actor" or "buffer") and, when the run starts
+    its own local cluster (`starts_cluster`: not one this process joined) and it applies, the automatic affinity
+    written into `[cluster.affinity]`."""
+    c = cfg.cluster
+    placement = "buffer" if scorers_in_buffer(cfg) else "actor"
+    pins = auto_affinity(cfg, available_cpus() if cpus is None else cpus) if starts_cluster else {}
+    affinity = msgspec.structs.replace(c.affinity, **pins) if pins else c.affinity
+    return msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(c, scorer_placement=placement,
+                                                                        affinity=affinity))
