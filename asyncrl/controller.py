@@ -135,7 +135,8 @@ class Controller:
                                   pause_after=self._eval_due,
                                   drain_after=lambda v: self._save_due(v) or bool(self._stopping),
                                   recover=self.supervisor.recover if deployment.restartable else None,
-                                  colocated=self.colocated, tolerated=self.supervisor.tolerated)
+                                  colocated=self.colocated, tolerated=self.supervisor.tolerated,
+                                  with_reports=True)
         self.supervisor.attach(self.steps)
         self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)  # the newest only (see ROWS_KEPT)
         self.rows_written = 0  # rows in metrics.jsonl (resumed: those up to the checkpoint, then this run's)
@@ -356,10 +357,18 @@ class Controller:
 
     async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
         """Every role's report of its window (what happened since its previous `stats()`), reduced by each
-        metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans."""
+        metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans. The
+        reports that came with the step's replies (the trainer's send, each generator's receive, the buffer's
+        publish: StepPipeline.take_reports) are used as they are; only the other roles are asked (`stats()`)."""
         d = self.d
-        reports: list[RoleStats] = await self._guard(gather_alive(self.supervisor, [  # a dead one: no report
-            *[g.stats() for g in d.generators], *[s.stats() for s in d.scorers], d.trainer.stats(), d.buffer.stats()]))
+        came = self.steps.take_reports()
+        have = {role for role, _ in came}
+        roles = [*[(f"generator/{i}", g) for i, g in enumerate(d.generators)],
+                 *[(f"scorer/{i}", s) for i, s in enumerate(d.scorers)], ("trainer", d.trainer), ("buffer", d.buffer)]
+        asked = [r.stats() for name, r in roles if name not in have]
+        reports: list[RoleStats] = [report for _, report in came]
+        if asked:
+            reports += await self._guard(gather_alive(self.supervisor, asked))  # a dead one: no report
         out = self._reducer.reduce([r.metrics for r in reports], window_s=max(t1 - t0, 1e-9))
         out["supervisor/restarts"] = float(self.supervisor.restarts)
         new_spans = [sp for r in reports for sp in r.spans]

@@ -104,6 +104,7 @@ from torch import Tensor
 
 from asyncrl.aio import discard, retrieve
 from asyncrl.messages import Group
+from asyncrl.telemetry.metrics import REPORT_KEY, RoleStats
 from asyncrl.telemetry.spans import SpanRecorder
 from transports.base import WeightSender
 
@@ -332,7 +333,7 @@ class TrainerEndpoint(Protocol):
     """The Trainer role as the Controller calls it (in process, or a Ray actor behind a proxy)."""
 
     async def train_step(self, step: int, *, prefetch: bool) -> dict[str, float]: ...
-    async def send_weights(self) -> dict[str, float]: ...
+    async def send_weights(self) -> dict[str, float]: ...  # (with_reports: also report=True)
 
 
 class GeneratorEndpoint(Protocol):
@@ -382,13 +383,18 @@ class StepPipeline:
     `colocated`: each step runs in series around the generators' sleep (module docstring): nothing is asked
     ahead (`ask_next` does nothing), nothing prefetched. A generator whose death `tolerated(exc)` says
     supervision takes care of is left out of a sleep or wake (its fresh actor holds no cache yet).
+
+    `with_reports`: the replies the step awaits anyway carry the roles' window reports (`stats()`, under
+    REPORT_KEY): the trainer's send, each generator's receive and the buffer's publish are asked with
+    `report=True`; `take_reports()` hands them to the Controller, which then calls `stats()` only on the roles
+    that sent none (the scorers): three actor calls a step fewer with one generator.
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
                  total_steps: int, watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _plain,
                  pause_after: Callable[[int], bool] = _never, drain_after: Callable[[int], bool] = _never,
                  recover: Callable[[BaseException], Awaitable[None]] | None = None, colocated: bool = False,
-                 tolerated: Callable[[BaseException], bool] = _intolerable) -> None:
+                 tolerated: Callable[[BaseException], bool] = _intolerable, with_reports: bool = False) -> None:
         self.trainer = trainer
         self.generators = list(generators)
         self.buffer = buffer
@@ -402,6 +408,10 @@ class StepPipeline:
         self.recover = recover
         self.colocated = colocated
         self.tolerated = tolerated
+        self.with_reports = with_reports
+        # the window reports that came with the replies, with their role ("trainer", "buffer", "generator/<i>");
+        # a role may send two in one step (a receive that returned before a failed sync, then the retry's)
+        self.reports: list[tuple[str, RoleStats]] = []
         self.sync_lock = asyncio.Lock()  # a step's weight sync, or the supervisor re-forming the group
         self.group = "weights"  # the weight-sync group's name now (the supervisor renames it when it re-forms)
         self._arm = False  # every generator's receive may wait for the send (set by start())
@@ -453,7 +463,7 @@ class StepPipeline:
                 discard(f)
         if step + 1 < self.total_steps and self._arm:  # the next version's receives wait while it trains
             self._armed = self._receive(armed=True)
-        await self.watch(self.buffer.publish(step + 1))
+        await self._publish(step + 1)
         return metrics, sent
 
     async def _colocated_step(self, step: int, while_asleep: Callable[[], Awaitable[None]] | None,
@@ -484,7 +494,7 @@ class StepPipeline:
         t4 = time.time()
         if step + 1 < self.total_steps and self._arm:
             self._armed = self._receive(armed=True)
-        await self.watch(self.buffer.publish(step + 1))
+        await self._publish(step + 1)
         metrics["trainer/gate_wait_s"] = metrics.get("trainer/gate_wait_s", 0.0) + t1 - t0
         metrics.update({"colocate/sleep_s": t2 - t1, "colocate/asleep_s": t3 - t2, "colocate/wake_s": t4 - t3})
         return metrics, sent
@@ -512,10 +522,15 @@ class StepPipeline:
                 assert receives is not None
                 group = self.group
                 try:
-                    sent = await self.watch(self.trainer.send_weights())
+                    if self.with_reports:
+                        sent = self._keep_report("trainer", await self.watch(self.trainer.send_weights(report=True)))
+                    else:
+                        sent = await self.watch(self.trainer.send_weights())
                     await self.watch(asyncio.gather(*receives[1]))
+                    self._keep_receive_reports(receives[1])
                     return sent, receives
                 except Exception as exc:
+                    self._keep_receive_reports(receives[1])  # the receives that returned: their windows ended
                     if self.recover is None or attempt == 7:
                         raise
                     error = exc
@@ -528,12 +543,39 @@ class StepPipeline:
 
     def _receive(self, *, armed: bool) -> tuple[str, list[asyncio.Future]] | None:
         """Every generator's receive, for the group as it is now; None while it is being re-formed."""
+        extra: dict[str, Any] = {"report": True} if self.with_reports else {}
         if self.recover is None:
-            return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed)) for g in self.generators]
+            return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed, **extra))
+                                for g in self.generators]
         if self.sync_lock.locked() and armed:
             return None  # the sync makes them, under the lock, once the group is re-formed
-        return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed, group=self.group))
+        return self.group, [asyncio.ensure_future(g.receive_weights(armed=armed, group=self.group, **extra))
                             for g in self.generators]
+
+    async def _publish(self, version: int) -> None:
+        if not self.with_reports:
+            await self.watch(self.buffer.publish(version))
+            return
+        report = await self.watch(self.buffer.publish(version, report=True))
+        if report is not None:
+            self.reports.append(("buffer", report))
+
+    def _keep_report(self, role: str, reply: dict[str, Any]) -> dict[str, Any]:
+        """`reply` without its window report (kept for `take_reports`)."""
+        report = reply.pop(REPORT_KEY, None) if self.with_reports else None
+        if report is not None:
+            self.reports.append((role, report))
+        return reply
+
+    def _keep_receive_reports(self, receives: list[asyncio.Future]) -> None:
+        for i, f in enumerate(receives):
+            if f.done() and not f.cancelled() and f.exception() is None and isinstance(f.result(), dict):
+                self._keep_report(f"generator/{i}", f.result())
+
+    def take_reports(self) -> list[tuple[str, RoleStats]]:
+        """The window reports that came with the replies since the last call, (role, report) (and forget them)."""
+        out, self.reports = self.reports, []
+        return out
 
     def close(self) -> None:
         """Drop what was asked for ahead of a failure (or of the end): their outcomes warn nobody. An armed

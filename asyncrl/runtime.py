@@ -123,9 +123,10 @@ class _PublishHook:
         self._buffer = buffer
         self._on_publish = on_publish
 
-    async def publish(self, version: int) -> None:
-        await self._buffer.publish(version)
+    async def publish(self, version: int, *, report: bool = False) -> Any:
+        out = await self._buffer.publish(version, report=report)
         self._on_publish(version)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._buffer, name)

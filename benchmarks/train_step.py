@@ -284,6 +284,19 @@ def _order(i: int, sides: list[str] | None = None) -> list[str]:
     return sides[k:] + sides[:k]
 
 
+def gc_counter() -> dict[int, int]:
+    """Counts of the garbage collector's runs from now on, by generation (gc.callbacks)."""
+    import gc
+
+    counts: dict[int, int] = defaultdict(int)
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            counts[info["generation"]] += 1
+    gc.callbacks.append(on_gc)
+    return counts
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
@@ -317,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples)
     learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
     bare = BareStep(model, groups, algorithm, trainer)
+    collections = gc_counter()
 
     params = sum(p.numel() for p in model.parameters())
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
@@ -342,7 +356,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times[side].append(time.perf_counter() - t0)
     bare_s, ours_s = statistics.median(times["bare"]), statistics.median(times["asyncrl"])
     print(f"\nbare step     {bare_s * 1e3:8.2f} ms (median)")
-    print(f"asyncrl step  {ours_s * 1e3:8.2f} ms (median)  = {ours_s / bare_s:.2f}x the bare step")
+    p90 = statistics.quantiles(times["asyncrl"], n=10)[-1] if repeats > 1 else ours_s
+    print(f"asyncrl step  {ours_s * 1e3:8.2f} ms (median)  = {ours_s / bare_s:.2f}x the bare step "
+          f"(p90 {p90 / bare_s:.2f}x)")
+    print(f"garbage collector runs during the run, by generation: {dict(sorted(collections.items()))}")
     if args.compare:
         off_s = statistics.median(times[f"{args.compare} off"])
         print(f"asyncrl with {args.compare} off  {off_s * 1e3:8.2f} ms (median)  = {off_s / bare_s:.2f}x the bare "

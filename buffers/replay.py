@@ -344,8 +344,11 @@ class ReplayBuffer:
         """A generator's swap to `version` landed: its admits waiting at older versions return now."""
         self.gate.note_held(version)
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, *, report: bool = False) -> RoleStats | None:
+        """Every generator holds `version`: the gate admits at it from now on. `report`: returns the
+        buffer's `stats()` too (its window ends here: no separate call that step)."""
         self.gate.publish(version)
+        return await self.stats() if report else None
 
     # -- checkpoint -----------------------------------------------------------------------------
     async def state(self) -> BufferState:

@@ -30,7 +30,7 @@ import torch
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
 from asyncrl.telemetry.memory import peak_memory_metrics
-from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
+from asyncrl.telemetry.metrics import REPORT_KEY, Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, RolloutEngine, SleepableEngine
 from transports.base import STAT_SECONDS, WeightReceiver
@@ -112,13 +112,22 @@ class Generator:
         self._asleep_since = 0.0
 
     # -- weights ---------------------------------------------------------------------------------
-    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, float]:
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None,
+                              report: bool = False) -> dict[str, Any]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on).
         Called by the step pipeline (asyncrl/pipeline.py, `StepPipeline`).
 
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
         it takes, without the group's timeout. `group`: the group the caller made this receive for; refused
-        if this generator is in another one (a group re-formed meanwhile must not count it)."""
+        if this generator is in another one (a group re-formed meanwhile must not count it). `report`: the
+        reply also carries this generator's `stats()` under REPORT_KEY (its window ends with the receive: the
+        Controller asks no separate `stats()` call of it that step)."""
+        stats: dict[str, Any] = dict(await self._receive_weights(armed, group))
+        if report:
+            stats[REPORT_KEY] = self.stats()
+        return stats
+
+    async def _receive_weights(self, armed: bool, group: str | None) -> dict[str, float]:
         if group is not None and group != self.weight_group:
             raise RuntimeError(f"receive_weights for group {group!r}: this generator is in {self.weight_group!r}")
         if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):

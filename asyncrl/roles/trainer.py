@@ -25,6 +25,7 @@ from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
+    REPORT_KEY,
     Max,
     RoleStats,
     generator_staleness_stats,
@@ -113,10 +114,14 @@ class Trainer:
             metrics[ROLLOUTS_KEY] = train_samples(trajs, self.decode)  # rollouts.jsonl (the Controller writes it)
         return metrics
 
-    async def send_weights(self) -> dict[str, float]:
+    async def send_weights(self, *, report: bool = False) -> dict[str, Any]:
         """The statistics of the oldest send `train_step` started and no one claimed yet; with none,
-        broadcast the current weights (stamped with the current version) now."""
-        return await self.pipeline.send_weights()
+        broadcast the current weights (stamped with the current version) now. `report`: the reply also
+        carries the trainer's `stats()` under REPORT_KEY (its window ends with the send)."""
+        sent: dict[str, Any] = dict(await self.pipeline.send_weights())
+        if report:
+            sent[REPORT_KEY] = self.stats()
+        return sent
 
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:

@@ -153,6 +153,12 @@ class RoleStats(msgspec.Struct, kw_only=True):
         return {key: metric.value for key, metric in self.metrics.items()}
 
 
+# The key under which a reply the Controller receives anyway (a generator's weight receive, the trainer's weight
+# send, the buffer's publish) carries the role's `stats()` report when the caller asks for it (`report=True`):
+# the report of the window that ends there, one actor call a step fewer per role (asyncrl/pipeline.py).
+REPORT_KEY = "role/report"
+
+
 def rss_mb() -> float:
     """This process's resident memory now, in MiB (/proc/self/statm; elsewhere the peak from getrusage)."""
     try:

@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.messages import Group
 from asyncrl.pipeline import StepPipeline
+from asyncrl.telemetry.metrics import REPORT_KEY, Last, Max, Rate, RoleStats
 
 torch.set_num_threads(1)
 
@@ -520,3 +521,54 @@ def test_trainer_drop_sender_ends_a_claimed_send_and_the_next_send_waits_for_the
 
     run(go())
     assert log.count("send 2") == 1
+
+
+class ReportingTrainer(FakeTrainer):
+    async def send_weights(self, *, report: bool = False) -> dict[str, Any]:
+        sent: dict[str, Any] = dict(await super().send_weights())
+        if report:
+            sent[REPORT_KEY] = RoleStats(metrics={"trainer/rss_mb": Max(float(self.sends))})
+        return sent
+
+
+class ReportingGenerator(FakeGenerator):
+    async def receive_weights(self, *, armed: bool = False, report: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = dict(await super().receive_weights(armed=armed))
+        if report:
+            out[REPORT_KEY] = RoleStats(metrics={"generation/tokens_per_s": Rate(10.0 * (self.index + 1))})
+        return out
+
+
+class ReportingGate(FakeGate):
+    async def publish(self, version: int, *, report: bool = False) -> RoleStats | None:
+        await super().publish(version)
+        return RoleStats(metrics={"buffer/train_depth": Last(float(version))}) if report else None
+
+
+def test_step_pipeline_with_reports_keeps_each_roles_window_report_from_the_replies_it_awaits():
+    log: list[str] = []
+    trainer = ReportingTrainer(log)
+    gens = [ReportingGenerator(i, log, trainer) for i in range(2)]
+    steps = StepPipeline(trainer=trainer, generators=gens, buffer=ReportingGate(log), total_steps=2,
+                         with_reports=True)
+
+    async def go() -> list:
+        await steps.start()
+        trainer.finish[0].set()
+        trainer.finish[1].set()
+        out = []
+        for s in range(2):
+            metrics, sent = await steps.step(s)
+            assert REPORT_KEY not in sent and sent == {"sync/seconds": 0.0}  # the row gets the send's statistics only
+            out.append(steps.take_reports())
+        steps.close()
+        return out
+
+    first, second = run(go())
+    for version, reports in ((1, first), (2, second)):
+        by_role = {role: r.metrics for role, r in reports}
+        assert sorted(by_role) == ["buffer", "generator/0", "generator/1", "trainer"]
+        assert by_role["trainer"]["trainer/rss_mb"] == Max(float(version))  # this step's send's report
+        assert by_role["generator/1"]["generation/tokens_per_s"] == Rate(20.0)
+        assert by_role["buffer"]["buffer/train_depth"] == Last(float(version))
+    assert steps.take_reports() == []

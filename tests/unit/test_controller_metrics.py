@@ -131,3 +131,36 @@ def test_controller_seconds_count_the_drivers_cpu_in_each_window_not_its_waiting
     assert first["time/controller_s"] >= 0.05  # the busy step's CPU is all counted
     assert second["time/controller_s"] < first["time/controller_s"]
     assert second["time/controller_s"] < second["time/step_s"]  # awaiting is not the driver's time
+
+
+class Unasked(FakeRole):
+    """A role whose report came with a reply: the Controller must not ask it again."""
+
+    async def stats(self) -> RoleStats:
+        raise AssertionError("stats() asked of a role whose report came with the step's replies")
+
+
+def test_reports_that_came_with_the_replies_replace_the_stats_calls_and_give_the_same_row(tmp_path):
+    gen_report = generator(0, 100, 0.5, (10.0, 12.0))
+    trainer_report = RoleStats(spans=[Span(role="trainer", kind="train", start=10.0, end=11.0)])
+    buffer_report = buffer(failed=2, depth=5)
+    scorer_report = RoleStats(metrics={"scorer/samples_per_s": Rate(8)})
+    asked = controller(tmp_path / "a", [FakeRole(gen_report)], [FakeRole(scorer_report)], FakeRole(trainer_report),
+                       FakeRole(buffer_report))
+    came = controller(tmp_path / "b", [Unasked()], [FakeRole(scorer_report)], Unasked(), Unasked())
+    came.steps.reports = [("generator/0", gen_report), ("trainer", trainer_report), ("buffer", buffer_report)]
+    by_stats = asyncio.run(asked._role_metrics(10.0, 12.0))
+    by_replies = asyncio.run(came._role_metrics(10.0, 12.0))
+    assert by_replies == {**by_stats, "controller/rss_mb": by_replies["controller/rss_mb"]}
+    assert by_replies["generation/tokens_per_s"] == 50 and by_replies["scorer/samples_per_s"] == 4  # (the scorer asked)
+    assert came.steps.reports == []  # taken: the next window starts empty
+
+
+def test_a_role_with_two_reports_in_one_step_counts_both_windows(tmp_path):
+    """A receive that returned before a failed sync, then the retry's: neither window's counts are lost."""
+    c = controller(tmp_path, [Unasked()], [], Unasked(), Unasked())
+    c.steps.reports = [("generator/0", generator(0, 10, 0.0, (0.0, 0.5))),
+                       ("generator/0", generator(0, 30, 0.0, (0.5, 1.0))), ("trainer", RoleStats()),
+                       ("buffer", buffer(1, 0))]
+    row = asyncio.run(c._role_metrics(0.0, 1.0))
+    assert row["generation/tokens_per_s"] == 40 and row["buffer/failed"] == 1
