@@ -33,7 +33,8 @@ On a CUDA device (`--device cuda`) both sides run there, in fp32, and every time
 CUDA; `--no-cuda-graphs` measures it launching every kernel, as HF does).
 
 The last line of output is one JSON object: native tok/s at batch 32 vs HF at batch 32 (target 2.0 on a
-CPU, 3.0 on an accelerator), with the batch-32 decode step, its floor and their ratio.
+CPU, 3.0 on an accelerator), with the batch-32 decode step, its floor, their ratio and `ratio_at_floor`
+(the ratio were every decode step at its floor, the time outside the decode steps unchanged).
 Attributes that only the continuous-batching engine has (decode batch sizes, step times, swap pauses)
 are read with getattr, on the engine or its `scheduler`; without them the script falls back to
 counters and wall time and says so.

@@ -39,7 +39,8 @@ Fairness rules:
   engines alternating within each round so that background load hits all alike.
 
 The last line is one JSON object: value = native tok/s at batch 32 (first thread count), baseline = HF
-`generate` tok/s, ratio, target 2.0, plus vLLM's tok/s, the train step and the weight-sync seconds.
+`generate` tok/s, ratio, target 2.0, plus vLLM's tok/s, the cores each side kept busy (`cores_hf`, ...),
+the generation dtype, the train step and the weight-sync seconds.
 """
 
 from __future__ import annotations
