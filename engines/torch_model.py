@@ -471,6 +471,12 @@ class SlotDecoder:
         # On CPU two batched matmuls beat SDPA's kernel at decode shapes (and beat one [H, D] x [D, W * kv_heads]
         # matmul per slot against all its KV heads, masked to each query head's own: fewer, larger matmuls, but
         # kv_heads times the arithmetic). baddbmm adds the mask for free.
+        if q.dtype != torch.float32:
+            # In bf16/fp16 CPU bmm copies a transposed operand whole (K^T: every cached row of the step, per
+            # layer); K q^T reads K as it lies and transposes only the small [N, W, G] result.
+            scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)
+            scores = scores if mask is None else scores + mask
+            return torch.bmm(scores.softmax(-1), v)
         scores = torch.bmm(q, k.transpose(1, 2)) if mask is None else torch.baddbmm(mask, q, k.transpose(1, 2))
         return torch.bmm(scores.softmax(-1), v)
 

@@ -45,3 +45,6 @@ def test_quick_real_model_benchmark_reports_every_engine_the_train_step_and_a_by
                 "load_weights_s"):
         assert last[key] > 0, key
     assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"]
+    assert last["dtype"] == "float32"
+    for side in ("hf", "native", "vllm"):  # the cores each side kept busy, vLLM's engine-core process included
+        assert last[f"cores_{side}"] > 0, side

@@ -39,9 +39,10 @@ def test_quick_benchmark_ends_with_the_result_json_line(capsys, monkeypatch):
     assert "A. fixed batches" in out and "B. " in out and "C. in-flight weight update" in out
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target", "step_ms", "floor_ms",
-                         "step_over_floor"}
+                         "step_over_floor", "ratio_at_floor"}
     assert last["benchmark"] == "engine_throughput" and last["unit"] == "tokens/s" and last["target"] == 2.0
     assert last["step_ms"] > 0 and last["floor_ms"] > 0
+    assert last["ratio_at_floor"] > 0  # HF's time over (native time outside decode + its steps at the floor)
     # each figure is rounded on its own (ms to 0.1 µs, the ratio to 0.001): equal up to that rounding
     assert abs(last["step_over_floor"] - last["step_ms"] / last["floor_ms"]) <= 0.01 * last["step_over_floor"] + 0.002
     assert last["value"] > 0 and last["baseline"] > 0
