@@ -136,7 +136,8 @@ class Controller:
                                   drain_after=lambda v: self._save_due(v) or bool(self._stopping),
                                   recover=self.supervisor.recover if deployment.restartable else None,
                                   colocated=self.colocated, tolerated=self.supervisor.tolerated,
-                                  with_reports=True)
+                                  # colocated, a generator's sleep ends after its receive: all asked after the wake
+                                  with_reports=not self.colocated)
         self.supervisor.attach(self.steps)
         self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)  # the newest only (see ROWS_KEPT)
         self.rows_written = 0  # rows in metrics.jsonl (resumed: those up to the checkpoint, then this run's)
@@ -245,7 +246,7 @@ class Controller:
         t_end, cpu = time.time(), time.thread_time()
         if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
-        row.update(await self._role_metrics(t_prev, t_end))
+        row.update(await self._role_metrics(t_prev, t_end, ask_trainer=eval_due))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
         # the driver's own work in that window: the Controller, the step pipeline, supervision, the watch and
         # the Ray calls they make (their row work of the previous step included); on Ray its share of
@@ -355,14 +356,15 @@ class Controller:
     def _config_text(self) -> str:
         return self.config_text if self.config_text is not None else config_to_toml(self.cfg)
 
-    async def _role_metrics(self, t0: float, t1: float) -> dict[str, float]:
+    async def _role_metrics(self, t0: float, t1: float, *, ask_trainer: bool = False) -> dict[str, float]:
         """Every role's report of its window (what happened since its previous `stats()`), reduced by each
         metric's own type over this step's window [t0, t1]; busy shares and overlap from the spans. The
         reports that came with the step's replies (the trainer's send, each generator's receive, the buffer's
-        publish: StepPipeline.take_reports) are used as they are; only the other roles are asked (`stats()`)."""
+        publish: StepPipeline.take_reports) are used as they are; only the other roles are asked (`stats()`), and the
+        trainer again after an evaluation (`ask_trainer`: its eval span ends after the send's report)."""
         d = self.d
         came = self.steps.take_reports()
-        have = {role for role, _ in came}
+        have = {role for role, _ in came} - ({"trainer"} if ask_trainer else set())  # its eval came after the send
         roles = [*[(f"generator/{i}", g) for i, g in enumerate(d.generators)],
                  *[(f"scorer/{i}", s) for i, s in enumerate(d.scorers)], ("trainer", d.trainer), ("buffer", d.buffer)]
         asked = [r.stats() for name, r in roles if name not in have]

@@ -44,6 +44,10 @@ def test_run_writes_a_trace_with_every_role_and_span_kind(run_dir):
             "wait_queue", "eval"} <= kinds
     versions = {e["args"]["version"] for e in events if e["ph"] == "X" and e["name"] == "train"}
     assert versions == {0, 1, 2, 3}
+    # every evaluation's span (versions 0, 2, 4 with eval_every = 2), the last one included: an evaluation ends
+    # after the trainer's window report that came with the send, so the Controller asks the trainer again
+    evaluated = {e["args"]["version"] for e in events if e["ph"] == "X" and e["name"] == "eval"}
+    assert evaluated == {0, 2, 4}
     assert any(e["ph"] == "C" and e["name"] == "buffer/rollout_depth" for e in events)
 
 
