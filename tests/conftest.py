@@ -116,3 +116,16 @@ def documented_metric_keys(section: str) -> set[str]:
             roles = ("generator", "scorer", "trainer") if "<role>" in key else ("",)
             keys.update(key.replace("<role>", role).replace("<k>", "0") for role in roles)
     return keys
+
+
+def load_benchmark(monkeypatch, path: Path):
+    """A benchmark script (benchmarks/*.py, not a package module) imported by path, registered in sys.modules for
+    the test only (its dataclasses need their module there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module

@@ -16,23 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_throughput.py"
 
 
-def load_benchmark(monkeypatch):
-    """The script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("engine_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve the script's annotations through sys.modules
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def load_engine_benchmark(monkeypatch):
+    return load_benchmark(monkeypatch, SCRIPT)
 
 
 def test_quick_benchmark_ends_with_the_result_json_line(capsys, monkeypatch):
     threads = torch.get_num_threads()
     try:
-        returned = load_benchmark(monkeypatch).main(["--quick", "--threads", "1"])
+        returned = load_engine_benchmark(monkeypatch).main(["--quick", "--threads", "1"])
     finally:
         torch.set_num_threads(threads)  # the script sets the process-wide count
     out = capsys.readouterr().out
@@ -54,11 +50,7 @@ VS_SYNC = SCRIPT.parent / "vs_sync_loop.py"
 
 
 def load_vs_sync(monkeypatch):
-    spec = importlib.util.spec_from_file_location("vs_sync_loop", VS_SYNC)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, VS_SYNC)
 
 
 def test_sync_loop_grpo_advantages_equal_asyncrls(monkeypatch):
@@ -104,7 +96,7 @@ def test_the_decode_floor_grows_with_batch_and_attended_width(monkeypatch):
     cost more (the shapes differ by 64x, so timing noise cannot reorder them)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    bench = load_benchmark(monkeypatch)
+    bench = load_engine_benchmark(monkeypatch)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()
     small = bench.decode_floor(model, batch=1, width=8, repeats=3)

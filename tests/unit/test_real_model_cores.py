@@ -3,10 +3,11 @@ runs in one), so a side that uses more threads than `--threads` shows it."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model.py"
 
@@ -20,11 +21,7 @@ time.sleep(30)
 
 
 def load_real_model(monkeypatch):
-    spec = importlib.util.spec_from_file_location("real_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, SCRIPT)
 
 
 def test_cpu_seconds_include_a_live_child_process(monkeypatch):
