@@ -139,12 +139,12 @@ def save(root: str | Path, *, step: int, version: int, config_text: str,
         manifest = Manifest(format_version=FORMAT_VERSION, step=step, version=version,
                             config_sha256=config_sha256(config_text), created=time.time(), files=files)
         _write(tmp / MANIFEST, _encode_manifest(manifest))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if replacing is not None:  # a partial or corrupted folder from an earlier run
             log.warning("replacing invalid checkpoint %s: %s", final, replacing)
             _discard(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -183,7 +183,7 @@ def verify(path: str | Path) -> Manifest:
             raise CheckpointError(f"{file}: missing")
         if (size := file.stat().st_size) != entry.bytes:
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry.bytes} (truncated?)")
-        if (digest := _digest(file)) != entry.sha256:
+        if (digest := file_sha256(file)) != entry.sha256:
             raise CheckpointError(f"{file}: sha256 {digest[:12]}…, the manifest says {entry.sha256[:12]}…")
     return manifest
 
@@ -448,11 +448,12 @@ def _seal_tree(folder: Path, reserved: set[str]) -> dict[str, FileEntry]:
                 raise CheckpointError(f"{folder / rel}: `write` left a file the checkpoint writes itself")
             files[rel] = _seal(folder / rel)
         if Path(dirpath) != folder:
-            _fsync_dir(Path(dirpath))
+            fsync_dir(Path(dirpath))
     return files
 
 
-def _digest(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB chunks."""
     with open(path, "rb") as f:
         return _hash(f)[0]
 
@@ -465,7 +466,8 @@ def _hash(f: Any) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

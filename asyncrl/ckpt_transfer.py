@@ -31,7 +31,6 @@ never sits whole in the object store.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import secrets
@@ -63,7 +62,8 @@ def list_files(folder: str | Path, *, hashes: bool) -> FileList:
     if not root.is_dir():
         raise checkpoint.CheckpointError(f"{root}: no such folder on this node")
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    return [(p.relative_to(root).as_posix(), p.stat().st_size, _sha256(p) if hashes else "") for p in files]
+    return [(p.relative_to(root).as_posix(), p.stat().st_size, checkpoint.file_sha256(p) if hashes else "")
+            for p in files]
 
 
 def read_chunk(folder: str | Path, rel: str, offset: int, length: int) -> bytes:
@@ -101,15 +101,15 @@ def commit(tmp: str | Path, final: str | Path, files: FileList) -> None:
                 raise checkpoint.CheckpointError(f"{final / rel}: {got[rel][0]} bytes arrived, {size} were sent")
             with open(tmp / rel, "rb") as f:
                 os.fsync(f.fileno())
-            if sha and _sha256(tmp / rel) != sha:
+            if sha and checkpoint.file_sha256(tmp / rel) != sha:
                 raise checkpoint.CheckpointError(f"{final / rel}: sha256 differs from the sender's")
         if checkpoint.MANIFEST in got:
             checkpoint.verify(tmp)  # every listed file against the manifest, the manifest against itself
-        _fsync_dir(tmp)
+        checkpoint.fsync_dir(tmp)
         if final.exists():
             checkpoint._discard(final)  # renamed aside first: no half-deleted folder under its own name
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        checkpoint.fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -324,19 +324,3 @@ def _inside(folder: str | Path, rel: str) -> Path:
     if parts.is_absolute() or ".." in parts.parts or not rel:
         raise checkpoint.CheckpointError(f"refusing a file outside the folder: {rel!r}")
     return Path(folder) / parts
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
