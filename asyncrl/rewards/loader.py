@@ -40,6 +40,7 @@ import functools
 import inspect
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from asyncrl.aio import on_daemon_thread
@@ -278,15 +279,16 @@ def call_batch(fn: RewardFn, calls: Sequence[Call]) -> list[Value | BaseExceptio
 async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeout_s: float, *,
                              hung: HungCalls) -> list[Value | BaseException]:
     """`call_reward` on each (prompt, completion, row), one call after the other on one daemon thread, each
-    call bounded by `timeout_s`. Returns, per call, its value or its exception (asyncio.TimeoutError for one
-    that hung; RuntimeError for those not started because `hung` is full).
+    call bounded by `timeout_s` from its start. Returns, per call, its value or its exception
+    (asyncio.TimeoutError for one that hung; RuntimeError for those not started because `hung` is full).
 
     One call at a time, except beside a call that already timed out: a hung call cannot be killed, so it
     holds only its own thread, counted in `hung` until it returns, and the calls after it go on on a fresh
     one. Not a thread pool: in a pool each hung call would hold a worker for good — after `max_workers` of
     them every later call times out waiting in the queue, every group fails and training starves; pool
-    threads would also block interpreter exit. The thread runs through the batch and hands each result to
-    the loop as it goes (no thread start and no round trip through the event loop per call).
+    threads would also block interpreter exit. The thread runs through the batch and wakes the loop once, at
+    its end; meanwhile the loop sleeps until the running call's deadline (no thread start and no round trip
+    through the event loop per call: each would cost more than a rule reward on a busy core).
     """
     loop = asyncio.get_running_loop()
     out: list[Value | BaseException] = []
@@ -297,49 +299,59 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeou
         except RuntimeError as full:
             out.extend(full for _ in range(len(calls) - len(out)))
             break
-        results: asyncio.Queue[tuple[Value | None, BaseException | None]] = asyncio.Queue()
-        # the next call this thread will make (None once the thread is abandoned: a call of it hung), and
-        # the last call it returned from; both guarded by `lock`
-        claim: list[int | None] = [len(out)]
-        returned = [len(out) - 1]
+        done = asyncio.Event()
+        # shared with the thread, under `lock`: the next call it makes, the call running and since when (or
+        # None between calls), whether it was abandoned (a call of it hung), and the returned calls' results
+        state: dict[str, Any] = {"next": len(out), "running": None, "since": 0.0, "abandoned": False}
+        results: dict[int, tuple[Value | None, BaseException | None]] = {}
 
-        def work(q: asyncio.Queue = results, claim: list[int | None] = claim, returned: list[int] = returned) -> None:
+        def work(state: dict[str, Any] = state, results: dict = results, done: asyncio.Event = done) -> None:
             while True:
                 with lock:  # claim the next call, unless abandoned meanwhile
-                    j = claim[0]
-                    if j is None or j >= len(calls):
-                        return
-                    claim[0] = j + 1
+                    j = state["next"]
+                    if state["abandoned"] or j >= len(calls):
+                        break
+                    state["next"], state["running"], state["since"] = j + 1, j, time.monotonic()
                 value, exc = None, None
                 try:
                     value = call_reward(fn, *calls[j])
                 except Exception as e:  # noqa: BLE001 - user code; the caller reports it
                     exc = e
                 with lock:
-                    returned[0] = j
-                    if claim[0] is None:  # abandoned inside call j, which has returned now: no longer hung
+                    if state["abandoned"]:  # abandoned inside call j, which has returned now: no longer hung
                         hung.done()
                         return
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, (value, exc))
-                except RuntimeError:  # the loop closed while a call hung
-                    return
+                    results[j], state["running"] = (value, exc), None
+            try:
+                loop.call_soon_threadsafe(done.set)
+            except RuntimeError:  # the loop closed while a call hung
+                pass
 
         threading.Thread(target=work, name="reward", daemon=True).start()
-        while len(out) < len(calls):
-            try:
-                value, exc = await asyncio.wait_for(results.get(), timeout_s)
-            except asyncio.TimeoutError as timeout:
-                with lock:
-                    if claim[0] == len(out) + 1 and returned[0] < len(out):  # inside call len(out): abandon it
-                        claim[0] = None
-                        hung.add()
-                if claim[0] is not None:  # it just returned from that call: its result is on the way
-                    value, exc = await results.get()
-                else:
-                    out.append(timeout)
-                    break  # the next calls on a fresh thread
-            out.append(exc if exc is not None else value)  # type: ignore[arg-type]
+        hung_at: int | None = None
+        while not done.is_set():
+            with lock:
+                running, since = state["running"], state["since"]
+            left = timeout_s if running is None else since + timeout_s - time.monotonic()
+            if left > 0:
+                try:
+                    await asyncio.wait_for(done.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            with lock:  # still inside the call that ran past its deadline: abandon the thread
+                if state["running"] == running and not done.is_set():
+                    state["abandoned"] = True
+                    hung.add()
+                    hung_at = running
+            if hung_at is not None:
+                break
+        with lock:
+            for j in range(len(out), len(calls) if hung_at is None else hung_at):
+                value, exc = results[j]
+                out.append(exc if exc is not None else value)  # type: ignore[arg-type]
+        if hung_at is not None:
+            out.append(asyncio.TimeoutError(f"reward call ran past reward.timeout_s ({timeout_s:g} s)"))
     return out
 
 

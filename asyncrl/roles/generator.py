@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol
 import msgspec
 import torch
 
+from asyncrl.aio import Coalescer
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
 from asyncrl.telemetry.memory import peak_memory_metrics
@@ -110,6 +111,9 @@ class Generator:
         self._unused = asyncio.Event()
         self._unused.set()
         self._asleep_since = 0.0
+        # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
+        # call for a burst instead of one per group)
+        self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(trajs))
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self, *, armed: bool = False, group: str | None = None,
@@ -371,7 +375,7 @@ class Generator:
         (QueueClosed, or its Ray-wrapped form): the run is over, so the rollouts are dropped quietly."""
         t0 = self.recorder.begin("wait_queue", "rollout queue full")
         try:
-            await self.buffer.put_rollouts(trajs)
+            await self._puts.add(trajs)
         except Exception as exc:
             if not self._stopped.is_set():
                 raise

@@ -202,3 +202,18 @@ def test_hung_reward_calls_are_bounded_and_counted_until_they_return():
         time.sleep(0.01)
     assert hung.running == rewards.hung_calls == 0
     assert asyncio.run(batch(["a"])) == [1.0]
+
+
+def test_each_reward_call_is_bounded_from_its_own_start_not_the_batch():
+    import asyncio
+    import time
+
+    from asyncrl.rewards.loader import HungCalls, call_rewards_async
+
+    def fn(prompt, completion, **fields):
+        time.sleep(0.12)  # each call within its 0.3 s timeout; the batch of 5 takes twice that
+        return 1.0
+
+    hung = HungCalls()
+    out = asyncio.run(call_rewards_async(fn, [("p", str(i), {}) for i in range(5)], timeout_s=0.3, hung=hung))
+    assert out == [1.0] * 5 and hung.running == 0
