@@ -73,13 +73,17 @@ if TYPE_CHECKING:  # the C++ base of ProcessGroupGloo/NCCL (not torch.distribute
 logger = logging.getLogger(__name__)
 
 SOURCE_RANK = 0  # the Trainer
-# A receiver polls the store for the announcement with `check` (a query that never times out), sleeping
-# ANNOUNCE_POLL_MIN_S, doubling up to ANNOUNCE_POLL_MAX_S, between checks: the wait notices a closed group
-# at once, adds at most ANNOUNCE_POLL_MAX_S to a sync, and logs nothing. A `wait` with a short timeout would
-# do the same, but libtorch logs two "[c10d] waitForInput ... timed out" warnings for every timeout: with
-# train steps of seconds (a real model), an armed receiver's console would fill with them.
+# A receiver polls the store for the announcement with `check` (a query that never times out): the wait notices
+# a closed group at once and logs nothing. A `wait` with a short timeout would do the same, but libtorch logs
+# two "[c10d] waitForInput ... timed out" warnings for every timeout: with train steps of seconds (a real
+# model), an armed receiver's console would fill with them. An armed wait learns how long the one before it
+# took: until ANNOUNCE_FINE_S before that time it checks every ANNOUNCE_POLL_MAX_S at most (a few checks a
+# step), then every ANNOUNCE_POLL_MIN_S doubling to ANNOUNCE_POLL_FINE_S until ANNOUNCE_FINE_S after it (the
+# announcement is seen within ~1 ms, which is on every step's critical path), then back to the coarse pace.
 ANNOUNCE_POLL_MIN_S = 0.0005
+ANNOUNCE_POLL_FINE_S = 0.001
 ANNOUNCE_POLL_MAX_S = 0.01
+ANNOUNCE_FINE_S = 0.02
 BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
@@ -227,6 +231,7 @@ class WeightSyncGroup:
         # a re-formed group (a fresh name, its broadcast count from 0) never sees an older group's keys
         self._announce = dist.PrefixStore(f"asyncrl/{group_name}/announce", store) if store is not None else None
         self._broadcasts = 0  # broadcast_weights calls so far; every member counts the same
+        self._armed_wait_s: float | None = None  # how long the last armed wait for an announcement took
         # the source packs bucket i into one of these and bucket i+1 into the other while i is on the wire; kept
         # across syncs (2 x the largest bucket): a fresh large buffer per bucket is fresh pages to fault in each time
         self._pack_buffers: list[Tensor] = []
@@ -337,26 +342,37 @@ class WeightSyncGroup:
 
     def _announce_wait(self, n: int, armed: bool) -> None:
         """Wait for the source to announce broadcast n: up to the group's timeout, or (`armed`) for as long
-        as it takes, until the group is closed."""
+        as it takes, until the group is closed. Polls finely only around when the last armed wait ended."""
         if self._announce is None:
             return
-        deadline = None if armed else time.monotonic() + self.timeout_s
-        sleep_s = ANNOUNCE_POLL_MIN_S
+        start = time.monotonic()
+        deadline = None if armed else start + self.timeout_s
+        expected = self._armed_wait_s if armed else None
+        fine = ANNOUNCE_POLL_MIN_S
         while True:
             if self._pg is None:
                 raise RuntimeError("weight-sync group is closed")
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 self._broken = f"header failed on rank {self.rank}"  # this member counted a broadcast that never came
                 raise TimeoutError(f"weight sync: header not completed within {self.timeout_s}s on rank "
                                    f"{self.rank} (the source never announced its broadcast)")
             try:
                 if self._announce.check([str(n)]):
+                    if armed:
+                        self._armed_wait_s = time.monotonic() - start
                     return
             except Exception as exc:
                 self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
                 raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
-            time.sleep(sleep_s)
-            sleep_s = min(2 * sleep_s, ANNOUNCE_POLL_MAX_S)
+            elapsed = now - start
+            if expected is not None and elapsed < expected - ANNOUNCE_FINE_S:  # long before: coarse
+                time.sleep(min(expected - ANNOUNCE_FINE_S - elapsed, ANNOUNCE_POLL_MAX_S))
+                continue
+            # around the expected time: fine; with none expected, or well past it: doubling up to the coarse pace
+            near = expected is not None and elapsed <= expected + ANNOUNCE_FINE_S
+            time.sleep(fine)
+            fine = min(2 * fine, ANNOUNCE_POLL_FINE_S if near else ANNOUNCE_POLL_MAX_S)
 
     def _announce_seen(self, n: int) -> None:
         """Count this receiver past the wait for broadcast n; the last of them deletes the key and its count.
