@@ -94,7 +94,7 @@ class Producer:
         """The new weights landed (the trainer's broadcast): admit at `version` from now on."""
         self.version = version
         if self.gated:
-            await self.hub.note_held(version)
+            await self.hub.note_held(version, holder=self.holder)
 
     async def run(self) -> None:
         while not self.stopped:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 
@@ -130,6 +131,7 @@ class ReplayBuffer:
         self._holders: dict[int, set[str]] = {}  # running group id -> the roles holding part of it
         self._abandoned: set[int] = set()  # released by release_holder: late accepts/releases are dropped
         self._gone: set[str] = set()  # holders released: what a late call of theirs admits or takes is released
+        self._held_by: dict[str, int] = {}  # holder -> the newest version it reported holding (note_held)
         self.abandoned = {"groups": 0, "late": 0}  # released by release_holder; late accepts/releases dropped
         # the gate's room among the generators asking at once: least loaded first (buffers/dispatch.py)
         self.dispatch = Dispatch(generators)
@@ -150,9 +152,21 @@ class ReplayBuffer:
         if startup is not None:
             timeout = startup if timeout is None else min(timeout, startup)
         ids: list[int] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            ids = await self.gate.admit(max_groups, version, timeout,
-                                        share=lambda room: self.dispatch.share(holder, room))
+            while True:
+                ids = await self.gate.admit(max_groups, version, timeout,
+                                            share=lambda room: self.dispatch.share(holder, room))
+                # this generator swapped to newer weights meanwhile (note_held): admit at them here instead of
+                # returning [] for it to ask again (a round trip on the path from a weight swap to generation)
+                held = self._held_by.get(holder, version)
+                if ids or held <= version or self.gate.closed or holder in self._gone:
+                    break
+                version = held
+                if deadline is not None:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
             self.dispatch.granted(holder, ids)  # (no await since the grant: the next share sees it)
         finally:
             self.dispatch.leave(holder, max_groups, len(ids))
@@ -249,6 +263,7 @@ class ReplayBuffer:
         """`holder` died: release every running group it held as "failed" (a fresh prompt takes its slot);
         late accepts or releases of them are dropped. Returns their ids."""
         self._gone.add(holder)
+        self._held_by.pop(holder, None)
         self.dispatch.forget(holder)
         self.gate.nudge()
         ids = [gid for gid, held in self._holders.items() if holder in held and self.gate.is_running(gid)]
@@ -340,9 +355,12 @@ class ReplayBuffer:
         them (asyncrl/pipeline.py). False on timeout or close."""
         return await self.gate.wait_step(step, timeout)
 
-    async def note_held(self, version: int) -> None:
-        """A generator's swap to `version` landed: its admits waiting at older versions return now."""
-        self.gate.note_held(version)
+    async def note_held(self, version: int, holder: str | None = None) -> None:
+        """A generator's swap to `version` landed: admits waiting at older versions return now; its own
+        (`holder`) goes on waiting at `version` instead."""
+        self.gate.note_held(version)  # (raises for a version no step made yet)
+        if holder is not None and version > self._held_by.get(holder, -1):
+            self._held_by[holder] = version
 
     async def publish(self, version: int, *, report: bool = False) -> RoleStats | None:
         """Every generator holds `version`: the gate admits at it from now on. `report`: returns the

@@ -52,8 +52,9 @@ class GroupSource(Protocol):
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
         ...
-    async def note_held(self, version: int) -> None:
-        """This generator holds `version` now: its admit waiting at an older version returns early."""
+    async def note_held(self, version: int, holder: str | None = None) -> None:
+        """This generator (`holder`) holds `version` now: its admit waiting at an older version goes on at
+        `version` (other generators' admits return early, to ask again at their own)."""
         ...
 
 
@@ -159,9 +160,9 @@ class Generator:
 
     def _note_held(self, version: int) -> None:
         """Tell the buffer this generator holds `version`, so the run loop's admit, waiting at the older
-        version, returns at once and asks again with the new one (not only after the controller's
-        publish, a few round trips later). Fire and forget: publish wakes it anyway."""
-        task = asyncio.ensure_future(self.buffer.note_held(version))
+        version, goes on at the new one (not only after the controller's publish, a few round trips later).
+        Fire and forget: publish wakes it anyway."""
+        task = asyncio.ensure_future(self.buffer.note_held(version, holder=self.holder))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
                                               version, t.exception()))
@@ -286,6 +287,9 @@ class Generator:
                 t0 = self.recorder.begin("wait_gate")
                 group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=self.holder)
                 self.recorder.record("wait_gate", t0, time.time(), version)
+                # the buffer admits at the version this generator noted holding (`note_held`) when it swapped
+                # while the admit waited: the groups are generated at the engine's version now
+                version = self.engine.version
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     task = asyncio.ensure_future(self._generate_groups([gid], version))
                     inflight.add(task)

@@ -57,7 +57,7 @@ class FakeBuffer(score_fakes.FakeBuffer):
         await super().release_groups(group_ids, reason, detail)
         self.details.append(detail)
 
-    async def note_held(self, version: int) -> None:
+    async def note_held(self, version: int, holder: str | None = None) -> None:
         self.held = version
 
 

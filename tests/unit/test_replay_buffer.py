@@ -373,3 +373,27 @@ def test_an_admit_of_a_dead_holder_that_was_waiting_gets_nothing_and_the_room_go
         assert await buf.admit(1, 0, holder="generator/0#1") == [4]  # the restarted actor's own name works
 
     run(main())
+
+
+def test_an_admit_waiting_when_its_own_generator_swaps_goes_on_at_the_new_version():
+    async def main():
+        buffer = make_buffer(max_staleness=0)  # P = 2: version 0 admits 2 groups, version 1 two more
+        first = await buffer.admit(2, 0, holder="generator/0")
+        await buffer.put_rollouts([t for gid in first for t in group(gid, 0).trajectories])
+        await buffer.get_rollouts(4)
+        await buffer.accept_groups([group(gid, 0) for gid in first])
+        await buffer.take_step(0)
+        mine = asyncio.create_task(buffer.admit(2, 0, timeout=1.0, holder="generator/0"))
+        other = asyncio.create_task(buffer.admit(2, 0, timeout=1.0, holder="generator/1"))
+        await asyncio.sleep(SHORT)
+        waiting = not mine.done() and not other.done()
+        await buffer.note_held(1, holder="generator/0")  # generator 0's swap to version 1 landed
+        ids = await asyncio.wait_for(mine, SHORT * 10)
+        return waiting, ids, [buffer.gate.admitted_version(g) for g in ids], await other
+
+    waiting, ids, versions, other = run(main())
+    assert waiting
+    # admitted at the version it holds, without asking again: its share of the room (the other generator,
+    # which returned to ask again, keeps its place a while: buffers/dispatch.py)
+    assert ids == [2] and versions == [1]
+    assert other == []  # another generator still on version 0 returns, to ask again at its own version
