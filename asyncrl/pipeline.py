@@ -387,7 +387,8 @@ class StepPipeline:
     `with_reports`: the replies the step awaits anyway carry the roles' window reports (`stats()`, under
     REPORT_KEY): the trainer's send, each generator's receive and the buffer's publish are asked with
     `report=True`; `take_reports()` hands them to the Controller, which then calls `stats()` only on the roles
-    that sent none (the scorers): three actor calls a step fewer with one generator.
+    that sent none (scorers in actors of their own; the scorers the buffer's actor hosts report with its
+    publish, as {role: report}): four actor calls a step fewer with one generator.
     """
 
     def __init__(self, *, trainer: TrainerEndpoint, generators: Sequence[GeneratorEndpoint], buffer: Publisher,
@@ -557,7 +558,9 @@ class StepPipeline:
             await self.watch(self.buffer.publish(version))
             return
         report = await self.watch(self.buffer.publish(version, report=True))
-        if report is not None:
+        if isinstance(report, dict):  # a buffer actor hosting the scorers: theirs too, by role
+            self.reports.extend(report.items())
+        elif report is not None:
             self.reports.append(("buffer", report))
 
     def _keep_report(self, role: str, reply: dict[str, Any]) -> dict[str, Any]:
