@@ -115,6 +115,10 @@ class Generator:
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
         self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(trajs))
+        # groups whose sampling is not over: `concurrency` bounds these (a group waiting for its put holds no
+        # engine slot; the gate bounds how many groups are admitted at all)
+        self._sampling = 0
+        self._slot_freed = asyncio.Event()
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self, *, armed: bool = False, group: str | None = None,
@@ -259,10 +263,11 @@ class Generator:
 
     # -- main loop -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Generate until stop(), keeping up to `concurrency` groups in flight.
+        """Generate until stop(), keeping up to `concurrency` groups being sampled.
 
         Each admitted group is its own task; the engine batches the decode steps of all of them
-        (continuous batching), so a group that finishes frees its slot for the next admission at once.
+        (continuous batching), so a group whose sampling ends frees its slot for the next admission at once
+        (its put to the buffer may still be under way).
         Weights: with `weight_update == "in_flight"` a received update is swapped into the engine at its
         next decode-step boundary (sequences carry on and span versions); with "between_requests" the
         loop stops admitting, lets the groups in flight finish, then swaps.
@@ -275,13 +280,13 @@ class Generator:
                 if not self._awake.is_set():  # asleep (colocated placement): admit nothing until wake
                     await self._until_awake_or_stopped()
                     continue
-                if self._pending is not None and (self.weight_update == "between_requests" or not inflight):
-                    if inflight:
-                        await asyncio.wait(inflight)
+                if self._pending is not None and (self.weight_update == "between_requests" or not self._sampling):
+                    while self._sampling and not self._stopped.is_set():
+                        await self._until_slot_freed()
                     await self._apply_pending_weights()
-                free = self.concurrency - len(inflight)
+                free = self.concurrency - self._sampling
                 if free <= 0:
-                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    await self._until_slot_freed()
                     continue
                 version = self.engine.version
                 t0 = self.recorder.begin("wait_gate")
@@ -291,6 +296,7 @@ class Generator:
                 # while the admit waited: the groups are generated at the engine's version now
                 version = self.engine.version
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
+                    self._sampling += 1  # given back by the task once its sampling is over
                     task = asyncio.ensure_future(self._generate_groups([gid], version))
                     inflight.add(task)
                     task.add_done_callback(lambda t: self._group_done(t, inflight))
@@ -300,11 +306,26 @@ class Generator:
                 for task in pending:
                     task.cancel()
 
+    async def _until_slot_freed(self) -> None:
+        """Until a group's sampling ends (its slot is free), a group task failed, or stop()."""
+        self._slot_freed.clear()
+        waits = [asyncio.ensure_future(self._slot_freed.wait()), asyncio.ensure_future(self._stopped.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _free_slot(self) -> None:
+        self._sampling -= 1
+        self._slot_freed.set()
+
     def _group_done(self, task: asyncio.Future, inflight: set[asyncio.Future]) -> None:
         """A group task ended. Its expected faults are contained inside it; anything else (the buffer refusing
         a put while the run goes on) would leave its group running at the gate forever, so it ends `run`
         with that error (the runtime reports a dead generator loop) instead of vanishing unretrieved."""
         inflight.discard(task)
+        self._slot_freed.set()  # a failure below ends the loop's wait too
         if task.cancelled() or task.exception() is None:
             return
         if self._stopped.is_set():  # the run is over: nothing waits for this group any more
@@ -331,22 +352,36 @@ class Generator:
         await self._put_rollouts(trajs, version)
 
     async def _generate_groups(self, group_ids: list[int], version: int) -> None:
-        """Sample the admitted groups (waiting for `wake` while asleep) and queue their rollouts."""
-        if not await self._use_engine():  # stopped while asleep: the run is over, the slots go back
-            await self._release_failed(group_ids, "generator stopped before sampling")
-            return
-        held = True
+        """Sample the admitted groups (waiting for `wake` while asleep) and queue their rollouts. The run loop
+        counted them in `_sampling`; the slot is given back once sampling is over (or failed)."""
+        slot = True
 
-        def done_sampling() -> None:  # once the engine's part is over (the put after it may wait on the queue)
-            nonlocal held
-            if held:
-                held = False
-                self._let_go()
+        def free_slot() -> None:
+            nonlocal slot
+            if slot:
+                slot = False
+                self._free_slot()
 
         try:
-            await self._sample_groups(group_ids, version, done_sampling)
+            if not await self._use_engine():  # stopped while asleep: the run is over, the slots go back
+                free_slot()
+                await self._release_failed(group_ids, "generator stopped before sampling")
+                return
+            held = True
+
+            def done_sampling() -> None:  # once the engine's part is over (the put after it may wait on the queue)
+                nonlocal held
+                if held:
+                    held = False
+                    self._let_go()
+                free_slot()
+
+            try:
+                await self._sample_groups(group_ids, version, done_sampling)
+            finally:
+                done_sampling()
         finally:
-            done_sampling()
+            free_slot()
 
     async def _sample_groups(self, group_ids: list[int], version: int, done_sampling: Callable[[], None]) -> None:
         if self.episodes is not None:  # multi-turn environment episodes instead of single completions
