@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import ray
 
-from asyncrl.auto import available_cpus, decide_threads, scorers_in_buffer, thread_candidates
+from asyncrl.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
 from asyncrl.build import (
     build_buffer,
     build_generator,
@@ -133,6 +133,7 @@ class RoleActor(NodeFiles):
                  incarnation: int = 0) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
+        self.nice = lower_priority(cfg, kind)  # a generator beside the light roles (cluster.generator_nice)
         set_torch_threads(decide_threads(cfg, len(available_cpus()), kind))  # after pinning: the CPUs it may use
         self.kind = kind
         self.cfg = cfg
@@ -170,7 +171,7 @@ class RoleActor(NodeFiles):
                 "pid": os.getpid(), "device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_initialized": torch.cuda.is_initialized(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "torch_threads": torch.get_num_threads(), "cpus": available_cpus()}
+                "torch_threads": torch.get_num_threads(), "cpus": available_cpus(), "nice": self.nice}
 
     def pid(self) -> int:
         """This actor's process id (fault tests kill it with SIGKILL)."""

@@ -21,6 +21,11 @@ Three decisions, each overridden by an explicit setting:
   light roles and Ray's threads preempted the trainer 4-10% of its update time on 2 cores. Nothing is pinned
   when `[cluster.affinity]` names any CPU, on a cluster at `cluster.address`, or when a role uses a GPU.
 
+- `cluster.generator_nice = "auto"` (with the automatic affinity only): the generators, pinned to the cores the
+  buffer, the scorers and the Controller also run on, run at niceness `AUTO_GENERATOR_NICE`. Their work is
+  throughput; the others' is short replies on every step's path (a weight swap noted, an admit, a put, a score),
+  which at the default priority waited behind a generator's time slice: 10-17% of a first_digit step on 2 cores.
+
 `resolve_ray(cfg)` (the driver, before the local cluster starts; a cluster it joins is not pinned) writes the
 placement and affinity decisions into the config the actors get; each actor then pins itself and calls
 `decide_threads` (and `thread_candidates` for its tuner) with the CPUs it may run on.
@@ -35,6 +40,7 @@ import msgspec
 from asyncrl.config_schema import Config
 
 AFFINITY_ROLES = ("trainer", "generator", "scorer", "buffer", "controller")
+AUTO_GENERATOR_NICE = 10  # cluster.generator_nice = "auto" where the automatic affinity pins the generators
 
 
 def available_cpus() -> list[int]:
@@ -142,5 +148,16 @@ def resolve_ray(cfg: Config, cpus: list[int] | None = None, *, starts_cluster: b
     placement = "buffer" if scorers_in_buffer(cfg) else "actor"
     pins = auto_affinity(cfg, available_cpus() if cpus is None else cpus) if starts_cluster else {}
     affinity = msgspec.structs.replace(c.affinity, **pins) if pins else c.affinity
+    nice = c.generator_nice if c.generator_nice != "auto" else AUTO_GENERATOR_NICE if pins else 0
     return msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(c, scorer_placement=placement,
-                                                                        affinity=affinity))
+                                                                        affinity=affinity, generator_nice=nice))
+
+
+def lower_priority(cfg: Config, kind: str) -> int:
+    """Lower this process's priority as `cluster.generator_nice` says for a generator (an unresolved "auto": no
+    change); returns the niceness added."""
+    nice = cfg.cluster.generator_nice
+    if kind != "generator" or nice == "auto" or nice <= 0 or not hasattr(os, "nice"):
+        return 0
+    os.nice(nice)
+    return nice

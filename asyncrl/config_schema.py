@@ -366,6 +366,12 @@ class ClusterConfig(Section):
            "cores, pin the trainer to cores of its own and the other roles, the Controller and Ray to the rest; "
            "off when [cluster.affinity] names any CPU, on a remote cluster or with GPUs (docs/config.md)"),
     ] = True
+    generator_nice: Annotated[
+        Annotated[int, Meta(ge=0, le=19)] | Literal["auto"],
+        _d("niceness the generator actors run at (0 = the default priority): on a core they share with the buffer, "
+           "the scorers and the Controller, whose short replies sit on every step's path, those run as soon as they "
+           "wake; auto: 10 where auto_affinity pins the generators beside them, else 0 (docs/config.md)"),
+    ] = "auto"
     placement: Annotated[
         Literal["disaggregated", "colocated"],
         _d("disaggregated: trainer and generators on devices of their own, weights broadcast (gloo or NCCL); "

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from asyncrl.auto import (
+    AUTO_GENERATOR_NICE,
     auto_affinity,
     decide_threads,
     local_threads,
+    lower_priority,
     resolve_ray,
     scorers_in_buffer,
     split_cores,
@@ -127,6 +129,22 @@ def test_auto_affinity_gives_the_trainer_a_core_when_the_roles_would_preempt_it(
     assert resolve_ray(cfg, [0, 1], starts_cluster=False).cluster.affinity.trainer == []  # a joined cluster
     # after pinning, each role's process sees its own cores: one thread each on two
     assert decide_threads(resolved, 1, "trainer") == 1 and decide_threads(resolved, 1, "generator") == 1
+
+
+def test_generators_pinned_beside_the_light_roles_run_at_a_lower_priority(make_config, monkeypatch):
+    cfg = make_config("staleness.max_staleness=1")
+    assert cfg.cluster.generator_nice == "auto"
+    assert resolve_ray(cfg, [0, 1]).cluster.generator_nice == AUTO_GENERATOR_NICE  # pinned beside them
+    assert resolve_ray(cfg, list(range(8))).cluster.generator_nice == 0  # room for every role: nothing pinned
+    assert resolve_ray(cfg, [0, 1], starts_cluster=False).cluster.generator_nice == 0  # a joined cluster
+    assert resolve_ray(make_config("staleness.max_staleness=1", "cluster.generator_nice=3"),
+                       list(range(8))).cluster.generator_nice == 3  # an int is kept whatever the placement
+    added: list[int] = []
+    monkeypatch.setattr("asyncrl.auto.os.nice", lambda n: added.append(n) or n)
+    resolved = resolve_ray(cfg, [0, 1])
+    assert [lower_priority(resolved, kind) for kind in ("trainer", "buffer", "generator")] == [0, 0, 10]
+    assert lower_priority(cfg, "generator") == 0  # unresolved "auto" (no Ray driver decided it): unchanged
+    assert added == [10]
 
 
 def test_thread_tuner_alternates_the_candidates_then_keeps_the_faster():
