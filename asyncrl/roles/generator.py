@@ -254,7 +254,10 @@ class Generator:
             self._unused.set()
 
     async def _until_awake_or_stopped(self) -> None:
-        waits = [asyncio.ensure_future(self._awake.wait()), asyncio.ensure_future(self._stopped.wait())]
+        await self._until_set_or_stopped(self._awake)
+
+    async def _until_set_or_stopped(self, event: asyncio.Event) -> None:
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopped.wait())]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -309,12 +312,7 @@ class Generator:
     async def _until_slot_freed(self) -> None:
         """Until a group's sampling ends (its slot is free), a group task failed, or stop()."""
         self._slot_freed.clear()
-        waits = [asyncio.ensure_future(self._slot_freed.wait()), asyncio.ensure_future(self._stopped.wait())]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        await self._until_set_or_stopped(self._slot_freed)
 
     def _free_slot(self) -> None:
         self._sampling -= 1

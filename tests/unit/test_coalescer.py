@@ -7,12 +7,19 @@ import pytest
 from asyncrl.aio import Coalescer
 
 
-def test_adds_while_a_call_is_in_flight_share_the_next_call_in_order():
+def recording(delay: float):
+    """A send that records each call's items and takes `delay` seconds; (send, the calls' items)."""
     sent: list[list[int]] = []
 
     async def send(items):
         sent.append(list(items))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(delay)
+
+    return send, sent
+
+
+def test_adds_while_a_call_is_in_flight_share_the_next_call_in_order():
+    send, sent = recording(0.01)
 
     async def main():
         c = Coalescer(send)
@@ -29,11 +36,7 @@ def test_adds_while_a_call_is_in_flight_share_the_next_call_in_order():
 
 
 def test_limit_caps_a_call_and_a_lone_large_add_still_goes():
-    sent: list[list[int]] = []
-
-    async def send(items):
-        sent.append(list(items))
-        await asyncio.sleep(0)
+    send, sent = recording(0)
 
     async def main():
         c = Coalescer(send, limit=4)
