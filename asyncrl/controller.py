@@ -89,6 +89,7 @@ class Deployment(Protocol):
 # the spans that reach past the current window (busy shares of the next one; every span streams to trace.json),
 # and the names of the roles seen (one per actor).
 ROWS_KEPT = 100
+DEATH_GRACE_S = 2.0  # how long a failed call waits for a role death behind it to be seen (Controller._death_behind)
 
 
 __all__ = ["Controller", "Deployment", "RoleFailed", "RunStopped"]
@@ -422,7 +423,20 @@ class Controller:
                 if self.supervisor.tolerated(exc):
                     raise  # a generator's: the step pipeline's `recover` takes it
                 raise self.supervisor.death(self.d.dead_role(exc), exc) from exc
+            await self._death_behind()
             raise
+
+    async def _death_behind(self) -> None:
+        """A call that failed because a peer died (the trainer's weight send, its receiver killed: "connection
+        reset") can fail before that death reaches the watch. Give the watched role loops DEATH_GRACE_S to end:
+        a death is then reported as such (restarted, or RoleFailed naming the role and the resume command)
+        instead of the error it caused."""
+        watched = list(self.supervisor.watched)
+        if not watched:
+            return
+        done, _ = await asyncio.wait(watched, timeout=DEATH_GRACE_S)
+        for ended in done:
+            self.supervisor.ended(ended)
 
     async def _stop_loops(self) -> None:
         d = self.d
