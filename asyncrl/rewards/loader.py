@@ -39,6 +39,7 @@ import difflib
 import functools
 import inspect
 import math
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -258,6 +259,49 @@ class HungCalls:
             self._running -= 1
 
 
+class _RewardThreads:
+    """Daemon threads that run reward batches (`call_rewards_async`), kept idle between batches: starting a
+    thread per batch blocks the event loop until the new thread first runs, which on a busy core costs more
+    than the batch itself. A thread whose call hung is never given work again: its batch is abandoned, and the
+    thread ends when that call returns. Idle threads (at most `keep`) wait on their own queue; they are daemon
+    threads, so they never hold up interpreter exit."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def submit(self, work: Callable[[], bool], then: Callable[[], None]) -> None:
+        """Run `work()` on an idle thread (a new one if none): when it returns True the thread is idle again,
+        then `then()` runs on it; False (its batch was abandoned) ends the thread."""
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="reward", daemon=True).start()
+        jobs.put((work, then))
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            work, then = jobs.get()
+            if not work():
+                return
+            with self._lock:  # idle before `then` wakes the loop: the next batch finds this thread
+                keep = len(self._idle) < self.keep
+                if keep:
+                    self._idle.append(jobs)
+            then()
+            if not keep:
+                return
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+
+REWARD_THREADS = _RewardThreads()
+
+
 def call_reward(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any],
                 finish_reason: str | None = None, completion_tokens: int | None = None) -> Value:
     """Call a resolved per-sample sync function on one sample and check its result (`check_value`);
@@ -283,12 +327,13 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeou
     (asyncio.TimeoutError for one that hung; RuntimeError for those not started because `hung` is full).
 
     One call at a time, except beside a call that already timed out: a hung call cannot be killed, so it
-    holds only its own thread, counted in `hung` until it returns, and the calls after it go on on a fresh
-    one. Not a thread pool: in a pool each hung call would hold a worker for good — after `max_workers` of
-    them every later call times out waiting in the queue, every group fails and training starves; pool
-    threads would also block interpreter exit. The thread runs through the batch and wakes the loop once, at
-    its end; meanwhile the loop sleeps until the running call's deadline (no thread start and no round trip
-    through the event loop per call: each would cost more than a rule reward on a busy core).
+    holds only its own thread, counted in `hung` until it returns, and the calls after it go on on another
+    one. Not a fixed-size pool: there each hung call would hold a worker for good — after `max_workers` of
+    them every later call times out waiting in the queue, every group fails and training starves. The
+    threads (`REWARD_THREADS`) are kept idle between batches, and one whose call hung is never reused. The
+    thread runs through the batch and wakes the loop once, at its end; meanwhile the loop sleeps until the
+    running call's deadline (no thread start and no round trip through the event loop per call: each would
+    cost more than a rule reward on a busy core).
     """
     loop = asyncio.get_running_loop()
     out: list[Value | BaseException] = []
@@ -305,12 +350,15 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeou
         state: dict[str, Any] = {"next": len(out), "running": None, "since": 0.0, "abandoned": False}
         results: dict[int, tuple[Value | None, BaseException | None]] = {}
 
-        def work(state: dict[str, Any] = state, results: dict = results, done: asyncio.Event = done) -> None:
+        def work(state: dict[str, Any] = state, results: dict = results) -> bool:
+            """The batch's calls from state["next"] on; False when it was abandoned (a call of it hung)."""
             while True:
                 with lock:  # claim the next call, unless abandoned meanwhile
                     j = state["next"]
-                    if state["abandoned"] or j >= len(calls):
-                        break
+                    if state["abandoned"]:
+                        return False
+                    if j >= len(calls):
+                        return True
                     state["next"], state["running"], state["since"] = j + 1, j, time.monotonic()
                 value, exc = None, None
                 try:
@@ -320,14 +368,16 @@ async def call_rewards_async(fn: RewardFn, calls: Sequence[Call | tuple], timeou
                 with lock:
                     if state["abandoned"]:  # abandoned inside call j, which has returned now: no longer hung
                         hung.done()
-                        return
+                        return False
                     results[j], state["running"] = (value, exc), None
+
+        def wake(done: asyncio.Event = done) -> None:
             try:
                 loop.call_soon_threadsafe(done.set)
-            except RuntimeError:  # the loop closed while a call hung
+            except RuntimeError:  # the loop closed meanwhile
                 pass
 
-        threading.Thread(target=work, name="reward", daemon=True).start()
+        REWARD_THREADS.submit(work, wake)
         hung_at: int | None = None
         while not done.is_set():
             with lock:

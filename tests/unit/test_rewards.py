@@ -217,3 +217,38 @@ def test_each_reward_call_is_bounded_from_its_own_start_not_the_batch():
     hung = HungCalls()
     out = asyncio.run(call_rewards_async(fn, [("p", str(i), {}) for i in range(5)], timeout_s=0.3, hung=hung))
     assert out == [1.0] * 5 and hung.running == 0
+
+
+def test_reward_threads_are_reused_between_batches_but_never_after_a_hung_call():
+    import asyncio
+    import threading
+
+    from asyncrl.rewards.loader import REWARD_THREADS, HungCalls, call_rewards_async
+
+    seen: list[tuple[str, int]] = []
+    release = threading.Event()
+
+    def fn(prompt, completion, **fields):
+        seen.append((completion, threading.get_ident()))
+        if completion == "hang":
+            release.wait(10)
+        return 1.0
+
+    hung = HungCalls()
+
+    async def batches():
+        out = [await call_rewards_async(fn, [("p", c, {}) for c in items], timeout_s=0.2, hung=hung)
+               for items in (["a", "b"], ["c"], ["hang", "d"], ["e"])]
+        return out
+
+    out = asyncio.run(batches())
+    assert out[:2] == [[1.0, 1.0], [1.0]] and out[3] == [1.0]
+    assert isinstance(out[2][0], asyncio.TimeoutError) and out[2][1] == 1.0
+    thread = dict(seen)
+    assert thread["a"] == thread["b"] == thread["c"] == thread["hang"]  # one thread, kept between batches
+    assert thread["d"] != thread["hang"] and thread["e"] == thread["d"]  # the hung one is never reused
+    hung_thread = next(t for t in threading.enumerate() if t.ident == thread["hang"])
+    release.set()  # the hung call returns: its thread ends instead of going back to the idle ones
+    hung_thread.join(5)
+    assert not hung_thread.is_alive() and hung.running == 0
+    assert 1 <= REWARD_THREADS.idle() <= REWARD_THREADS.keep
