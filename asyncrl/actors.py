@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 class RayProxy:
     """`await proxy.method(*args)` → `await handle.call.remote("method", *args)` on a RoleActor.
 
+    The call is submitted when `proxy.method(*args)` is called, not when it is first awaited: calls leave in
+    the order they are made, and one made just before other work (a generator's `note_held` before it builds
+    its report) is on its way meanwhile. The result is the call's ObjectRef (awaitable; `asyncio.ensure_future`
+    and `gather` take it).
+
     With `role` set, the calls go to that role hosted inside the actor beside its own (the scorers of
     `cluster.scorer_placement = "buffer"` live in the buffer actor): `handle.call_hosted.remote(role, index,
     "method", *args)`.
@@ -70,8 +75,8 @@ class RayProxy:
         else:
             remote, route = self._handle.call_hosted.remote, (self._role, self._index, name)
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await remote(*route, *args, **kwargs)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return remote(*route, *args, **kwargs)  # submitted now; the ObjectRef is awaitable
 
         return call
 
