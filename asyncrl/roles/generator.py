@@ -119,6 +119,12 @@ class Generator:
         # engine slot; the gate bounds how many groups are admitted at all)
         self._sampling = 0
         self._slot_freed = asyncio.Event()
+        # the newest version noted to the buffer (`_note_held`): with in-flight updates that is done when the
+        # weights arrive, before the swap lands, so that the admit round trip overlaps the swap; groups the
+        # buffer admits at it are sampled only once the engine holds it (`_until_holding`)
+        self._noted = -1
+        self._swapped = asyncio.Event()  # set whenever a swap ends (landed or failed)
+        self._swap_error: BaseException | None = None
 
     # -- weights ---------------------------------------------------------------------------------
     async def receive_weights(self, *, armed: bool = False, group: str | None = None,
@@ -156,16 +162,20 @@ class Generator:
         self.recorder.record("weights_recv", t1 - stats.get(STAT_SECONDS, 0.0), t1, version)
         self._pending = (tensors, version)
         if self.weight_update == "in_flight":
-            # The engine swaps at its next decode-step boundary; this returns once the swap landed, so
-            # the controller publishes the version only when every generator holds it.
-            await self._apply_pending_weights()
+            # The buffer hears of the version now, so that the admit waiting at the older one comes back while
+            # the swap lands (run() samples what it admits only once the engine holds it). The engine swaps at
+            # its next decode-step boundary; this returns once the swap landed, so the controller publishes
+            # the version only when every generator holds it.
             self._note_held(version)
+            await self._apply_pending_weights()
+            await self._until_holding(version)  # (run() may have begun this swap itself)
         return stats
 
     def _note_held(self, version: int) -> None:
-        """Tell the buffer this generator holds `version`, so the run loop's admit, waiting at the older
-        version, goes on at the new one (not only after the controller's publish, a few round trips later).
-        Fire and forget: publish wakes it anyway."""
+        """Tell the buffer this generator holds `version` (or will, once the swap under way lands), so the run
+        loop's admit, waiting at the older version, goes on at the new one (not only after the controller's
+        publish, a few round trips later). Fire and forget: publish wakes it anyway."""
+        self._noted = max(self._noted, version)
         task = asyncio.ensure_future(self.buffer.note_held(version, holder=self.holder))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
@@ -183,11 +193,27 @@ class Generator:
         tensors, version = self._pending
         self._pending = None
         t0 = self.recorder.begin("weights_swap")
-        # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
-        await asyncio.to_thread(self.engine.load_weights, tensors, version)
+        try:
+            # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
+            await asyncio.to_thread(self.engine.load_weights, tensors, version)
+        except BaseException as exc:
+            self._swap_error = exc
+            raise
+        finally:
+            self._swapped.set()
         t1 = time.time()
         self.swap_s_total += t1 - t0
         self.recorder.record("weights_swap", t0, t1, version)
+
+    async def _until_holding(self, version: int) -> None:
+        """Until the engine holds `version` (a swap under way lands) or the generator stops; raises the error
+        of a swap that failed meanwhile."""
+        while self.engine.version < version and not self._stopped.is_set():
+            if self._swap_error is not None:
+                raise RuntimeError(f"generator {self.generator_id}: the swap to version {version} failed") \
+                    from self._swap_error
+            self._swapped.clear()
+            await self._until_set_or_stopped(self._swapped)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample outside the training loop (inspection, checks, agent loops) on the newest weights; while the
@@ -295,8 +321,12 @@ class Generator:
                 t0 = self.recorder.begin("wait_gate")
                 group_ids = await self.buffer.admit(free, version, timeout=0.5, holder=self.holder)
                 self.recorder.record("wait_gate", t0, time.time(), version)
-                # the buffer admits at the version this generator noted holding (`note_held`) when it swapped
-                # while the admit waited: the groups are generated at the engine's version now
+                # the buffer admits at the version this generator noted (`note_held`) while the admit waited,
+                # which the engine may still be swapping to: sampled once it holds it, at the engine's version
+                if group_ids and self.engine.version < self._noted:
+                    await self._until_holding(self._noted)
+                    if self._stopped.is_set():  # the run ends: these stay running at the gate (as at a crash)
+                        break
                 version = self.engine.version
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     self._sampling += 1  # given back by the task once its sampling is over
