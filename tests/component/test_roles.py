@@ -472,3 +472,62 @@ def test_scorer_keeps_scoring_after_more_hung_rewards_than_worker_threads():
     assert buffer.released["failed"] == [0, 1, 2]
     assert [g.group_id for g in buffer.accepted] == [10]
     assert [t.reward for t in buffer.accepted[0].trajectories] == [1.0, 0.0]
+
+
+class HeldBuffer(FakeBuffer):
+    """Admits like the gate after `note_held`: at the newer of the asked and the noted version (recorded per
+    group id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = None
+        self.admitted_at: dict[int, int] = {}
+
+    async def admit(self, max_groups: int, version: int, timeout: float | None = None, holder=None) -> list[int]:
+        await asyncio.sleep(0.002)
+        at = max(version, -1 if self.held is None else self.held)
+        ids = await super().admit(max_groups, version, timeout, holder)
+        self.admitted_at.update((gid, at) for gid in ids)
+        return ids
+
+
+class SlowSwapEngine(FakeEngine):
+    """load_weights takes a while (a swap waiting for its decode-step boundary); records the buffer's
+    held version when the swap begins."""
+
+    def __init__(self, buffer: HeldBuffer) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.held_at_swap: list[int | None] = []
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        time.sleep(0.05)  # the buffer's note is under way meanwhile
+        self.held_at_swap.append(self.buffer.held)
+        super().load_weights(tensors, version)
+
+
+def test_generator_notes_a_received_version_before_the_swap_lands_and_samples_at_it_only_after():
+    buffer = HeldBuffer()
+    engine = SlowSwapEngine(buffer)
+    gen = make_generator(buffer, engine, concurrency=1)
+    gen.receiver = FakeReceiver(version=3)
+
+    async def main() -> None:
+        run_task = asyncio.create_task(gen.run())  # admits and samples while the swap is under way
+        await asyncio.sleep(0.02)
+        await gen.receive_weights()  # returns once the swap landed
+        assert engine.version == 3
+        n = len(buffer.rollouts)
+        t0 = time.monotonic()
+        while len(buffer.rollouts) < n + 4:
+            assert time.monotonic() - t0 < 2 and not run_task.done()
+            await asyncio.sleep(0.005)
+        gen.stop()
+        await asyncio.wait_for(run_task, 1.0)
+
+    run(main())
+    assert engine.held_at_swap == [3]  # the buffer heard of version 3 before the swap landed
+    assert 3 in buffer.admitted_at.values()  # and admitted at it
+    # no group was sampled at an older version than the one it was admitted at (the gate's bound)
+    assert all(t.min_version >= buffer.admitted_at[t.group_id] for t in buffer.rollouts)
+    assert {t.min_version for t in buffer.rollouts} == {0, 3}
