@@ -84,7 +84,13 @@ def tokenizer_fns(model_path: str) -> tuple[Any, Any]:
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
 
+    # Many at once (`decode.many`, the scorer's batch): the Rust tokenizer's own batch decode where the result is
+    # the same as `decode`'s (a fast tokenizer without the clean-up pass), else one `decode` each.
+    backend = getattr(tok, "_tokenizer", None)
+    if hasattr(backend, "decode_batch") and not getattr(tok, "clean_up_tokenization_spaces", True):
+        decode.many = lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)  # type: ignore[attr-defined]
     return tok, decode
+
 
 
 def training_sampling(cfg: Config) -> SamplingParams:

@@ -135,7 +135,8 @@ class Scorer:
     async def _score_all(self, trajs: list[Trajectory]) -> None:
         """Rewards (and costs) of a batch, through `Rewards.score`; a call that raises, returns garbage, hangs
         or dies with its worker fails its sample."""
-        todo: list[tuple[Trajectory, str, dict[str, Any]]] = []  # (trajectory, completion, row)
+        scored: list[Trajectory] = []
+        rows: dict[bytes, dict[str, Any]] = {}  # a group's samples share their row: parsed once
         for traj in trajs:
             self.counts["scored"] += 1
             if traj.finish_reason == "error":
@@ -143,8 +144,12 @@ class Scorer:
             if traj.env_reward is not None and not self.rewards.has_cost:  # an env episode brings its own reward
                 traj.reward = traj.env_reward
                 continue
-            row = json.loads(traj.row_json) if traj.row_json else {}
-            todo.append((traj, self.decode(traj.response_ids), row))
+            scored.append(traj)
+            if traj.row_json not in rows:
+                rows[traj.row_json] = json.loads(traj.row_json) if traj.row_json else {}
+        texts = self._decode_all([t.response_ids for t in scored])
+        # (trajectory, completion, row); each sample its own copy of the row, as the reward function may change it
+        todo = [(t, text, dict(rows[t.row_json])) for t, text in zip(scored, texts)]
         # an episode submitted to asyncrl.Runtime brings its reward: only its cost is ours
         need_reward = [(t, c, r) for t, c, r in todo if t.env_reward is None]
         for t, _, _ in todo:
@@ -153,6 +158,11 @@ class Scorer:
         await self._call("reward", need_reward)
         if self.rewards.has_cost:
             await self._call("cost", [(t, c, r) for t, c, r in todo if t.finish_reason != "error"])
+
+    def _decode_all(self, seqs: list[list[int]]) -> list[str]:
+        """The completions' text; in one call where the decode has `many` (asyncrl.build.tokenizer_fns)."""
+        many = getattr(self.decode, "many", None)
+        return list(many(seqs)) if many is not None and seqs else [self.decode(ids) for ids in seqs]
 
     async def _call(self, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
         if not items:

@@ -107,6 +107,26 @@ def test_scorer_fails_only_the_group_whose_reward_raises_and_accepts_the_others(
     scorer.stop()
 
 
+def test_scorer_gives_each_sample_its_own_row_and_decodes_the_batch_at_once():
+    seen = []
+
+    def mutating(prompt: str, completion: str, **fields: Any) -> float:
+        seen.append(dict(fields))
+        fields["answer"] = "changed"  # a reward function that writes into its row: the next sample must not see it
+        return 1.0 if completion == "a" else 0.0
+
+    def decode_one(ids: list[int]) -> str:
+        raise AssertionError("the batch is decoded with decode.many")
+
+    decode_one.many = lambda seqs: [decode(ids) for ids in seqs]
+    buffer = FakeBuffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(mutating, timeout_s=30.0), decode=decode_one)
+    run(scorer.score_batch([traj(0, 0, "a"), traj(0, 1, "b")]))
+    assert [f["answer"] for f in seen] == ["a", "a"]
+    assert [t.reward for t in buffer.accepted[0].trajectories] == [1.0, 0.0]
+    scorer.stop()
+
+
 def test_scorer_says_why_it_released_each_group():
     buffer = FakeBuffer()
     scorer = make_scorer(buffer, by_text, filter_zero_variance=True)

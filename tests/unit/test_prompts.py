@@ -235,3 +235,15 @@ def test_env_episodes_without_a_template_start_with_one_bos_too(plain_llama, tin
     assert HFCodec(plain_llama).encode_prompt("<s>ab") == [BOS, *chars(plain_llama, "ab")]
     tiny = load_tokenizer(tiny_model_dir)  # no BOS behaviour: episodes start exactly as before
     assert Transcript(HFCodec(tiny), "none").start("5=") == tiny.encode("5=", add_special_tokens=False)
+
+
+def test_decode_many_is_the_same_as_decoding_each(tiny_model_dir):
+    import random
+
+    from asyncrl.build import tokenizer_fns
+
+    tok, decode = tokenizer_fns(str(tiny_model_dir))
+    assert hasattr(decode, "many")  # a fast tokenizer without the clean-up pass: one Rust call for the batch
+    rng = random.Random(0)
+    seqs = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] for _ in range(64)]  # specials too
+    assert decode.many(seqs) == [decode(s) for s in seqs]
