@@ -62,6 +62,8 @@ class RayProxy:
     "method", *args)`.
     """
 
+    crosses_processes = True  # what it is given is serialized (roles may send a msgpack blob instead of objects)
+
     def __init__(self, handle: Any, role: str | None = None, index: int = 0) -> None:
         self._handle = handle
         self._role = role

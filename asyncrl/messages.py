@@ -109,6 +109,34 @@ class Group(Message):
     trajectories: list[Trajectory]
 
 
+_TRAJECTORIES_ENCODER = msgspec.msgpack.Encoder()
+_TRAJECTORIES_DECODER = msgspec.msgpack.Decoder(list[Trajectory])
+
+
+def pack_trajectories(trajs: list[Trajectory]) -> bytes:
+    """Trajectories as one msgpack blob, for a call to another process: Ray then pickles one bytes object
+    instead of walking every Struct with cloudpickle (a several times smaller cost on both sides)."""
+    return _TRAJECTORIES_ENCODER.encode(trajs)
+
+
+def unpack_trajectories(data: bytes | list[Trajectory]) -> list[Trajectory]:
+    """The trajectories of `pack_trajectories`' blob (a list is returned as it is)."""
+    return _TRAJECTORIES_DECODER.decode(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+
+
+_GROUPS_DECODER = msgspec.msgpack.Decoder(list[Group])
+
+
+def pack_groups(groups: list[Group]) -> bytes:
+    """Groups as one msgpack blob (as `pack_trajectories`): the buffer's answer to a trainer in another process."""
+    return _TRAJECTORIES_ENCODER.encode(groups)
+
+
+def unpack_groups(data: bytes | list[Group]) -> list[Group]:
+    """The groups of `pack_groups`' blob (a list is returned as it is)."""
+    return _GROUPS_DECODER.decode(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+
+
 class TensorMeta(Message, array_like=True):
     # array_like: sent once per sync setup with one entry per parameter; field order is fixed here.
     name: str

@@ -103,7 +103,7 @@ from typing import Any, Protocol, TypeVar
 from torch import Tensor
 
 from asyncrl.aio import discard, retrieve
-from asyncrl.messages import Group
+from asyncrl.messages import Group, unpack_groups
 from asyncrl.telemetry.metrics import REPORT_KEY, RoleStats
 from asyncrl.telemetry.spans import SpanRecorder
 from transports.base import WeightSender
@@ -133,6 +133,8 @@ class StepSource(Protocol):
     """The train store (ReplayBuffer), as far as the pipeline uses it."""
 
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
+    # a source in another process (`crosses_processes = True`, asyncrl.actors.RayProxy) is asked with
+    # packed=True and answers with a `pack_groups` blob
 
 
 class StepOutcome:
@@ -230,7 +232,7 @@ class UpdatePipeline:
         # computing from waiting in the gate wait (generation + scoring) and in the update
         self.recorder.record("wait_gate", t0, t1, step, cpu_s=c1 - c0)
         if prefetch:
-            task = asyncio.ensure_future(self.source.take_step(step + 1))
+            task = asyncio.ensure_future(self._take_from_source(step + 1))
             task.add_done_callback(retrieve)  # a take never claimed (a failure elsewhere) warns nobody
             self._prefetch = (step + 1, task)
         self._updating = True
@@ -253,6 +255,12 @@ class UpdatePipeline:
             if pending[0] == step:
                 return await pending[1]
             discard(pending[1])  # not this step's (a caller that broke its promise): take afresh
+        return await self._take_from_source(step)
+
+    async def _take_from_source(self, step: int) -> list[Group]:
+        """`source.take_step(step)`; from a buffer in another process (`crosses_processes`) as one packed blob."""
+        if getattr(self.source, "crosses_processes", False):
+            return unpack_groups(await self.source.take_step(step, packed=True))
         return await self.source.take_step(step)
 
     async def send_weights(self) -> dict[str, float]:

@@ -58,7 +58,7 @@ import time
 
 import msgspec
 
-from asyncrl.messages import Group, Trajectory
+from asyncrl.messages import Group, Trajectory, pack_groups, unpack_trajectories
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.dispatch import Dispatch
@@ -178,10 +178,12 @@ class ReplayBuffer:
             return []
         return ids
 
-    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+    async def put_rollouts(self, trajs: list[Trajectory] | bytes) -> None:
         """Queue whole groups for scoring: `trajs` is one group's trajectories after another's (each group's
-        `group_size` of them, one group_id). Each group goes in at once, when all of it fits. ValueError
-        (nothing queued) when a group is not whole; QueueClosed once the buffer is closed."""
+        `group_size` of them, one group_id), or their `pack_trajectories` blob (a generator in another process).
+        Each group goes in at once, when all of it fits. ValueError (nothing queued) when a group is not whole;
+        QueueClosed once the buffer is closed."""
+        trajs = unpack_trajectories(trajs)
         if self._closed:
             raise QueueClosed("replay buffer is closed")
         groups = whole_groups(trajs)
@@ -340,14 +342,16 @@ class ReplayBuffer:
         return self.tracker.report()
 
     # -- trainer ------------------------------------------------------------------------------
-    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
-        """The P groups of train step `step` in admission order; [] on timeout or close."""
+    async def take_step(self, step: int, timeout: float | None = None, *, packed: bool = False,
+                        ) -> list[Group] | bytes:
+        """The P groups of train step `step` in admission order; [] on timeout or close. `packed`: as one
+        `pack_groups` blob (a trainer in another process: cheaper to send than the Structs)."""
         ids = await self.gate.take_step(step, timeout)
         groups = [self._train.pop(gid) for gid in ids]
         if groups:
             self._train_room.notify_all()
             self.tracker.stepped()
-        return groups
+        return pack_groups(groups) if packed else groups
 
     async def wait_step(self, step: int, timeout: float | None = None) -> bool:
         """Wait until step `step`'s groups are all accepted (`take_step` would return at once), taking nothing:

@@ -28,7 +28,7 @@ import msgspec
 import torch
 
 from asyncrl.aio import Coalescer
-from asyncrl.messages import Completion, SamplingParams, Trajectory
+from asyncrl.messages import Completion, SamplingParams, Trajectory, pack_trajectories
 from asyncrl.prompts import Prompt
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import REPORT_KEY, Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
@@ -46,8 +46,9 @@ class GroupSource(Protocol):
                     holder: str | None = None) -> list[int]:
         """`holder` names this generator: if it dies, the groups it still holds are released (supervision)."""
         ...
-    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
-        """Whole groups only: each group's trajectories together, one group after another."""
+    async def put_rollouts(self, trajs: list[Trajectory] | bytes) -> None:
+        """Whole groups only: each group's trajectories together, one group after another (or their
+        `pack_trajectories` blob, where the buffer `crosses_processes`)."""
         ...
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
@@ -114,7 +115,9 @@ class Generator:
         self._asleep_since = 0.0
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
-        self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(trajs))
+        # a buffer in another process (`crosses_processes`: asyncrl.actors.RayProxy) gets them as one msgpack blob
+        pack = pack_trajectories if getattr(buffer, "crosses_processes", False) else (lambda trajs: trajs)
+        self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(pack(trajs)))
         # groups whose sampling is not over: `concurrency` bounds these (a group waiting for its put holds no
         # engine slot; the gate bounds how many groups are admitted at all)
         self._sampling = 0

@@ -551,3 +551,22 @@ def test_generator_notes_a_received_version_before_the_swap_lands_and_samples_at
     # no group was sampled at an older version than the one it was admitted at (the gate's bound)
     assert all(t.min_version >= buffer.admitted_at[t.group_id] for t in buffer.rollouts)
     assert {t.min_version for t in buffer.rollouts} == {0, 3}
+
+
+def test_generator_sends_a_buffer_in_another_process_one_packed_blob_per_put():
+    from asyncrl.messages import unpack_trajectories
+
+    class RemoteBuffer(FakeBuffer):
+        crosses_processes = True  # as asyncrl.actors.RayProxy: what it is given is serialized
+        blobs = 0
+
+        async def put_rollouts(self, trajs) -> None:
+            assert isinstance(trajs, bytes)
+            self.blobs += 1
+            await super().put_rollouts(unpack_trajectories(trajs))
+
+    buffer = RemoteBuffer()
+    gen = make_generator(buffer, FakeEngine())
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 4))
+    assert buffer.blobs >= 1 and {t.min_version for t in buffer.rollouts} == {0}
+    assert all(len(t.response_ids) == 1 for t in buffer.rollouts)

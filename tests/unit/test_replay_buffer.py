@@ -397,3 +397,23 @@ def test_an_admit_waiting_when_its_own_generator_swaps_goes_on_at_the_new_versio
     # which returned to ask again, keeps its place a while: buffers/dispatch.py)
     assert ids == [2] and versions == [1]
     assert other == []  # another generator still on version 0 returns, to ask again at its own version
+
+
+def test_put_rollouts_takes_the_packed_blob_a_generator_in_another_process_sends():
+    from asyncrl.messages import pack_trajectories, unpack_trajectories
+
+    members = group(0, 0).trajectories
+    members[0].reward_components = {"fmt": 0.5}
+    members[1].row_json = b'{"answer": "7"}'
+    blob = pack_trajectories(members)
+    assert isinstance(blob, bytes) and unpack_trajectories(blob) == members  # every field survives
+    assert unpack_trajectories(members) is members
+
+    async def main():
+        buffer = make_buffer()
+        (gid,) = await buffer.admit(1, 0)
+        await buffer.put_rollouts(pack_trajectories(group(gid, 0).trajectories))
+        return await buffer.get_rollouts(8, timeout=SHORT)
+
+    got = run(main())
+    assert got == group(0, 0).trajectories
