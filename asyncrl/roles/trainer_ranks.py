@@ -36,7 +36,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -171,12 +171,12 @@ class RankedLearner:
             raise RuntimeError(f"trainer ranks disagree: rank 0 holds version {self.learner.version}, ranks 1.. hold "
                                f"{versions}")
 
-    def _all(self, ask: Callable[[Rank], Coroutine[Any, Any, Any]], own: Callable[[], Any],
+    def _all(self, ask: Callable[[Rank], Awaitable[Any]], own: Callable[[], Any],
              gather: bool = True) -> tuple[Any, list[Any]]:
         """On a worker thread: `own()` here while each other rank runs `ask(rank)` on the loop; then (`gather`:
         the weights changed) gather this rank's weights. -> (own's result, the other ranks' answers). A failed
         rank's error wins over this rank's (whose collective failed because of it)."""
-        asked = [asyncio.run_coroutine_threadsafe(ask(r), self._loop) for r in self.ranks]
+        asked = [asyncio.run_coroutine_threadsafe(_on_loop(ask, r), self._loop) for r in self.ranks]
         try:
             out = own()
             if gather:
@@ -188,3 +188,9 @@ class RankedLearner:
                 raise failed[0] from exc  # type: ignore[misc]
             raise
         return out, [f.result() for f in asked]  # raises a rank's failure
+
+
+async def _on_loop(ask: Callable[[Rank], Awaitable[Any]], rank: Rank) -> Any:
+    """`ask(rank)` made and awaited on the loop (a rank's proxy submits its call when it is made, and returns
+    an awaitable that is not a coroutine)."""
+    return await ask(rank)
