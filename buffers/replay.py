@@ -58,7 +58,7 @@ import time
 
 import msgspec
 
-from asyncrl.messages import Group, Trajectory, pack_groups, unpack_trajectories
+from asyncrl.messages import Group, Trajectory, pack_groups, pack_trajectories, unpack_groups, unpack_trajectories
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
 from buffers.dispatch import Dispatch
@@ -247,10 +247,15 @@ class ReplayBuffer:
 
     # -- scorers ------------------------------------------------------------------------------
     async def get_rollouts(self, max_items: int, timeout: float | None = None,
-                           holder: str | None = None) -> list[Trajectory]:
+                           holder: str | None = None, *, packed: bool = False) -> list[Trajectory] | bytes:
         """Whole groups, oldest first, at most `max_items` trajectories (but always the oldest group, however
         large); [] on timeout, or once the buffer is closed and the queue drained. `holder` (e.g. "scorer/0")
-        then holds these groups too (supervision releases them if it dies)."""
+        then holds these groups too (supervision releases them if it dies). `packed`: as one
+        `pack_trajectories` blob (a scorer in another process)."""
+        trajs = await self._get_rollouts(max_items, timeout, holder)
+        return pack_trajectories(trajs) if packed else trajs
+
+    async def _get_rollouts(self, max_items: int, timeout: float | None, holder: str | None) -> list[Trajectory]:
         trajs = [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
         if holder is not None:
             for gid in {t.group_id for t in trajs}:
@@ -287,14 +292,16 @@ class ReplayBuffer:
             self.abandoned["late"] += 1
         return kept
 
-    async def accept_groups(self, groups: list[Group]) -> None:
-        """Store scored groups for training and accept them at the gate, in the given order.
+    async def accept_groups(self, groups: list[Group] | bytes) -> None:
+        """Store scored groups for training and accept them at the gate, in the given order (`groups` may be
+        their `pack_groups` blob: a scorer in another process).
 
         Raises ValueError for a group that is not running at the gate, or whose min_version is
         older than the version it was admitted at (the generator admitted with a newer version than
         its engine held, which would void the staleness bound); QueueClosed once the buffer is closed.
         A group released by `release_holder` (abandoned) is dropped.
         """
+        groups = unpack_groups(groups)
         kept = set(self._drop_abandoned([g.group_id for g in groups]))
         for group in [g for g in groups if g.group_id in kept]:
             self._check_acceptable(group)

@@ -570,3 +570,33 @@ def test_generator_sends_a_buffer_in_another_process_one_packed_blob_per_put():
     run(_run_until(gen, lambda: len(buffer.rollouts) >= 4))
     assert buffer.blobs >= 1 and {t.min_version for t in buffer.rollouts} == {0}
     assert all(len(t.response_ids) == 1 for t in buffer.rollouts)
+
+
+def test_scorer_gets_and_accepts_packed_with_a_buffer_in_another_process():
+    from asyncrl.messages import pack_trajectories, unpack_groups
+
+    class RemoteScoreBuffer(FakeBuffer):
+        crosses_processes = True  # as asyncrl.actors.RayProxy
+
+        async def get_rollouts(self, max_items, timeout=None, holder=None, *, packed=False):
+            assert packed
+            return pack_trajectories(await super().get_rollouts(max_items, timeout, holder))
+
+        async def accept_groups(self, groups) -> None:
+            assert isinstance(groups, bytes)
+            await super().accept_groups(unpack_groups(groups))
+
+    buffer = RemoteScoreBuffer([[traj(0, 0, "a"), traj(0, 1, "b")]])
+    scorer = make_scorer(buffer, by_text)
+
+    async def main() -> None:
+        task = asyncio.create_task(scorer.run())
+        t0 = time.monotonic()
+        while not buffer.accepted:
+            assert time.monotonic() - t0 < 2 and not task.done()
+            await asyncio.sleep(0.005)
+        scorer.stop()
+        await asyncio.wait_for(task, 2.0)
+
+    run(main())
+    assert [t.reward for t in buffer.accepted[0].trajectories] == [1.0, 0.0]

@@ -417,3 +417,22 @@ def test_put_rollouts_takes_the_packed_blob_a_generator_in_another_process_sends
 
     got = run(main())
     assert got == group(0, 0).trajectories
+
+
+def test_a_scorer_in_another_process_gets_and_accepts_packed():
+    from asyncrl.messages import pack_groups, unpack_trajectories
+
+    async def main():
+        buffer = make_buffer()  # 2 prompts a step
+        ids = await buffer.admit(2, 0)
+        await buffer.put_rollouts([t for gid in ids for t in group(gid, 0).trajectories])
+        blob = await buffer.get_rollouts(8, timeout=SHORT, holder="scorer/0", packed=True)
+        trajs = unpack_trajectories(blob)
+        await buffer.accept_groups(pack_groups([Group(group_id=gid, min_version=0,
+                                                      trajectories=[t for t in trajs if t.group_id == gid])
+                                                for gid in ids]))
+        return blob, await buffer.take_step(0, timeout=SHORT)
+
+    blob, taken = run(main())
+    assert isinstance(blob, bytes) and [g.group_id for g in taken] == [0, 1]
+    assert [g.trajectories for g in taken] == [group(0, 0).trajectories, group(1, 0).trajectories]
