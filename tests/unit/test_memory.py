@@ -3,6 +3,7 @@ previous read, however many readers share the process; the real host mark sees a
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -59,9 +60,12 @@ def test_peak_memory_metrics_are_max_metrics_named_by_role_type():
 def test_the_host_mark_sees_an_allocation_and_is_reset_by_the_read():
     host_peak_gb()
     baseline = host_peak_gb()  # reset just before: about what the process holds now
-    block = bytearray(256 * 2**20)
-    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page: resident
-    del block
+    # a fresh anonymous mapping, not the allocator's: after a long test session malloc may hand back memory that
+    # is still resident from earlier tests, which would not move the peak
+    block = mmap.mmap(-1, 256 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):  # touch every page: resident
+        block[offset] = 1
+    block.close()  # unmapped
     assert host_peak_gb() >= baseline + 0.2  # freed again, but the peak saw it
     assert host_peak_gb() < baseline + 0.1  # the read reset the mark
 
