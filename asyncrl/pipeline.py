@@ -103,7 +103,7 @@ from typing import Any, Protocol, TypeVar
 from torch import Tensor
 
 from asyncrl.aio import discard, retrieve
-from asyncrl.messages import Group, unpack_groups
+from asyncrl.messages import Group, crosses_processes, unpack_groups
 from asyncrl.telemetry.metrics import REPORT_KEY, RoleStats
 from asyncrl.telemetry.spans import SpanRecorder
 from transports.base import WeightSender
@@ -259,7 +259,7 @@ class UpdatePipeline:
 
     async def _take_from_source(self, step: int) -> list[Group]:
         """`source.take_step(step)`; from a buffer in another process (`crosses_processes`) as one packed blob."""
-        if getattr(self.source, "crosses_processes", False):
+        if crosses_processes(self.source):
             return unpack_groups(await self.source.take_step(step, packed=True))
         return await self.source.take_step(step)
 

@@ -28,7 +28,7 @@ import msgspec
 import torch
 
 from asyncrl.aio import Coalescer
-from asyncrl.messages import Completion, SamplingParams, Trajectory, pack_trajectories
+from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
 from asyncrl.prompts import Prompt
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import REPORT_KEY, Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
@@ -116,7 +116,7 @@ class Generator:
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
         # a buffer in another process (`crosses_processes`: asyncrl.actors.RayProxy) gets them as one msgpack blob
-        pack = pack_trajectories if getattr(buffer, "crosses_processes", False) else (lambda trajs: trajs)
+        pack = pack_trajectories if crosses_processes(buffer) else (lambda trajs: trajs)
         self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(pack(trajs)))
         # groups whose sampling is not over: `concurrency` bounds these (a group waiting for its put holds no
         # engine slot; the gate bounds how many groups are admitted at all)

@@ -33,7 +33,7 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from asyncrl.messages import Group, Trajectory, pack_groups, unpack_trajectories
+from asyncrl.messages import Group, Trajectory, crosses_processes, pack_groups, unpack_trajectories
 from asyncrl.rewards.base import Call, Rewards
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Sum, Total, Window, rss_mb
@@ -77,7 +77,7 @@ class Scorer:
         self.buffer = buffer
         # a buffer in another process (`crosses_processes`: asyncrl.actors.RayProxy): trajectories and groups
         # travel as one msgpack blob each (asyncrl.messages.pack_trajectories)
-        self._packed = bool(getattr(buffer, "crosses_processes", False))
+        self._packed = crosses_processes(buffer)
         self.rewards = rewards  # the reward (and cost) function; closed when `run` ends
         self.decode = decode
         self.filter_zero_variance = filter_zero_variance
