@@ -12,6 +12,7 @@ import pytest
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.metrics import Last, generator_staleness_stats
 from buffers.dispatch import LEASE_S, Dispatch, Loads, natural_key
+from buffers.queue import QueueClosed
 from buffers.replay import ReplayBuffer
 
 
@@ -196,10 +197,13 @@ def test_generators_of_different_speeds_keep_exactly_once_accounting_and_the_sta
                 for gid in sorted({t.group_id for t in batch}):
                     if rng.random() < 0.1:
                         await buf.release_groups([gid], "filtered")
-                    else:
-                        members = [t for t in batch if t.group_id == gid]
+                        continue
+                    members = [t for t in batch if t.group_id == gid]
+                    try:  # the trainer may close the buffer while this waits for train room (as the runtime's
                         await buf.accept_groups([Group(group_id=gid, min_version=members[0].min_version,
                                                        trajectories=members)])
+                    except QueueClosed:  # scorer, the run is over)
+                        return
                 if buf.gate.closed:
                     return
 
