@@ -71,6 +71,10 @@ def _close_all_at_exit() -> None:
             log.debug("engine thread not stopped at exit: %s", exc)
 
 
+def _spent() -> None:
+    """A swap's copy once it ran (the closure that held the caller's tensors is dropped)."""
+
+
 class Scheduler:
     def __init__(
         self, backend, *, vocab_size: int, device: torch.device, seed: int, max_batch: int, max_prompt_len: int,
@@ -217,6 +221,9 @@ class Scheduler:
             except Exception as exc:  # contained: every request in flight fails with it, the loop goes on
                 log.exception("torch engine step failed; failing %d sequences", len(self._active))
                 self._fail_all(exc, swaps, interrupts, sleeps)
+            # let go of this iteration's commands before waiting for the next (a swap that failed unapplied holds
+            # the caller's staged tensors; a weight receiver reuses their memory only once nothing views it)
+            del inbox, swaps, interrupts, sleeps
         self._fail_all(RuntimeError("TorchEngine closed"), *self._drain_commands())
 
     def _await_quiet_inbox(self) -> None:
@@ -300,6 +307,8 @@ class Scheduler:
             except Exception as exc:  # reported to that load_weights caller; generation goes on
                 s.error = exc
                 s.done.set()
+            finally:  # its closure holds the caller's staged tensors: let go of them before the caller goes on
+                s.copy = _spent
         with torch.inference_mode():
             self.backend.refresh()
             if landed and self._active:

@@ -264,6 +264,30 @@ def test_load_weights_accepts_either_tied_name_or_a_subset(engine):
         engine.load_weights({"lm_head.weight": new, "model.embed_tokens.weight": new * 3}, version=4)
 
 
+def test_load_weights_keeps_no_reference_to_the_callers_tensors(engine, ref_model):
+    """A weight receiver reuses its staging memory for the next sync only once nothing views the last one's
+    tensors: once load_weights returned, the engine (its scheduler's thread, idle or generating) holds none."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def staged() -> tuple[dict[str, torch.Tensor], StorageWeakRef]:
+        flat = torch.cat([p.detach().reshape(-1) for _, p in ref_model.named_parameters()])
+        views, at = {}, 0
+        for name, p in ref_model.named_parameters():
+            views[name] = flat[at:at + p.numel()].view(p.shape)
+            at += p.numel()
+        return views, StorageWeakRef(flat.untyped_storage())
+
+    tensors, ref = staged()
+    engine.load_weights(tensors, version=1)  # idle: lands at once, the thread then waits for work
+    del tensors
+    assert ref.expired()
+    generate(engine, PROMPTS, temperature=0.0, max_new_tokens=2)
+    tensors, ref = staged()
+    engine.load_weights(tensors, version=2)
+    del tensors
+    assert ref.expired() and engine.version == 2
+
+
 def test_load_weights_rejects_bad_shape_or_name_without_copying(engine):
     norm = engine.model.model.norm.weight
     original = norm.clone()
