@@ -221,7 +221,10 @@ def test_training_steps_follow_submitted_episodes_of_an_openai_sdk_agent(tmp_pat
     assert counters["continued"] > 0 and counters["refused"] == 0
 
 
-def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_http(tmp_path):
+@pytest.mark.parametrize("where", ["in process", "ray"])
+def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_http(tmp_path, where):
+    """`asyncrl serve` (roles in its process, or with --ray as Ray actors on a local cluster it starts and
+    stops) answers an agent that only speaks HTTP, refuses bad submissions, and trains on the good one."""
     import re
     import sys
     from pathlib import Path
@@ -237,6 +240,7 @@ def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_ht
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "asyncrl.cli", "serve", str(config), "--port", "0", "--chat-template",
             str(template), "--set", "trainer.total_steps=1", "--set", "trainer.prompts_per_step=1",
+            *(["--ray", "--set", "cluster.num_cpus=2"] if where == "ray" else []),
             cwd=root, stdout=asyncio.subprocess.PIPE, stderr=err)
         try:
             line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
