@@ -21,6 +21,10 @@ there on:
     evaluation    on the trainer's module, through the torch engine's HF fallback (its fast path reads the base
                   weights alone: engines/torch_model.py `unsupported_reason`).
 
+Several trainer ranks (`trainer.num_ranks` > 1) train the adapters with `trainer.parallel = "ddp"`: DDP
+reduces the adapter gradients alone (the frozen base takes none) and each rank holds the whole model, as a single
+process does; FSDP2 is refused by the config check.
+
 Adapter dropout (`model.lora.dropout`) is on only inside the Learner's gradient passes (`adapter_dropout`); every
 other forward — generation, the step's proximal and reference logprobs — runs without it, as the Learner keeps
 its model in eval mode. peft is an optional dependency: `pip install 'asyncrl[lora]'`.
@@ -224,9 +228,10 @@ def check_lora(cfg: Config) -> list[str]:
     errors = []
     if importlib.util.find_spec("peft") is None:
         errors.append("model.lora: LoRA needs the peft package — pip install 'asyncrl[lora]'")
-    if cfg.trainer.num_ranks > 1:
-        errors.append(f"model.lora: LoRA trains in one trainer process, not trainer.num_ranks = "
-                      f"{cfg.trainer.num_ranks} — set trainer.num_ranks = 1 or leave out [model.lora]")
+    if cfg.trainer.num_ranks > 1 and cfg.trainer.parallel != "ddp":
+        errors.append(f"model.lora: several trainer ranks train adapters with trainer.parallel = 'ddp', not "
+                      f"{cfg.trainer.parallel!r} — set trainer.parallel = 'ddp' (the base is frozen: each rank's "
+                      "full copy is what DDP needs anyway) or trainer.num_ranks = 1")
     model = _meta_model(cfg)
     if model is not None and (error := check_targets(model, lora)) is not None:
         errors.append(error)

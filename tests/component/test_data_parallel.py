@@ -170,3 +170,51 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
         worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
         assert worst < 1e-6, f"{mode} {case}: 2 ranks differ from 1 process by {worst}"
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+
+
+def _lora_learner(micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+    """Rank-4 adapters on every linear layer of the float64 model (peft; the base frozen), token-mean PPO with a KL
+    loss to the policy's own module with its adapters off (the reference a LoRA run gets)."""
+    from asyncrl.config_schema import LoraConfig
+    from asyncrl.training.lora import AdapterOffReference, apply_lora
+
+    model = apply_lora(_model(), LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+    trainer = TrainerConfig(lr=1e-2, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
+    reference = AdapterOffReference(model, pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    return Learner(model, algorithm=AlgorithmConfig(loss_agg="token-mean", kl_mode="loss", kl_coef=0.1),
+                   trainer=trainer, pad_token_id=PAD, reference=reference, parallel=parallel)
+
+
+def _lora_rank_main(rank: int, port: int, steps: list[list[Group]], out: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dp = DataParallel.join("ddp", store=store, rank=rank, world_size=WORLD, timeout_s=60)
+    try:
+        learner = _lora_learner(1, dp)
+        weights, losses = _train(learner, steps)
+        adapter = {k: v.numpy() for k, v in learner.checkpoint_state()[0]["policy"].items()}
+        if rank == 0:
+            out.put(({k: v.numpy() for k, v in weights.items()}, losses, adapter))
+    finally:
+        dp.close()
+
+
+def test_two_ddp_ranks_train_the_lora_adapters_one_process_trains() -> None:
+    """LoRA with trainer.num_ranks = 2: DDP reduces the adapters' gradients (the frozen base has none); the merged
+    weights the generators get and the adapter a checkpoint keeps equal one process's within 1e-6."""
+    pytest.importorskip("peft")
+    torch.set_num_threads(1)
+    steps = _steps()
+    weights, losses, adapter = _spawn(_lora_rank_main, WORLD, steps, limit_s=240)
+    ref_learner = _lora_learner(4)
+    initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
+    ref_weights, ref_losses = _train(ref_learner, steps)
+    ref_adapter = ref_learner.checkpoint_state()[0]["policy"]
+    assert set(weights) == set(ref_weights) and set(adapter) == set(ref_adapter)
+    assert {"lora_A", "lora_B"} <= {part for k in ref_adapter for part in k.split(".")}
+    moved = min(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights if "proj.weight" in k)
+    assert moved > 1e-4, "the adapters must move every adapted layer's merged weight for the comparison to bite"
+    worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
+    worst_adapter = max(float((torch.from_numpy(adapter[k]) - ref_adapter[k]).abs().max()) for k in ref_adapter)
+    assert worst < 1e-6 and worst_adapter < 1e-6, f"LoRA on 2 DDP ranks differs from 1 process by {worst}, {worst_adapter}"
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)

@@ -57,13 +57,12 @@ def _replay(cfg: Any, steps: list[list[Any]], start: Any = None) -> dict[str, An
     import torch
 
     from asyncrl import checkpoint
-    from asyncrl.build import build_learner, derive_seed, tokenizer_fns
+    from asyncrl.build import build_learner, derive_seed, load_policy, tokenizer_fns
     from asyncrl.training.sharded import SHARDS
-    from engines.hf import load_model
 
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
     tok, _ = tokenizer_fns(cfg.model.path)
-    learner = build_learner(cfg, load_model(cfg.model.path), tok.pad_token_id or 0)
+    learner = build_learner(cfg, load_policy(cfg), tok.pad_token_id or 0)  # (with its adapters under [model.lora])
     if start is not None:
         ck = checkpoint.load(start)
         learner.restore_state(ck.tensors, ck.state, shards=ck.path / SHARDS)
@@ -159,6 +158,33 @@ def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_wei
     assert [r["step"] for r in evaluated] == [0, 2, 3] and all(r["eval/prompts"] == 20 for r in evaluated)
     exported = dict(load_model(str(run_dir / "checkpoint")).state_dict())
     assert _same({k: exported[k] for k in rank0["tensors"]}, rank0["tensors"])
+
+
+def test_lora_adapters_train_on_two_ddp_ranks_as_in_one_process_and_a_resumed_run_restores_both(
+        ray_cluster, make_config, tmp_path):
+    """[model.lora] with trainer.num_ranks = 2: both ranks train the adapters (DDP reduces their gradients), the
+    merged weights rank 0 sends are what one process trains from the same groups, and a run resumed from a
+    checkpoint (the adapter and its AdamW state) continues on both ranks."""
+    pytest.importorskip("peft")
+    run_dir = tmp_path / "lora"
+    sets = ("model.lora.rank=4", "trainer.num_ranks=2", 'trainer.parallel="ddp"', "trainer.eval_every=0",
+            "run.save_checkpoint=false", "run.save_every=2", f'run.output_dir="{run_dir}"')
+    rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=2"))
+    assert [r["step"] for r in rows] == [1, 2] and all(r["trainer/samples"] == 16 for r in rows)
+    rank0, rank1 = captured["weights"]
+    assert rank0["version"] == rank1["version"] == 2 and _same(rank1["tensors"], rank0["tensors"])
+    cfg = make_config(*sets)
+    expected = _replay(cfg, captured["steps"])
+    assert expected.keys() == rank0["tensors"].keys()  # the adapted layers' merged weights (the torch engine's)
+    assert max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items()) < 1e-5
+    assert max(float((rank0["tensors"][k] - v).abs().max()) for k, v in _replay(cfg, []).items()) > 1e-3
+    saved = run_dir / "checkpoints" / "step_00000002"
+    rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=3"), resume=True)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    rank0, rank1 = captured["weights"]
+    assert rank0["version"] == rank1["version"] == 3 and _same(rank1["tensors"], rank0["tensors"])
+    expected = _replay(cfg, captured["steps"], start=saved)  # from the checkpoint's adapter and AdamW state
+    assert max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items()) < 1e-5
 
 
 @pytest.mark.timeout(300)

@@ -274,14 +274,19 @@ def test_export_dtype_auto_is_the_models_configured_dtype_also_under_mixed_preci
      "warmup — use lr_scheduler = 'constant_with_warmup' (or 'linear' / 'cosine'), or warmup_steps = 0"),
     ({"trainer.lr_scheduler": "cosine", "trainer.warmup_steps": 9},
      "trainer.warmup_steps: 9 is longer than the run (trainer.total_steps = 3) — use at most 3, e.g. a tenth of it"),
-    ({"trainer.num_ranks": 2}, "model.lora: LoRA trains in one trainer process, not trainer.num_ranks = 2 — set "
-     "trainer.num_ranks = 1 or leave out [model.lora]"),
+    ({"trainer.num_ranks": 2, "trainer.parallel": "fsdp2"}, "model.lora: several trainer ranks train adapters with "
+     "trainer.parallel = 'ddp', not 'fsdp2' — set trainer.parallel = 'ddp'"),
 ])
 def test_bad_lora_and_schedule_settings_are_one_config_error_each(make_config, sets, expected):
     overrides = {"model.lora.rank": 4, **sets}
     with pytest.raises(ConfigError) as info:
         make_config(*(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
     assert len(info.value.errors) == 1 and info.value.errors[0].startswith(expected), info.value.errors
+
+
+def test_lora_with_two_ddp_trainer_ranks_is_a_valid_config(make_config):
+    cfg = make_config("model.lora.rank=4", "trainer.num_ranks=2", 'trainer.parallel="ddp"')
+    assert (cfg.trainer.num_ranks, cfg.trainer.parallel, cfg.model.lora.rank) == (2, "ddp", 4)
 
 
 def test_a_trainer_side_reference_under_lora_is_the_policy_with_its_adapters_off_not_a_second_model(make_config):
