@@ -216,5 +216,5 @@ def test_two_ddp_ranks_train_the_lora_adapters_one_process_trains() -> None:
     assert moved > 1e-4, "the adapters must move every adapted layer's merged weight for the comparison to bite"
     worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
     worst_adapter = max(float((torch.from_numpy(adapter[k]) - ref_adapter[k]).abs().max()) for k in ref_adapter)
-    assert worst < 1e-6 and worst_adapter < 1e-6, f"LoRA on 2 DDP ranks differs from 1 process by {worst}, {worst_adapter}"
+    assert worst < 1e-6 and worst_adapter < 1e-6, f"2 DDP ranks differ from 1 process by {worst}, {worst_adapter}"
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
