@@ -441,18 +441,21 @@ class Controller:
     async def _stop_loops(self) -> None:
         d = self.d
         # together, each bounded: a dead actor raises at once, a stalled one never answers
-        stops = [asyncio.ensure_future(r.stop()) for r in [*d.generators, *d.scorers]]
+        roles = [f"generator/{i}" for i in range(len(d.generators))] + [f"scorer/{i}" for i in range(len(d.scorers))]
+        stops = {asyncio.ensure_future(r.stop()): role for r, role in zip([*d.generators, *d.scorers], roles)}
+        unanswered: frozenset[str] = frozenset()
         if stops:
             _, pending = await asyncio.wait(stops, timeout=10)
             for f in stops:
                 discard(f)  # cancels a stop still pending; retrieves a failed one's error
             if pending:
-                log.debug("%d role loops did not answer stop()", len(pending))
+                unanswered = frozenset(stops[f] for f in pending)
+                log.debug("role loops that did not answer stop(): %s", ", ".join(sorted(unanswered)))
         try:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:
             log.debug("buffer close failed: %s", exc)
-        await self.supervisor.stop()
+        await self.supervisor.stop(unresponsive=unanswered)  # their loops will not end either: not waited for
 
     def _summary(self, t_start: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"wall_s": time.time() - t_start}

@@ -278,13 +278,18 @@ class Supervisor:
         role = self.d.dead_role(exc)
         return role is not None and role.split("/")[0] in self.d.restartable
 
-    async def stop(self, timeout_s: float = 15.0) -> None:
-        """Wait for the loops to end (after their roles' stop()), cancel what is left."""
+    async def stop(self, timeout_s: float = 15.0, unresponsive: frozenset[str] = frozenset()) -> None:
+        """Wait for the loops to end (after their roles' stop()), cancel what is left. The loops of the roles in
+        `unresponsive` (their stop() went unanswered: a stalled or hung process) are cancelled without a wait."""
         for fut in self._restarting:
             discard(fut)
         self._restarting.clear()
-        if self._loops:
-            done, pending = await asyncio.wait(self._loops, timeout=timeout_s)
+        waited = [f for f, role in self._loops.items() if role not in unresponsive]
+        for f in self._loops:
+            if f not in waited:
+                discard(f)
+        if waited:
+            done, pending = await asyncio.wait(waited, timeout=timeout_s)
             for f in pending:
                 f.cancel()
             for f in done:  # retrieve: a loop that died has already been reported
