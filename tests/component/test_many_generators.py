@@ -16,6 +16,7 @@ from asyncrl.prompts import Prompt
 from asyncrl.roles.generator import Generator
 from asyncrl.telemetry.metrics import Rate
 from buffers.grouping import GroupAssembler
+from buffers.queue import QueueClosed
 from buffers.replay import ReplayBuffer
 
 
@@ -77,11 +78,16 @@ async def train(buffer: ReplayBuffer, gens: list[Generator], steps: int) -> list
 
 
 async def score(buffer: ReplayBuffer) -> None:
+    """The scorer's part, until the buffer is closed (an empty batch is only a timeout: a slow generator's groups
+    may take longer to come; it ended the loop once, and the trainer then waited for groups nobody scored)."""
     assembler = GroupAssembler()
-    while batch := await buffer.get_rollouts(8, timeout=0.2):
-        for t in batch:
+    while not buffer.gate.closed:
+        for t in await buffer.get_rollouts(8, timeout=0.2):
             if (group := assembler.add(t)) is not None:
-                await buffer.accept_groups([group])
+                try:
+                    await buffer.accept_groups([group])
+                except QueueClosed:  # the test closed the buffer meanwhile
+                    return
 
 
 def test_a_slow_generator_holds_only_the_first_groups_and_every_later_step_trains_the_fast_ones_samples():
@@ -90,8 +96,10 @@ def test_a_slow_generator_holds_only_the_first_groups_and_every_later_step_train
     async def main():
         buffer = ReplayBuffer(prompts_per_step=p, group_size=2, max_staleness=k, rollout_capacity=16,
                               train_capacity=8, generators=2)
-        # generator 0 is the slow one: ties at the start go to the lower index, its worst case
-        gens = [make_generator(0, DecodeEngine(step_s=0.05), buffer), make_generator(1, DecodeEngine(0.0), buffer)]
+        # generator 0 is the slow one: ties at the start go to the lower index, its worst case. Its 0.5 s a group
+        # against the fast one's milliseconds: even on a loaded machine (the fast one's groups then take tens of
+        # ms, 4 in flight) the fast one's expected wait stays below the slow one's (at 0.05 s a step it did not)
+        gens = [make_generator(0, DecodeEngine(step_s=0.25), buffer), make_generator(1, DecodeEngine(0.0), buffer)]
         loops = [asyncio.ensure_future(g.run()) for g in gens]
         scorer = asyncio.ensure_future(score(buffer))
         trained = await asyncio.wait_for(train(buffer, gens, steps), 20.0)
