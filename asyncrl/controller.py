@@ -441,8 +441,7 @@ class Controller:
     async def _stop_loops(self) -> None:
         d = self.d
         # together, each bounded: a dead actor raises at once, a stalled one never answers
-        roles = [f"generator/{i}" for i in range(len(d.generators))] + [f"scorer/{i}" for i in range(len(d.scorers))]
-        stops = {asyncio.ensure_future(r.stop()): role for r, role in zip([*d.generators, *d.scorers], roles)}
+        stops = {asyncio.ensure_future(endpoint.stop()): role for role, endpoint in self.supervisor.roles()}
         unanswered: frozenset[str] = frozenset()
         if stops:
             _, pending = await asyncio.wait(stops, timeout=10)

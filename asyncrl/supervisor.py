@@ -104,11 +104,14 @@ class Supervisor:
         self.steps = steps
 
     # -- loops ---------------------------------------------------------------------------------------
+    def roles(self) -> list[tuple[str, Any]]:
+        """The roles with loops, by the names the supervisor knows them by: ("generator/0", endpoint), ..."""
+        return [*((f"generator/{i}", g) for i, g in enumerate(self.d.generators)),
+                *((f"scorer/{i}", s) for i, s in enumerate(self.d.scorers))]
+
     def start_loops(self) -> None:
-        for i, g in enumerate(self.d.generators):
-            self._start(f"generator/{i}", g)
-        for i, s in enumerate(self.d.scorers):
-            self._start(f"scorer/{i}", s)
+        for role, endpoint in self.roles():
+            self._start(role, endpoint)
 
     def _start(self, role: str, endpoint: Any) -> None:
         self._loops[asyncio.ensure_future(endpoint.run())] = role

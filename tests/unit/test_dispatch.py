@@ -200,10 +200,10 @@ def test_generators_of_different_speeds_keep_exactly_once_accounting_and_the_sta
                         await buf.release_groups([gid], "filtered")
                         continue
                     members = [t for t in batch if t.group_id == gid]
-                    try:  # the trainer may close the buffer while this waits for train room (as the runtime's
+                    try:
                         await buf.accept_groups([Group(group_id=gid, min_version=members[0].min_version,
                                                        trajectories=members)])
-                    except QueueClosed:  # scorer, the run is over)
+                    except QueueClosed:  # closed by the trainer while this waited for train room: the run is over
                         return
 
         async def trainer() -> None:
