@@ -22,7 +22,7 @@ Place in the dataflow: inside the Controller's process, beside the step pipeline
 
 Re-forming (at the end of a generator's restart, under the step pipeline's `sync_lock`, so never in the
 middle of a step's weight sync): every member joins a group with a fresh name (`weights-<n>`: its own
-announce keys, its broadcast count from 0), the trainer sends its current weights to every generator (the
+announcement queues, its broadcast count from 0), the trainer sends its current weights to every generator (the
 restarted one receives before it admits anything: its loop starts only then). It does not wait for a sync
 to fail: with max_staleness = 0 and one generator, the train step waits for groups that only the restarted
 generator can make. `recover` is the step pipeline's hook when a step's sync fails: it waits for the

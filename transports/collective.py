@@ -13,13 +13,13 @@ with an OS-chosen port, behind a `PrefixStore` so several groups (or a re-formed
 one store.
 
 Protocol of one broadcast (`WeightSyncGroup.broadcast_weights`), every member taking part:
-    0. the source sets the store key of broadcast n (every member counts its broadcasts); a receiver
-       waits for that key before it enters any collective: up to the group's timeout, or, armed
+    0. the source announces broadcast n (every member counts its broadcasts) by pushing n onto each
+       receiver's queue in the store; a receiver pops its queue before it enters any collective, blocking
+       in the store's server until the push arrives (no polling): up to the group's timeout, or, armed
        (`receive(armed=True)`, called while the trainer still trains), until the source starts or the
-       group is closed. So receivers need not be called at the moment of the send, and they join it
-       without a round trip through the driver. Each receiver past the wait adds 1 to the key's count;
-       the last of the `world_size - 1` deletes the key and its count, so the store (on the trainer)
-       holds no key per broadcast however long the run;
+       group is closed (`close()` pushes CLOSED onto the member's own queue). So receivers need not be
+       called at the moment of the send, and they join it without a round trip through the driver; the
+       pop empties the queue, so the store (on the trainer) holds nothing per broadcast however long the run;
     1. rank 0 broadcasts an int64 header [version, n_buckets, total_bytes, meta_crc]; receivers
        learn the version and check that they hold the same `WeightsMeta` as the source;
     2. one broadcast per bucket: the source packs the bucket into one flat buffer (converting each tensor to
@@ -73,17 +73,17 @@ if TYPE_CHECKING:  # the C++ base of ProcessGroupGloo/NCCL (not torch.distribute
 logger = logging.getLogger(__name__)
 
 SOURCE_RANK = 0  # the Trainer
-# A receiver polls the store for the announcement with `check` (a query that never times out): the wait notices
-# a closed group at once and logs nothing. A `wait` with a short timeout would do the same, but libtorch logs
-# two "[c10d] waitForInput ... timed out" warnings for every timeout: with train steps of seconds (a real
-# model), an armed receiver's console would fill with them. An armed wait learns how long the one before it
-# took: until ANNOUNCE_FINE_S before that time it checks every ANNOUNCE_POLL_MAX_S at most (a few checks a
-# step), then every ANNOUNCE_POLL_MIN_S doubling to ANNOUNCE_POLL_FINE_S until ANNOUNCE_FINE_S after it (the
-# announcement is seen within ~1 ms, which is on every step's critical path), then back to the coarse pace.
+# A receiver waits for an announcement with a blocking `queue_pop` on a clone of the store (a connection of its
+# own, so the member's other store calls, and `close()`'s push of CLOSED, are not queued behind the wait). The
+# pop returns the moment the source's push reaches the server: the announcement is on every step's critical
+# path, and the store-polling wait this replaces saw it 2.1 ms after the push (median, first_digit on Ray; p90
+# 5 ms). An armed pop waits in rounds of ARMED_WAIT, long enough that libtorch's two "[c10d] waitForInput ...
+# timed out" warnings per timeout never fill a console; a pop's timeout is a plain wait's error.
+ARMED_WAIT = timedelta(days=1)
+CLOSED = b"closed"  # what close() pushes onto the member's own announcement queue: an armed wait ends at once
+# how often transports/ipc.py's waits check their store (its announcements are still polled)
 ANNOUNCE_POLL_MIN_S = 0.0005
-ANNOUNCE_POLL_FINE_S = 0.001
 ANNOUNCE_POLL_MAX_S = 0.01
-ANNOUNCE_FINE_S = 0.02
 BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
@@ -208,6 +208,11 @@ def close_process_group(pg: Any, what: str) -> None:
             logger.debug("%s: %s() failed", what, method, exc_info=True)
 
 
+def _queue(rank: int) -> str:
+    """The store queue a receiver's announcements arrive on."""
+    return f"to/{rank}"
+
+
 CLOSED_POLL_S = 0.05  # a gloo broadcast in flight notices its group's close() this fast (WeightSyncGroup._finish)
 
 
@@ -230,8 +235,9 @@ class WeightSyncGroup:
         # announcements of the weight broadcasts (see the module doc): their own prefix under the group's name, so
         # a re-formed group (a fresh name, its broadcast count from 0) never sees an older group's keys
         self._announce = dist.PrefixStore(f"asyncrl/{group_name}/announce", store) if store is not None else None
+        # a receiver's blocking pops of its announcement queue run on a connection of their own (module doc)
+        self._waiter = self._announce.clone() if self._announce is not None and rank != SOURCE_RANK else None
         self._broadcasts = 0  # broadcast_weights calls so far; every member counts the same
-        self._armed_wait_s: float | None = None  # how long the last armed wait for an announcement took
         # the source packs bucket i into one of these and bucket i+1 into the other while i is on the wire; kept
         # across syncs (2 x the largest bucket): a fresh large buffer per bucket is fresh pages to fault in each time
         self._pack_buffers: list[Tensor] = []
@@ -323,7 +329,6 @@ class WeightSyncGroup:
                 raise RuntimeError(f"weight-sync group is broken ({self._broken}): close it and form a new one")
             n, self._broadcasts = self._broadcasts, self._broadcasts + 1
             self._announce_wait(n, armed)
-            self._announce_seen(n)
             start = time.perf_counter()  # the transfer, not the armed wait before it
             received_version, staged = self._receive(meta)
             stats = sync_stats(meta.total_bytes, time.perf_counter() - start, len(meta.buckets))
@@ -332,60 +337,47 @@ class WeightSyncGroup:
         return staged, received_version, stats
 
     def _announce_set(self, n: int) -> None:
+        """Push n onto every receiver's announcement queue."""
         if self._announce is None:
             return
         try:
-            self._announce.set(str(n), b"1")
+            for rank in range(self.world_size):
+                if rank != SOURCE_RANK:
+                    self._announce.queue_push(_queue(rank), str(n))
         except Exception as exc:
             self._broken = f"announcing broadcast {n} failed on rank {self.rank}"
             raise RuntimeError(f"weight sync: announcing broadcast {n} failed: {exc}") from exc
 
     def _announce_wait(self, n: int, armed: bool) -> None:
         """Wait for the source to announce broadcast n: up to the group's timeout, or (`armed`) for as long
-        as it takes, until the group is closed. Polls finely only around when the last armed wait ended."""
+        as it takes, until the group is closed."""
         if self._announce is None:
             return
-        start = time.monotonic()
-        deadline = None if armed else start + self.timeout_s
-        expected = self._armed_wait_s if armed else None
-        fine = ANNOUNCE_POLL_MIN_S
         while True:
-            if self._pg is None:
+            waiter = self._waiter  # a receiver's; None once the group is closed
+            if self._pg is None or waiter is None:
                 raise RuntimeError("weight-sync group is closed")
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                self._broken = f"header failed on rank {self.rank}"  # this member counted a broadcast that never came
-                raise TimeoutError(f"weight sync: header not completed within {self.timeout_s}s on rank "
-                                   f"{self.rank} (the source never announced its broadcast)")
+            waiter.set_timeout(ARMED_WAIT if armed else self._timeout)
             try:
-                if self._announce.check([str(n)]):
-                    if armed:
-                        self._armed_wait_s = time.monotonic() - start
-                    return
+                got = waiter.queue_pop(_queue(self.rank))
+                break
             except Exception as exc:
+                if self._pg is None:
+                    raise RuntimeError("weight-sync group is closed") from exc
+                if armed and is_timeout(exc):
+                    continue  # another round: an armed wait has no deadline
+                if is_timeout(exc):
+                    self._broken = f"header failed on rank {self.rank}"  # it counted a broadcast that never came
+                    raise TimeoutError(f"weight sync: header not completed within {self.timeout_s}s on rank "
+                                       f"{self.rank} (the source never announced its broadcast)") from exc
                 self._broken = f"waiting for broadcast {n} failed on rank {self.rank}"
                 raise RuntimeError(f"weight sync: waiting for broadcast {n} failed: {exc}") from exc
-            elapsed = now - start
-            if expected is not None and elapsed < expected - ANNOUNCE_FINE_S:  # long before: coarse
-                time.sleep(min(expected - ANNOUNCE_FINE_S - elapsed, ANNOUNCE_POLL_MAX_S))
-                continue
-            # around the expected time: fine; with none expected, or well past it: doubling up to the coarse pace
-            near = expected is not None and elapsed <= expected + ANNOUNCE_FINE_S
-            time.sleep(fine)
-            fine = min(2 * fine, ANNOUNCE_POLL_FINE_S if near else ANNOUNCE_POLL_MAX_S)
-
-    def _announce_seen(self, n: int) -> None:
-        """Count this receiver past the wait for broadcast n; the last of them deletes the key and its count.
-        No member waits for n again (each counts its broadcasts once), so nothing is stranded."""
-        if self._announce is None:
-            return
-        try:
-            if self._announce.add(f"{n}/seen", 1) == self.world_size - 1:
-                self._announce.delete_key(str(n))
-                self._announce.delete_key(f"{n}/seen")
-        except Exception as exc:
-            self._broken = f"counting broadcast {n} failed on rank {self.rank}"
-            raise RuntimeError(f"weight sync: counting broadcast {n} failed: {exc}") from exc
+        if got == CLOSED:
+            raise RuntimeError("weight-sync group is closed")
+        if got != str(n).encode():
+            self._broken = f"announcement {got!r} out of order on rank {self.rank}"
+            raise RuntimeError(f"weight sync: rank {self.rank} expected the announcement of broadcast {n}, "
+                               f"the source announced {got.decode(errors='replace')}")
 
     def _header(self, version: int, meta: WeightsMeta) -> Tensor:
         values = [version, len(meta.buckets), meta.total_bytes, meta_crc(meta)]
@@ -479,13 +471,20 @@ class WeightSyncGroup:
 
     def close(self) -> None:
         """Tear the group down (best effort, idempotent). Members blocked in a collective get an error: an armed
-        receiver within ANNOUNCE_POLL_MAX_S, a gloo broadcast in flight within CLOSED_POLL_S (`_finish`). Tearing the
-        process group down blocks the whole interpreter until an op in flight ends (a peer that died: the
-        group's timeout), so with one in flight the teardown waits for it on a thread of its own."""
+        receiver at once (CLOSED, pushed onto its own queue), a gloo broadcast in flight within CLOSED_POLL_S
+        (`_finish`). Tearing the process group down blocks the whole interpreter until an op in flight ends (a
+        peer that died: the group's timeout), so with one in flight the teardown waits for it on a thread of its
+        own."""
         pg, self._pg = self._pg, None
         self._store = None
         if pg is None:
             return
+        if self._waiter is not None and self._announce is not None:
+            try:  # wakes this member's wait for an announcement, if one is under way
+                self._announce.queue_push(_queue(self.rank), CLOSED)
+            except Exception:  # the store is gone (the trainer died): a wait on it has failed already
+                logger.debug("weight-sync group rank %d: waking its wait failed", self.rank, exc_info=True)
+            self._waiter = None  # its connection closes once a wait under way has returned
         what, work = f"weight-sync group rank {self.rank}", self._in_flight
         if work is None or work.is_completed():
             close_process_group(pg, what)

@@ -104,7 +104,9 @@ def test_a_long_run_of_broadcasts_leaves_no_announcement_keys_in_the_store():
         state = _state(0)
         for version in range(5):
             _together(lambda: sender.send(state, version), *(r.receive for r in receivers))
-        assert store.num_keys() == keys_before  # each key deleted by the last receiver to see it
+        assert store.num_keys() == keys_before
+        announce = groups[0]._announce
+        assert [announce.queue_len(f"to/{rank}") for rank in (1, 2)] == [0, 0]  # each popped by its receiver
     finally:
         for g in groups:
             g.close()
@@ -203,9 +205,35 @@ def test_an_armed_receiver_ends_with_an_error_when_its_group_is_closed():
         with ThreadPoolExecutor(1) as pool:
             armed = pool.submit(receiver.receive, armed=True)
             time.sleep(0.2)
-            groups[1].close()
+            t0 = time.monotonic()
+            groups[1].close()  # wakes the blocked wait for the announcement
             with pytest.raises(RuntimeError, match="closed"):
                 armed.result(timeout=5)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_an_announcement_wakes_the_waiting_receiver_at_once_and_one_out_of_order_breaks_the_group():
+    # the receiver blocks in the store's server until the source's push arrives: no polling interval to wait out
+    groups = _form_group(3, timeout_s=10.0)
+    try:
+        source, receiver = groups[0], groups[1]
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(receiver._announce_wait, 0, True)
+            time.sleep(0.3)
+            assert not waiting.done()
+            source._announce_set(0)
+            t0 = time.monotonic()
+            waiting.result(timeout=5)
+            assert time.monotonic() - t0 < 0.1
+        assert groups[2]._announce.queue_len("to/2") == 1  # the other receiver's announcement waits for it
+        source._announce.queue_push("to/1", "7")  # not broadcast 1: the members no longer count the same
+        with pytest.raises(RuntimeError, match="expected the announcement of broadcast 1"):
+            receiver._announce_wait(1, False)
+        with pytest.raises(RuntimeError, match="broken"):
+            CollectiveReceiver(receiver, plan_buckets(_state(0), 512)).receive()
     finally:
         for g in groups:
             g.close()
