@@ -12,6 +12,7 @@ blocked, and says where it is blocked.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import ray
 
+from asyncrl import heap
 from asyncrl.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
 from asyncrl.build import (
     build_buffer,
@@ -165,6 +167,8 @@ class RoleActor(NodeFiles):
         self.name = {"buffer": "buffer", "trainer": f"trainer rank {index}" if index else "trainer"}.get(
             kind, f"{kind} {index}")
         self._monitor: LoopMonitor | None = None  # watches this process's event loop, from the first call
+        if self.role is not None:
+            heap.settle()  # this process hosts the role until the run ends: no full collection walks its setup again
 
     def ready(self) -> str:
         return self.kind
@@ -178,7 +182,8 @@ class RoleActor(NodeFiles):
                 "pid": os.getpid(), "device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_initialized": torch.cuda.is_initialized(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "torch_threads": torch.get_num_threads(), "cpus": available_cpus(), "nice": self.nice}
+                "torch_threads": torch.get_num_threads(), "cpus": available_cpus(), "nice": self.nice,
+                "gc_frozen": gc.get_freeze_count()}  # objects no collection walks (asyncrl/heap.py)
 
     def pid(self) -> int:
         """This actor's process id (fault tests kill it with SIGKILL)."""
@@ -242,6 +247,7 @@ class RoleActor(NodeFiles):
         build = (lambda: build_trainer(self.cfg, self._buffer, dp)) if rank == 0 else \
             (lambda: build_trainer_rank(self.cfg, dp))
         self.role = await asyncio.to_thread(build)
+        heap.settle()  # as __init__ does for the other roles
 
     async def attach_trainer_ranks(self, handles: list[Any]) -> None:
         """Trainer rank 0, once every rank built its role: drive the other ranks' actors from now on."""

@@ -29,6 +29,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from asyncrl import heap
 from asyncrl.config import ConfigError, config_to_toml, derived, load_config
 from asyncrl.telemetry.runlog import FORMAT as LOG_FORMAT
 
@@ -229,6 +230,9 @@ def _config_errors(err: ConfigError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `asyncrl` command. `argv` None: this process's own command line (the console script, `python -m
+    asyncrl.cli`), so a launch may tune the process for its one run (asyncrl/heap.py); a list: a caller's."""
+    own_process = argv is None
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
     if args.command == "config":
@@ -288,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.launch import run_with_ray as runner
     logging.getLogger().setLevel(args.log_level)
     run_log = RunLog(cfg.run.output_dir, level=args.log_level)
+    if own_process:  # this process drives one run: its imports are never walked by a full collection again
+        heap.settle()
     try:
         rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
     except KeyboardInterrupt:  # Ctrl-C before the run's loop took the signal (setup)

@@ -42,6 +42,7 @@ def test_overlapping_roles_run_with_the_decided_cpus_and_threads(tiny_config_fil
         assert where["cpus"] == pins.get(kind, cpus), role
         cfg = make_config("staleness.max_staleness=1", *[f"cluster.affinity.{r}={c}" for r, c in pins.items()])
         assert where["torch_threads"] == decide_threads(cfg, len(where["cpus"]), kind), role
+        assert where["gc_frozen"] > 10_000, role  # its setup's objects left out of every later collection
 
 
 def test_on_policy_trainer_measures_its_thread_counts_and_keeps_one(tiny_config_file, make_config, tmp_path):
