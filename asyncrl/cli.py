@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from asyncrl.serve.cli import serve
 
+        if own_process:  # a long-lived endpoint: as a launch (asyncrl/heap.py)
+            heap.settle()
         return serve(cfg, args)
     if args.dry_run:
         print(json.dumps(derived(cfg), indent=2, default=str))
