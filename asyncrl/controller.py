@@ -114,6 +114,7 @@ class Controller:
                               no_progress_timeout_s=cfg.run.no_progress_timeout_s,
                               role_timeout_s=cfg.run.role_timeout_s)
         self._watching: asyncio.Future | None = None
+        self._stalled = ""  # the process the watch found stalled (RunStalled.process): its roles answer no stop()
         # samples of what the model writes (RUN_DIR/rollouts.jsonl, the console, W&B / TensorBoard)
         self.rollouts = RolloutLog(self.run_dir, shown=cfg.logging.rollouts_shown)
         self.first_step = 0  # the step this run starts from: a resume's checkpoint step, else 0
@@ -408,7 +409,8 @@ class Controller:
             if self._watching is not None and self._watching in done:  # the watch's verdict, already one line
                 discard(fut)
                 exc = self._watching.exception() if not self._watching.cancelled() else None
-                raise RunStalled(str(exc)) from None
+                self._stalled = getattr(exc, "process", "")
+                raise RunStalled(str(exc), process=self._stalled) from None
             try:
                 for ended in done:
                     self.supervisor.ended(ended)  # restarts the role, or raises RoleFailed
@@ -440,16 +442,21 @@ class Controller:
 
     async def _stop_loops(self) -> None:
         d = self.d
-        # together, each bounded: a dead actor raises at once, a stalled one never answers
-        stops = {asyncio.ensure_future(endpoint.stop()): role for role, endpoint in self.supervisor.roles()}
-        unanswered: frozenset[str] = frozenset()
+        # together, each bounded: a dead actor raises at once, a stalled one never answers; the roles in the process
+        # the watch found stalled are not asked (their loops are cancelled below without waiting)
+        process_of = getattr(d, "process_of", None)
+        roles = self.supervisor.roles()
+        stalled = frozenset(role for role, _ in roles if self._stalled and process_of is not None
+                            and process_of(role) == self._stalled)
+        stops = {asyncio.ensure_future(endpoint.stop()): role for role, endpoint in roles if role not in stalled}
+        unanswered: frozenset[str] = stalled
         if stops:
             _, pending = await asyncio.wait(stops, timeout=10)
             for f in stops:
                 discard(f)  # cancels a stop still pending; retrieves a failed one's error
-            if pending:
-                unanswered = frozenset(stops[f] for f in pending)
-                log.debug("role loops that did not answer stop(): %s", ", ".join(sorted(unanswered)))
+            unanswered |= frozenset(stops[f] for f in pending)
+        if unanswered:
+            log.debug("role loops that did not answer stop(), or were not asked: %s", ", ".join(sorted(unanswered)))
         try:
             await asyncio.wait_for(d.buffer.close(), 10)
         except Exception as exc:

@@ -186,12 +186,19 @@ class RayDeployment:
         named = self._named()
         return dict(zip(named, ray.get([a.placement.remote() for a in named.values()], timeout=READY_TIMEOUT_S)))
 
+    def process_of(self, role: str) -> str:
+        """The probe name (`probes`) of the process that runs `role` ("generator/0", "scorer/1")."""
+        kind, _, index = role.partition("/")
+        if kind == "scorer" and scorers_in_buffer(self.cfg):
+            return "buffer (and the scorers it hosts)"
+        return f"{kind} {index}"
+
     def probes(self) -> dict[str, Probe]:
         """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop.
         A probe asks the role's current actor, so it follows a restart (`restart`)."""
-        hosted = " (and the scorers it hosts)" if scorers_in_buffer(self.cfg) else ""
+        buffer = self.process_of("scorer/0") if scorers_in_buffer(self.cfg) else "buffer"
         named: dict[str, Callable[[], Any]] = {
-            f"buffer{hosted}": lambda: self.buffer_actor, "trainer": lambda: self.trainer_actor,
+            buffer: lambda: self.buffer_actor, "trainer": lambda: self.trainer_actor,
             **{f"trainer rank {r}": (lambda a=a: a) for r, a in enumerate(self.rank_actors, start=1)},
             **{f"generator {i}": (lambda i=i: self.generator_actors[i]) for i in range(len(self.generator_actors))},
             **{f"scorer {i}": (lambda i=i: self.scorer_actors[i]) for i in range(len(self.scorer_actors))}}

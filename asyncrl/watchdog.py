@@ -52,7 +52,12 @@ Probe = Callable[[], Awaitable["Heartbeat"]]
 
 
 class RunStalled(RuntimeError):
-    """The run cannot make progress; the message is one line naming the cause."""
+    """The run cannot make progress; the message is one line naming the cause. `process`: the probe name of the
+    process that stalled (it did not answer, or its event loop was blocked); "" when no progress was the cause."""
+
+    def __init__(self, message: str, process: str = "") -> None:
+        super().__init__(message)
+        self.process = process
 
 
 class ProgressSource(Protocol):
@@ -102,7 +107,7 @@ class RunWatch:
         try:
             beat = await asyncio.wait_for(probe(), self.role_timeout_s)
         except asyncio.TimeoutError:
-            raise RunStalled(self._silent(name)) from None
+            raise RunStalled(self._silent(name), process=name) from None
         except Exception as exc:  # a dead actor: the Controller's _guard reports it where it awaits the role
             log.debug("heartbeat of %s failed: %r", name, exc)
             return
@@ -114,7 +119,7 @@ class RunWatch:
         if beat.stalled_s >= self.role_timeout_s:
             raise RunStalled(f"the event loop of {name} did not run for {beat.stalled_s:.1f} s (run.role_timeout_s "
                              f"= {self.role_timeout_s:g}): blocked in {beat.where or 'unknown code'}; last activity: "
-                             f"{'; '.join(beat.activities) or 'none yet'}")
+                             f"{'; '.join(beat.activities) or 'none yet'}", process=name)
 
     def _silent(self, name: str) -> str:
         """The error for a process that did not answer the probe at all."""

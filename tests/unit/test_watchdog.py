@@ -169,6 +169,7 @@ def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_no
     assert str(info.value) == ("the event loop of generator 0 did not run for 31.0 s (run.role_timeout_s = 30): "
                                "blocked in my_env.py:9 in step <- asyncrl/envs/runner.py:128 in _play; last "
                                "activity: generator 0: generate (env episodes), begun 31.0 s before")
+    assert info.value.process == "generator 0"  # the Controller then asks none of its roles to stop
     watch(role_timeout_s=30.0).check_heartbeat("generator 0", Heartbeat(stalled_s=29.0))
 
     answers = [Heartbeat(stalled_s=0.0, activities=["scorer 0: score (reward fn), begun 0.1 s before"])]
@@ -187,3 +188,4 @@ def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_no
     assert message.startswith("scorer 0 has not answered for 0.05 s (run.role_timeout_s): nothing in its process "
                               "runs, so something there holds the interpreter lock")
     assert message.endswith("ago: scorer 0: score (reward fn), begun 0.1 s before")
+    assert info.value.process == "scorer 0"
