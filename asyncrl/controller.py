@@ -446,8 +446,8 @@ class Controller:
         # the watch found stalled are not asked (their loops are cancelled below without waiting)
         process_of = getattr(d, "process_of", None)
         roles = self.supervisor.roles()
-        stalled = frozenset(role for role, _ in roles if self._stalled and process_of is not None
-                            and process_of(role) == self._stalled)
+        stalled = frozenset(role for role, _ in roles if process_of(role) == self._stalled) \
+            if self._stalled and process_of is not None else frozenset()
         stops = {asyncio.ensure_future(endpoint.stop()): role for role, endpoint in roles if role not in stalled}
         unanswered: frozenset[str] = stalled
         if stops:
