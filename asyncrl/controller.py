@@ -37,7 +37,7 @@ import signal
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import IO, Any, Awaitable, Callable, Protocol
 
 import msgspec
 
@@ -125,6 +125,7 @@ class Controller:
         self._roles: set[str] = set()  # every role that reported a span: each gets a busy share in every row
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
+        self._ledger: IO[str] | None = None  # RUN_DIR/ledger.jsonl, open from the first step's line to the end
         self._window_end = 0.0
         # the event loop thread's CPU seconds at the window's end: `time/controller_s` is the next window's
         # increment (thread_time, not wall: awaiting the roles costs the driver nothing)
@@ -209,6 +210,9 @@ class Controller:
             close_sinks(sinks, outcome)  # (none left open when the run finished)
             if self._trace is not None:
                 self._trace.close()
+            if self._ledger is not None:
+                self._ledger.close()
+                self._ledger = None
             try:
                 await self._stop_loops()
             finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
@@ -267,9 +271,12 @@ class Controller:
 
     def _write_ledger(self, version: int, groups: list[list[Any]]) -> None:
         """RUN_DIR/ledger.jsonl: the groups (id, prompt) each train step trained, one line per step. With
-        resume it shows every accepted group trained exactly once and no prompt skipped or repeated."""
-        with (self.run_dir / "ledger.jsonl").open("a") as f:
-            f.write(json.dumps({"step": version, "groups": groups}) + "\n")
+        resume it shows every accepted group trained exactly once and no prompt skipped or repeated. The file
+        stays open for the run (opened after a resume cut it back), each line flushed as it is written."""
+        if self._ledger is None:
+            self._ledger = (self.run_dir / "ledger.jsonl").open("a")
+        self._ledger.write(json.dumps({"step": version, "groups": groups}) + "\n")
+        self._ledger.flush()
 
     def _eval_due(self, version: int) -> bool:
         every = self.cfg.trainer.eval_every

@@ -159,12 +159,22 @@ class RoleStats(msgspec.Struct, kw_only=True):
 REPORT_KEY = "role/report"
 
 
+_statm: tuple[int, int] | None = None  # (pid, descriptor of its /proc/<pid>/statm): read again, not reopened
+
+
 def rss_mb() -> float:
-    """This process's resident memory now, in MiB (/proc/self/statm; elsewhere the peak from getrusage)."""
+    """This process's resident memory now, in MiB (/proc/self/statm; elsewhere the peak from getrusage).
+
+    Every role's `stats()` and the Controller's row read it once a step: the file stays open and is read with
+    one `pread` (3 µs against 35 µs to open, read and close it). A forked child opens its own (the parent's
+    descriptor names the parent's process)."""
+    global _statm
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
+        pid = os.getpid()
+        if _statm is None or _statm[0] != pid:
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 256, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (macOS), no pread (Windows)
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -267,6 +277,11 @@ def token_staleness_stats(lags: Sequence[int]) -> dict[str, float]:
 
 def _plain(key: str, value: object) -> Scalar:
     """A JSON-ready scalar: numpy/torch scalars unwrapped, NaN/±inf -> None."""
+    kind = type(value)  # a row's ~100 values are nearly all plain floats and ints: those first
+    if kind is float:
+        return value if math.isfinite(value) else None  # type: ignore[arg-type]
+    if kind is int:
+        return value  # type: ignore[return-value]
     if value is None or isinstance(value, (str, bool)):
         return value
     if not isinstance(value, (int, float)) and hasattr(value, "item"):

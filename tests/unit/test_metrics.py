@@ -186,3 +186,32 @@ def test_token_staleness_counts_each_token_at_its_own_version():
     assert token_staleness_stats([]) == {}
     with pytest.raises(ValueError, match=">= 0"):
         token_staleness_stats([-1])
+
+
+def test_rss_mb_reads_this_process_and_a_forked_childs_own(tmp_path):
+    """rss_mb keeps /proc/<pid>/statm open (one pread a call): it follows the resident memory as it grows, and a
+    forked child reads its own process, not the parent's descriptor."""
+    import os
+    import sys
+
+    from asyncrl.telemetry import metrics
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    before = metrics.rss_mb()
+    block = bytearray(64 * 2**20)  # zero-filled: every page touched
+    assert metrics.rss_mb() > before + 48
+    assert metrics._statm is not None and metrics._statm[0] == os.getpid()
+    out = tmp_path / "child"
+    pid = os.fork()
+    if pid == 0:  # the child: drop the block (its pages), read again
+        try:
+            del block
+            out.write_text(f"{os.getpid()} {metrics.rss_mb()} {metrics._statm[0]}")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    child_pid, child_rss, read_pid = out.read_text().split()
+    assert int(read_pid) == int(child_pid) != os.getpid()
+    assert float(child_rss) < metrics.rss_mb() - 48  # its own, smaller memory
+    del block
