@@ -39,6 +39,7 @@ from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
+from asyncrl.telemetry.metrics import ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.thread_tuner import ThreadTuner, TunedUpdater
 from asyncrl.watchdog import Heartbeat, LoopMonitor
@@ -168,6 +169,7 @@ class RoleActor(NodeFiles):
             kind, f"{kind} {index}")
         self._monitor: LoopMonitor | None = None  # watches this process's event loop, from the first call
         if self.role is not None:
+            self.role.process_cpu = ProcessCpu(from_now=False)  # its reports: this process's CPU (hosted scorers too)
             heap.settle()  # this process hosts the role until the run ends: no full collection walks its setup again
 
     def ready(self) -> str:
@@ -247,6 +249,7 @@ class RoleActor(NodeFiles):
         build = (lambda: build_trainer(self.cfg, self._buffer, dp)) if rank == 0 else \
             (lambda: build_trainer_rank(self.cfg, dp))
         self.role = await asyncio.to_thread(build)
+        self.role.process_cpu = ProcessCpu(from_now=False)
         heap.settle()  # as __init__ does for the other roles
 
     async def attach_trainer_ranks(self, handles: list[Any]) -> None:

@@ -48,7 +48,7 @@ from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
-from asyncrl.telemetry.metrics import RoleStats, WindowReducer, rss_mb
+from asyncrl.telemetry.metrics import ProcessCpu, RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
@@ -130,6 +130,7 @@ class Controller:
         # the event loop thread's CPU seconds at the window's end: `time/controller_s` is the next window's
         # increment (thread_time, not wall: awaiting the roles costs the driver nothing)
         self._cpu_mark = 0.0
+        self._cpu = ProcessCpu()
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py); colocated:
         # in series, the generators asleep from before the train step to after the weight sync
         self.colocated = cfg.cluster.placement == "colocated"
@@ -175,7 +176,7 @@ class Controller:
             if not self.colocated:
                 await self._first_eval(sinks, first_step, t_start)
             await self.steps.start()
-            t_prev, self._cpu_mark = time.time(), time.thread_time()
+            t_prev, self._cpu_mark, self._cpu = time.time(), time.thread_time(), ProcessCpu()
             for step in range(first_step, cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
@@ -396,6 +397,8 @@ class Controller:
         out["overlap_ratio"] = overlap_ratio(spans, (t0, t1))
         self._spans = [sp for sp in spans if sp.end > t1]
         out["controller/rss_mb"] = rss_mb()  # the driver's own: a long run must not grow here either
+        # the driver's CPU, every thread (Ray's beside the event loop; in process, --local: every role's)
+        out["controller/cpu_cores"] = (self._cpu.take() or 0.0) / max(t1 - t0, 1e-9)
         return out
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:

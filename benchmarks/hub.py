@@ -32,7 +32,8 @@ B. The Controller's share of wall. `examples/first_digit/config.toml` through `a
 Every metrics row carries `time/controller_s`: CPU seconds of the driver's event-loop thread in the step's
 window (the Controller, the step pipeline, supervision, the watch and the Ray calls they make). Its share of
 wall is sum(time/controller_s) / sum(time/step_s) over the steps after the first; the median per step is
-printed too. Target <= 2%.
+printed too. Target <= 2%. Beside it, each process's CPU in cores (`<role>/cpu_cores`, `controller/cpu_cores`:
+the driver's whole process, Ray's threads beside the event loop included; JSON `driver_cores`).
 
 The last line is the result JSON: value = the Controller's share of wall in %, baseline = 2.0 (the budget, %),
 ratio = baseline / value (lower shares are better: the target is met when ratio >= 1.0), and beside them the
@@ -363,7 +364,14 @@ def bench_controller(args: argparse.Namespace) -> dict[str, float]:
     print(f"   step (median)              {step_s * 1e3:8.1f} ms")
     print(f"   controller CPU (median)    {median_s * 1e3:8.2f} ms a step")
     print(f"   share of wall              {share:8.2f} %  over {counted} steps (target <= {TARGET_SHARE:g} %)")
-    return {"share": share, "median_s": median_s, "step_s": step_s}
+    # beside it, each process's CPU (docs/metrics.md, Process CPU): the driver's whole process (Ray's threads too)
+    # and the roles' processes, in cores over the steps after the first
+    cores = {role: statistics.median(r[f"{role}/cpu_cores"] for r in rows[1:] if f"{role}/cpu_cores" in r)
+             for role in ("controller", "trainer", "generator", "buffer")
+             if any(f"{role}/cpu_cores" in r for r in rows[1:])}
+    print("   process CPU (cores, median) " + ", ".join(f"{role} {c:.2f}" for role, c in cores.items()))
+    return {"share": share, "median_s": median_s, "step_s": step_s,
+            "driver_cores": round(cores.get("controller", 0.0), 3)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -393,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         b = bench_controller(args)
         result = {"benchmark": "hub", "value": round(b["share"], 3), "unit": "% of wall (controller)",
                   "baseline": TARGET_SHARE, "ratio": round(TARGET_SHARE / max(b["share"], 1e-9), 3),
-                  "target": 1.0, **extra}
+                  "target": 1.0, "driver_cores": b["driver_cores"], **extra}
     print(json.dumps(result))
     return result
 

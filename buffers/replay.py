@@ -60,7 +60,18 @@ import msgspec
 
 from asyncrl.messages import Group, Trajectory, pack_groups, pack_trajectories, unpack_groups, unpack_trajectories
 from asyncrl.telemetry.memory import peak_memory_metrics
-from asyncrl.telemetry.metrics import Last, Max, Mean, RoleStats, Sum, Total, Window, rss_mb
+from asyncrl.telemetry.metrics import (
+    Last,
+    Max,
+    Mean,
+    ProcessCpu,
+    RoleStats,
+    Sum,
+    Total,
+    Window,
+    process_cpu_metrics,
+    rss_mb,
+)
 from buffers.dispatch import Dispatch
 from buffers.gate import AdmissionGate, GateState
 from buffers.progress import Progress, ProgressTracker
@@ -83,6 +94,9 @@ class BufferState(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ReplayBuffer:
     """All buffers of a run; every method is safe to call concurrently from one event loop."""
+
+    # this role's process's CPU for its window (`<role>/cpu_cores`): given by the Ray actor built for it (RoleActor)
+    process_cpu: ProcessCpu | None = None
 
     def __init__(
         self,
@@ -420,6 +434,7 @@ class ReplayBuffer:
         metrics["buffer/rollout_depth"] = Last(float(self.rollouts.qsize()))
         metrics["buffer/train_depth"] = Last(float(len(self._train)))
         metrics["buffer/rss_mb"] = Max(rss_mb())
+        metrics.update(process_cpu_metrics("buffer", self.process_cpu))  # (with the scorers it hosts)
         for holder, (in_flight, seconds) in self.dispatch.report().items():  # what the routing sees, per generator
             role = holder.split("#")[0]  # "generator/0#1" (a restarted actor's name) -> "generator/0"
             metrics[f"{role}/in_flight"] = Last(float(in_flight))

@@ -31,7 +31,19 @@ from asyncrl.aio import Coalescer
 from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
 from asyncrl.prompts import Prompt
 from asyncrl.telemetry.memory import peak_memory_metrics
-from asyncrl.telemetry.metrics import REPORT_KEY, Max, Rate, RoleStats, Share, Sum, Total, Window, rss_mb
+from asyncrl.telemetry.metrics import (
+    REPORT_KEY,
+    Max,
+    ProcessCpu,
+    Rate,
+    RoleStats,
+    Share,
+    Sum,
+    Total,
+    Window,
+    process_cpu_metrics,
+    rss_mb,
+)
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, RolloutEngine, SleepableEngine
 from transports.base import STAT_SECONDS, WeightReceiver
@@ -60,6 +72,9 @@ class GroupSource(Protocol):
 
 
 class Generator:
+    # this role's process's CPU for its window (`<role>/cpu_cores`): given by the Ray actor built for it (RoleActor)
+    process_cpu: ProcessCpu | None = None
+
     def __init__(
         self,
         *,
@@ -528,6 +543,7 @@ class Generator:
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window
             "generator/rss_mb": Max(rss_mb()),
+            **process_cpu_metrics("generator", self.process_cpu),
             **({"generator/torch_threads": Max(threads)} if threads else {}),
             "data/truncated_prompts": Total(truncated),
             "data/filtered_overlong": Max(self.prompts_filtered),  # the same rows in every generator

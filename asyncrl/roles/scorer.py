@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 from asyncrl.messages import Group, Trajectory, crosses_processes, pack_groups, unpack_trajectories
 from asyncrl.rewards.base import Call, Rewards
 from asyncrl.telemetry.memory import peak_memory_metrics
-from asyncrl.telemetry.metrics import Max, Rate, RoleStats, Sum, Total, Window, rss_mb
+from asyncrl.telemetry.metrics import Max, ProcessCpu, Rate, RoleStats, Sum, Total, Window, process_cpu_metrics, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
@@ -61,6 +61,9 @@ class ScoreSink(Protocol):
 
 
 class Scorer:
+    # this role's process's CPU for its window (`<role>/cpu_cores`): given by the Ray actor built for it (RoleActor)
+    process_cpu: ProcessCpu | None = None
+
     def __init__(
         self,
         *,
@@ -236,5 +239,6 @@ class Scorer:
             "scorer/reward_errors": Total(take("reward_errors", self.counts["reward_errors"])),
             "scorer/reward_calls_hung": Sum(float(self.rewards.hung_calls)),
             "scorer/rss_mb": Max(rss_mb()),
+            **process_cpu_metrics("scorer", self.process_cpu),
             **peak_memory_metrics("scorer", f"scorer/{self.scorer_id}"),
         }, spans=self.recorder.drain())

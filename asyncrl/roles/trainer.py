@@ -27,8 +27,10 @@ from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
     REPORT_KEY,
     Max,
+    ProcessCpu,
     RoleStats,
     generator_staleness_stats,
+    process_cpu_metrics,
     rss_mb,
     staleness_stats,
     token_staleness_stats,
@@ -45,6 +47,9 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
+    # this role's process's CPU for its window (`<role>/cpu_cores`): given by the Ray actor built for it (RoleActor)
+    process_cpu: ProcessCpu | None = None
+
     def __init__(
         self,
         *,
@@ -199,6 +204,7 @@ class Trainer:
     def stats(self) -> RoleStats:
         """The trainer's spans and its process's peak memory since its previous `stats()` call (its per-step
         metrics come with each `train_step`)."""
-        metrics = {"trainer/rss_mb": Max(rss_mb()), **peak_memory_metrics("trainer", "trainer")}
+        metrics = {"trainer/rss_mb": Max(rss_mb()), **process_cpu_metrics("trainer", self.process_cpu),
+                   **peak_memory_metrics("trainer", "trainer")}
         return RoleStats(metrics=metrics, spans=self.recorder.drain())
 

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -178,6 +179,31 @@ def rss_mb() -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class ProcessCpu:
+    """The CPU seconds this process used since the previous `take()` (every thread: the role's event loop, its
+    compute threads, Ray's own), for a role's window as `<role>/cpu_cores` (a Rate: cores busy on average).
+    One per process: the Ray actor gives it to the role it was built for (a scorer the buffer's actor hosts
+    reports none, the buffer's figure has its work); in process (--local) no role has one.
+
+    `from_now=False` (a role's): the first `take()` only marks, returning None: what the process did before
+    its first report (building the role, the weight-sync setup, the first evaluation) is no step's."""
+
+    def __init__(self, *, from_now: bool = True) -> None:
+        self._last: float | None = time.process_time() if from_now else None
+
+    def take(self) -> float | None:
+        now = time.process_time()
+        used, self._last = (None if self._last is None else now - self._last), now
+        return used
+
+
+def process_cpu_metrics(role: str, cpu: ProcessCpu | None) -> dict[str, Metric]:
+    """`<role>/cpu_cores` of the window when the role's process reports its CPU (`ProcessCpu`) and has a window
+    to report (not its first report), else nothing."""
+    used = cpu.take() if cpu is not None else None
+    return {f"{role}/cpu_cores": Rate(used)} if used is not None else {}
 
 
 class Window:

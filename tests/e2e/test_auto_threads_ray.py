@@ -43,6 +43,15 @@ def test_overlapping_roles_run_with_the_decided_cpus_and_threads(tiny_config_fil
         cfg = make_config("staleness.max_staleness=1", *[f"cluster.affinity.{r}={c}" for r, c in pins.items()])
         assert where["torch_threads"] == decide_threads(cfg, len(where["cpus"]), kind), role
         assert where["gc_frozen"] > 10_000, role  # its setup's objects left out of every later collection
+    # each process's CPU over each step's window (docs/metrics.md, Process CPU): every actor's process reports one
+    # from its second report on (the first window would carry its setup), the hosted scorer none (the buffer's has
+    # its work), the driver its own in every row; a core busy all the window is 1.0
+    for i, row in enumerate(rows):
+        assert 0.0 < row["controller/cpu_cores"] < len(cpus) + 0.5
+        for role in ("trainer", "generator", "buffer"):
+            assert (f"{role}/cpu_cores" in row) == (i > 0), (i, role)
+            assert 0.0 < row.get(f"{role}/cpu_cores", 1.0) < len(cpus) + 0.5, (role, row[f"{role}/cpu_cores"])
+        assert "scorer/cpu_cores" not in row
 
 
 def test_on_policy_trainer_measures_its_thread_counts_and_keeps_one(tiny_config_file, make_config, tmp_path):

@@ -151,7 +151,8 @@ def test_reports_that_came_with_the_replies_replace_the_stats_calls_and_give_the
     came.steps.reports = [("generator/0", gen_report), ("trainer", trainer_report), ("buffer", buffer_report)]
     by_stats = asyncio.run(asked._role_metrics(10.0, 12.0))
     by_replies = asyncio.run(came._role_metrics(10.0, 12.0))
-    assert by_replies == {**by_stats, "controller/rss_mb": by_replies["controller/rss_mb"]}
+    measured = ("controller/rss_mb", "controller/cpu_cores")  # the driver's own, now
+    assert by_replies == {**by_stats, **{k: by_replies[k] for k in measured}}
     assert by_replies["generation/tokens_per_s"] == 50 and by_replies["scorer/samples_per_s"] == 4  # (the scorer asked)
     assert came.steps.reports == []  # taken: the next window starts empty
 
