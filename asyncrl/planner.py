@@ -40,6 +40,16 @@ The model, in one screen:
                load the scorer's hand-offs wait for the CPU too, and overlap pays off more). Opt-in,
                r counts each role by its CPU share: in process, the process CPU seconds per wall second
                the trainer saw while it waited on the gate (generation + scoring) and while it trained
+  pinning      a calibration run whose generators were pinned to cores apart from the trainer's (placement.json;
+               the automatic affinity does so when generation and training overlap, k >= 1): in a setting with
+               k >= 1, G generators share those cores, each slower by its threads' crowding there against the
+               calibration run's (2 generators of 1 thread on the 1 core beside the trainer: 2x), and so are
+               their receive, swap and the publish after them; the trainer, on its own cores, is slowed as
+               beside the calibration run's generators however many there are. On-policy nothing is pinned.
+               And a step takes at least the CPU seconds the calibration run's generators and buffer spent a
+               step there (its rows' <role>/cpu_cores), times G over its generators, plus the driver's, over
+               those cores: the shared cores saturate (first_digit, 2 cores: a second generator doubled the
+               generators' CPU a step and the trainer waited)
 Calibration run: on Ray an asynchronous one (k >= 1, such as the README's first run). It shows the
 contention, which an on-policy run cannot; its steps give T alone (each train step's duration against the
 seconds of it spent beside generation: the line's intercept); its generators' gate waits show O and the
@@ -52,6 +62,7 @@ Staleness of a trained group = the step that trains it − the engine version it
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 import statistics
@@ -218,6 +229,9 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         train_cpu_share=_cpu_share(train, shared_interpreter) if cpu_shares else 1.0,
         prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
         concurrency=cfg.rollout.concurrency, steps=steps, source=str(run_dir),
+        gen_cores=_pinned_generator_cores(run_dir) if setting.max_staleness >= 1 else 0.0,
+        generators=setting.num_generators,
+        roles_cpu_s=_cpu_per_step(rows, ("generator", "buffer")), driver_cpu_s=_cpu_per_step(rows, ("controller",)),
     )
     costs = msgspec.structs.replace(
         costs, train_jitter=_spread(train_by_step, train_med),
@@ -249,6 +263,32 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
             costs = msgspec.structs.replace(costs, train_s=alone(train_med, o_train))
         f = fit_contention(costs, setting, measured, steps)
     return msgspec.structs.replace(costs, contention=f, contention_measured=True)
+
+
+def _cpu_per_step(rows: list[dict], roles: tuple[str, ...]) -> float:
+    """The median over the steps (warm-up left out) of the CPU seconds `roles`' processes spent a step
+    (`<role>/cpu_cores` times `time/step_s`); 0 when a row lacks them (a run in process, or an older one)."""
+    keys = [f"{role}/cpu_cores" for role in roles]
+    rows = rows[JITTER_WARMUP:] if len(rows) > 2 * JITTER_WARMUP else rows
+    per_step = [sum(r[k] for k in keys) * r["time/step_s"] for r in rows
+                if all(k in r for k in keys) and "time/step_s" in r]
+    return _median(per_step) if per_step else 0.0
+
+
+def _pinned_generator_cores(run_dir: Path) -> float:
+    """The cores the run's generators were pinned to apart from the trainer's (RUN_DIR/placement.json, written
+    by a Ray run: each role's `cpus`); 0 when they were not pinned, shared cores with the trainer, or the run
+    has no placement.json (in process, or an older run)."""
+    try:
+        where = json.loads((run_dir / "placement.json").read_text())
+    except (OSError, ValueError):
+        return 0.0
+    cpus = lambda prefix: {c for role, w in where.items() if role.startswith(prefix) for c in w.get("cpus") or []}  # noqa: E731
+    generators, trainer = cpus("generator"), cpus("trainer")
+    everything = cpus("")
+    if not generators or not trainer or generators & trainer or generators == everything:
+        return 0.0
+    return float(len(generators))
 
 
 def _train_alone(train: list[Span], busy_iv: list[tuple[float, float]]) -> dict[int, float] | None:

@@ -3,9 +3,9 @@
 Place in the dataflow: two finished run directories (a calibration run and a run of another setting) ──►
 `prediction_error` (calibrate on the first, predict the second's setting for its length, compare with
 its measured throughput) ──► the planner's accuracy tests and benchmarks/README.md's figures.
-`write_fixture` copies a run directory down to what the planner reads (config.toml, the metrics the
-throughput is summed from, the trace's spans of the kinds `calibrate` uses), so real runs can be
-checked in under tests/fixtures and re-scored without Ray.
+`write_fixture` copies a run directory down to what the planner reads (config.toml, placement.json, the
+metrics the throughput and the processes' CPU are read from, the trace's spans of the kinds `calibrate`
+uses), so real runs can be checked in under tests/fixtures and re-scored without Ray.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from asyncrl.telemetry.trace import read_trace
 WARMUP = 3  # first train steps of a measured run left out (first-call allocations: no term in the model)
 # what `calibrate` and `measured_throughput` read; everything else in a run directory is left out
 FIXTURE_METRICS = ("step", "version", "time/step_s", "time/elapsed_s", "reward/mean", "trainer/samples",
-                   "trainer/tokens", "staleness/mean")
+                   "trainer/tokens", "staleness/mean", "generator/cpu_cores", "buffer/cpu_cores",
+                   "controller/cpu_cores")
 FIXTURE_SPANS = frozenset({"generate", "score", "train", "weights_send", "weights_swap", "wait_gate", "eval"})
 
 
@@ -46,11 +47,14 @@ def prediction_error(calibration: str | Path | Costs, run: str | Path, *, cores:
 
 
 def write_fixture(run: str | Path, out: str | Path) -> Path:
-    """Copy the run directory `run` into `out` with only what the planner reads: config.toml, the metrics
-    rows' FIXTURE_METRICS keys, and the trace's FIXTURE_SPANS spans (times rounded to the microsecond)."""
+    """Copy the run directory `run` into `out` with only what the planner reads: config.toml, placement.json
+    (where the run has one), the metrics rows' FIXTURE_METRICS keys, and the trace's FIXTURE_SPANS spans (times
+    rounded to the microsecond)."""
     run, out = Path(run), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run / "config.toml", out / "config.toml")
+    if (run / "placement.json").exists():  # which cores each role was pinned to (a Ray run's)
+        shutil.copyfile(run / "placement.json", out / "placement.json")
     with (run / "metrics.jsonl").open() as src, (out / "metrics.jsonl").open("w") as dst:
         for line in src:
             if line.strip():

@@ -61,6 +61,17 @@ class Costs(msgspec.Struct, kw_only=True):
     gate_cpu_share: float = 1.0
     train_cpu_share: float = 1.0
     threads: int                  # torch threads per role
+    # the cores the generators (and the light roles: buffer, scorers, Controller) were pinned to apart from the
+    # trainer's in the calibration run (`cluster.auto_affinity` pins them when the roles overlap, k >= 1); 0:
+    # not pinned. Pinned, a setting's generators share those cores (`generator_share`) and the trainer, on
+    # cores of its own, is slowed no more by a second generator than by the first
+    gen_cores: float = 0.0
+    generators: int = 1           # the calibration run's generators (whose sharing its costs already carry)
+    # pinned, the CPU seconds a step cost on those cores in the calibration run (its rows' `<role>/cpu_cores`
+    # times the step; 0 when the run has none): the generators' and the buffer's (calls from each generator),
+    # and the driver's. `shared_core_floor` makes them a floor under a setting's step
+    roles_cpu_s: float = 0.0
+    driver_cpu_s: float = 0.0
     prompts_per_step: int
     group_size: int
     concurrency: int
@@ -77,6 +88,34 @@ def cpu_demand(costs: Costs, gate_roles: int, training: bool) -> float:
     """Cores wanted by `gate_roles` generators/scorers and (if `training`) the trainer computing at once."""
     c = costs
     return c.threads * (gate_roles * c.gate_cpu_share + (c.train_cpu_share if training else 0.0))
+
+
+def pinned(costs: Costs, setting: Setting) -> bool:
+    """Whether the runtime pins the roles in `setting` as it did in the pinned calibration run: the automatic
+    affinity pins only when generation and training overlap (max_staleness >= 1)."""
+    return costs.gen_cores > 0 and setting.max_staleness >= 1
+
+
+def generator_share(costs: Costs, setting: Setting) -> float:
+    """Pinned: how much slower each generator computes than in the calibration run, its generators' threads
+    over the cores they share against the calibration run's (2 generators of 1 thread on the 1 core beside the
+    trainer: 2x). 1 when not pinned (the cores-wide demand in `cpu_demand` covers that)."""
+    if not pinned(costs, setting):
+        return 1.0
+    crowd = lambda g: max(1.0, g * costs.threads / costs.gen_cores)  # noqa: E731
+    return crowd(setting.num_generators) / crowd(costs.generators)
+
+
+def shared_core_floor(costs: Costs, setting: Setting) -> float:
+    """Pinned: the least seconds a step of `setting` takes for the work on the cores the generators share with
+    the buffer and the driver: the calibration run's generator and buffer CPU a step, scaled by the generators
+    (each generator decodes with its own per-step overhead, and calls the buffer on its own: 2 generators
+    measured 1.9x and 1.7x of one on first_digit), plus the driver's, over those cores. 0 when not pinned or
+    the calibration run has no CPU figures."""
+    if not pinned(costs, setting) or costs.roles_cpu_s <= 0:
+        return 0.0
+    scale = setting.num_generators / costs.generators
+    return (costs.roles_cpu_s * scale + costs.driver_cpu_s) / costs.gen_cores
 
 
 def overlap_slowdown(costs: Costs, roles: int = 1, threaded: int | None = None) -> float:
@@ -128,7 +167,8 @@ def closed_form(costs: Costs, setting: Setting) -> float:
     # on-policy the next generation waits for the publish; else only the trainer's release is serial
     sync = max(c.send_s + c.swap_s + c.overhead_s, c.release_s)
     cycle = (sync if setting.max_staleness == 0 else c.release_s) + evals
-    shared = max(1.0, cpu_demand(c, G, False) / capacity(c))  # G generators decoding at once share the cores
+    # G generators decoding at once share the cores (pinned: the cores beside the trainer's)
+    shared = max(1.0, cpu_demand(c, G, False) / capacity(c)) * generator_share(c, setting)
     if setting.max_staleness == 0:
         per_gen = min(c.concurrency, math.ceil(P / G))
         waves = math.ceil(P / (G * per_gen))
@@ -145,8 +185,9 @@ def closed_form(costs: Costs, setting: Setting) -> float:
     t = c.train_s * _mean(c.train_jitter, 1.0)  # each phase's work per step, alone
     # both run at 1/f while they overlap; the shorter one's work is done after min·f seconds, during
     # which the longer one did min of its own: step = max + min·(f − 1), plus the trainer's serial part
-    f = overlap_slowdown(c, G)
-    return P * c.group_size / (max(g, t) + min(g, t) * (f - 1.0) + cycle)
+    f = overlap_slowdown(c, c.generators if pinned(c, setting) else G)
+    step = max(max(g, t) + min(g, t) * (f - 1.0) + cycle, shared_core_floor(c, setting))
+    return P * c.group_size / step
 
 
 def simulate(costs: Costs, setting: Setting, steps: int) -> Prediction:
@@ -178,6 +219,9 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         return rng.choice(factors) if rng is not None and factors else 1.0
 
     gen_factor = [draw(c.gen_jitter) for _ in range(G)]
+    # pinned (k >= 1): the generators share the cores beside the trainer's; the trainer's own cores see as many
+    # generating roles beside them as in the calibration run, however many generators share the other cores
+    share, beside = generator_share(c, setting), (c.generators if pinned(c, setting) else G)
     t = 0.0
     published = 0
     engine_version = [0] * G
@@ -220,7 +264,7 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         # groups on their way to the trainer (the hand-off: puts, takes, the buffer's and the Controller's
         # work) compute too: as one more role beside training while any is under way
         handing = 1 if scored else 0
-        busy_roles = len(generating) + scoring + handing
+        busy_roles = min(len(generating), beside) + scoring + handing
         if busy_roles and trainer["phase"] == "train":
             slow = overlap_slowdown(c, busy_roles, threaded=busy_roles - handing)
         else:
@@ -230,7 +274,7 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
         events += [t + q[0][1] * slow for q in score_q if q]  # a group scored (and the contention changes)
         rates = {}
         for g in generating:
-            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow * gen_factor[g])
+            rate = 1.0 / ((c.gen_a + c.gen_b * len(inflight[g])) * slow * gen_factor[g] * share)
             rates[g] = rate
             events.append(t + min(inflight[g].values()) / rate)
         events += [x for g in range(G) for x in stall[g] if x > t]
@@ -268,8 +312,11 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
                 trainer.update(phase="post", left=c.release_s)
                 # generators keep decoding while the weights arrive, then stop for the swap; the controller
                 # publishes the version after it (and after the version before)
-                stall = [(t_next + c.send_s, t_next + c.send_s + c.swap_s)] * G
-                publish_at.append(max([t_next + c.send_s + c.swap_s + c.overhead_s, *publish_at[-1:]]))
+                # the sync's receiving end runs on the cores the generators share: each receives, swaps and
+                # notes its version at once with the others, the publish after the last
+                send, swap, publish = c.send_s * share, c.swap_s * share, c.overhead_s * share
+                stall = [(t_next + send, t_next + send + swap)] * G
+                publish_at.append(max([t_next + send + swap + publish, *publish_at[-1:]]))
         elif trainer["phase"] in ("post", "eval"):
             trainer["left"] -= dt
             if trainer["left"] <= 1e-9:
@@ -284,6 +331,7 @@ def simulate_once(costs: Costs, setting: Setting, steps: int, seed: int | None =
             gen_factor = [draw(c.gen_jitter) for _ in range(G)]
         t = t_next
     total = sum(hist.values())
+    t = max(t, steps * shared_core_floor(c, setting))  # the shared cores cannot do a step's work faster
     return Prediction(
         setting=setting, samples_per_s=steps * P * c.group_size / t,
         closed_form_samples_per_s=closed_form(c, setting), step_s=t / steps,

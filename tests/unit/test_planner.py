@@ -159,6 +159,64 @@ def test_a_second_generator_adds_capacity_only_with_cores_of_its_own():
     assert sps(2, shared=True) == pytest.approx(sps(1, shared=True), rel=0.05)
 
 
+def test_generators_pinned_beside_the_trainer_share_their_cores_and_not_the_trainers():
+    """Pinned (the automatic affinity with k >= 1: the trainer on cores of its own, the generators on the rest),
+    a second generator on the one core beside the trainer adds no capacity and halves each generator's speed,
+    while training is slowed no more than beside the first; on-policy nothing is pinned (the old model)."""
+    def sps(g, k, gen_cores):
+        c = costs(gen_a=1.0, train_s=0.01, concurrency=2, cores=2.0, gen_cores=gen_cores)
+        return simulate(c, Setting(g, k), steps=20).samples_per_s
+
+    assert sps(2, 1, gen_cores=1.0) == pytest.approx(sps(1, 1, gen_cores=1.0), rel=0.05)  # no capacity added
+    assert sps(2, 1, gen_cores=0.0) == pytest.approx(2 * sps(1, 1, gen_cores=0.0), rel=0.1)  # not pinned: 2x
+    assert sps(2, 0, gen_cores=1.0) == pytest.approx(sps(2, 0, gen_cores=0.0))  # k = 0 is never pinned
+    # training-bound: the trainer's slowdown beside generation is the calibration run's, one generator or two
+    def step(g):
+        c = costs(gen_a=0.1, train_s=1.0, contention=1.5, contention_measured=True, gen_cores=1.0)
+        return simulate(c, Setting(g, 2), steps=20).step_s
+
+    assert step(2) == pytest.approx(step(1), rel=0.05)
+
+
+def test_the_shared_cores_cpu_a_step_is_a_floor_under_a_pinned_step():
+    """Pinned, the generators and the buffer did roles_cpu_s of CPU a step on the one core beside the trainer, the
+    driver driver_cpu_s: with G generators a step takes at least (G·roles_cpu_s + driver_cpu_s) / core, however
+    fast generation and training alone would be; on-policy (not pinned) no floor."""
+    c = costs(gen_a=0.01, train_s=0.05, gen_cores=1.0, roles_cpu_s=0.04, driver_cpu_s=0.01)
+    assert simulate(c, Setting(1, 1), steps=20).step_s == pytest.approx(0.05, rel=0.05)  # training-bound
+    assert simulate(c, Setting(2, 1), steps=20).step_s == pytest.approx(2 * 0.04 + 0.01, rel=0.01)  # the floor
+    assert simulate(c, Setting(2, 0), steps=20).step_s < 0.09  # on-policy: floating, no floor
+
+
+def test_calibrate_reads_each_processs_cpu_a_step_from_the_rows():
+    from asyncrl.planner import _cpu_per_step
+
+    rows = [{"time/step_s": 0.1, "generator/cpu_cores": 0.5, "buffer/cpu_cores": 0.25, "controller/cpu_cores": 0.1}
+            for _ in range(8)]
+    assert _cpu_per_step(rows, ("generator", "buffer")) == pytest.approx(0.075)
+    assert _cpu_per_step(rows, ("controller",)) == pytest.approx(0.01)
+    assert _cpu_per_step([{"time/step_s": 0.1}] * 8, ("generator",)) == 0.0  # an older or in-process run
+
+
+def test_calibrate_reads_the_cores_the_generators_were_pinned_to(tmp_path):
+    import json
+
+    from asyncrl.planner import _pinned_generator_cores
+
+    def placement(**cpus):
+        run = tmp_path / "-".join(f"{k}{v}" for k, v in cpus.items())
+        run.mkdir()
+        where = {role.replace("_", " "): {"cpus": c, "pid": 1} for role, c in cpus.items()}
+        (run / "placement.json").write_text(json.dumps(where))
+        return _pinned_generator_cores(run)
+
+    assert placement(trainer=[1], buffer=[0], generator_0=[0], generator_1=[0]) == 1.0
+    assert placement(trainer=[2, 3], buffer=[0, 1], generator_0=[0, 1]) == 2.0
+    assert placement(trainer=[0, 1], buffer=[0, 1], generator_0=[0, 1]) == 0.0  # floating: not pinned
+    assert placement(trainer=[0, 1], buffer=[0], generator_0=[0]) == 0.0  # the trainer shares the generator's
+    assert _pinned_generator_cores(tmp_path / "no-such-run") == 0.0  # no placement.json: an older or local run
+
+
 def test_calibrate_marks_an_in_process_run_and_keeps_its_alone_costs(tmp_path):
     from asyncrl.planner import measure_cpu_shares
 
