@@ -199,9 +199,13 @@ def test_rss_mb_reads_this_process_and_a_forked_childs_own(tmp_path):
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
     before = metrics.rss_mb()
-    block = bytearray(64 * 2**20)  # zero-filled: every page touched
+    block = b"\x01" * (64 * 2**20)  # written: every page resident (a zeroed allocation may stay untouched)
     assert metrics.rss_mb() > before + 48
     assert metrics._statm is not None and metrics._statm[0] == os.getpid()
+    os.close(metrics._statm[1])  # someone else closed it, and the number names another file now
+    with open(os.devnull) as held:
+        assert metrics.rss_mb() > before + 48  # from /proc/<pid>/statm opened again
+        assert metrics._statm[1] != held.fileno()
     out = tmp_path / "child"
     pid = os.fork()
     if pid == 0:  # the child: drop the block (its pages), read again
