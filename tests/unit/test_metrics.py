@@ -191,31 +191,35 @@ def test_token_staleness_counts_each_token_at_its_own_version():
 def test_rss_mb_reads_this_process_and_a_forked_childs_own(tmp_path):
     """rss_mb keeps /proc/<pid>/statm open (one pread a call): it follows the resident memory as it grows, and a
     forked child reads its own process, not the parent's descriptor."""
-    import os
+    import subprocess
     import sys
-
-    from asyncrl.telemetry import metrics
 
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
-    before = metrics.rss_mb()
-    block = b"\x01" * (64 * 2**20)  # written: every page resident (a zeroed allocation may stay untouched)
-    assert metrics.rss_mb() > before + 48
-    assert metrics._statm is not None and metrics._statm[0] == os.getpid()
-    os.close(metrics._statm[1])  # someone else closed it, and the number names another file now
-    with open(os.devnull) as held:
-        assert metrics.rss_mb() > before + 48  # from /proc/<pid>/statm opened again
-        assert metrics._statm[1] != held.fileno()
-    out = tmp_path / "child"
-    pid = os.fork()
-    if pid == 0:  # the child: drop the block (its pages), read again
-        try:
-            del block
-            out.write_text(f"{os.getpid()} {metrics.rss_mb()} {metrics._statm[0]}")
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    child_pid, child_rss, read_pid = out.read_text().split()
-    assert int(read_pid) == int(child_pid) != os.getpid()
-    assert float(child_rss) < metrics.rss_mb() - 48  # its own, smaller memory
-    del block
+    # in a fresh interpreter: a large test process's allocator and page reclaim make its RSS deltas unreliable
+    script = f"""
+import os
+from asyncrl.telemetry import metrics
+before = metrics.rss_mb()
+block = b"\\x01" * (64 * 2**20)  # written: every page resident
+assert metrics.rss_mb() > before + 48, (before, metrics.rss_mb())
+assert metrics._statm is not None and metrics._statm[0] == os.getpid()
+os.close(metrics._statm[1])  # someone else closed it, and the number names another file now
+with open(os.devnull) as held:
+    assert metrics.rss_mb() > before + 48  # from /proc/<pid>/statm opened again
+    assert metrics._statm[1] != held.fileno()
+out = {str(tmp_path / "child")!r}
+pid = os.fork()
+if pid == 0:  # the child: drop the block (its pages), read again
+    try:
+        del block
+        open(out, "w").write(f"{{os.getpid()}} {{metrics.rss_mb()}} {{metrics._statm[0]}}")
+    finally:
+        os._exit(0)
+os.waitpid(pid, 0)
+child_pid, child_rss, read_pid = open(out).read().split()
+assert int(read_pid) == int(child_pid) != os.getpid()
+assert float(child_rss) < metrics.rss_mb() - 48, (child_rss, metrics.rss_mb())  # its own, smaller memory
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
