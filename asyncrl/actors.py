@@ -39,7 +39,7 @@ from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
-from asyncrl.telemetry.metrics import ProcessCpu
+from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.thread_tuner import ThreadTuner, TunedUpdater
 from asyncrl.watchdog import Heartbeat, LoopMonitor
@@ -81,6 +81,7 @@ class RayProxy:
             remote, route = self._handle.call_hosted.remote, (self._role, self._index, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            ACTOR_CALLS.n += 1
             return remote(*route, *args, **kwargs)  # submitted now; the ObjectRef is awaitable
 
         return call

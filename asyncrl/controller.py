@@ -48,7 +48,7 @@ from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
 from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
-from asyncrl.telemetry.metrics import ProcessCpu, RoleStats, WindowReducer, rss_mb
+from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu, RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
@@ -130,6 +130,7 @@ class Controller:
         # the event loop thread's CPU seconds at the window's end: `time/controller_s` is the next window's
         # increment (thread_time, not wall: awaiting the roles costs the driver nothing)
         self._cpu_mark = 0.0
+        self._calls_mark = 0  # ACTOR_CALLS.n at the window's end: `controller/actor_calls` is the next's increment
         self._cpu = ProcessCpu()
         # train → send → receive → publish, each step asked for ahead of time (asyncrl/pipeline.py); colocated:
         # in series, the generators asleep from before the train step to after the weight sync
@@ -177,6 +178,7 @@ class Controller:
                 await self._first_eval(sinks, first_step, t_start)
             await self.steps.start()
             t_prev, self._cpu_mark, self._cpu = time.time(), time.thread_time(), ProcessCpu()
+            self._calls_mark = ACTOR_CALLS.n
             for step in range(first_step, cfg.trainer.total_steps):
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
@@ -250,7 +252,7 @@ class Controller:
                 await evaluate()
             row.update(evaluated)
             self.rollouts.write(version, row.pop(EVAL_SAMPLES_KEY, []))
-        t_end, cpu = time.time(), time.thread_time()
+        t_end, cpu, calls = time.time(), time.thread_time(), ACTOR_CALLS.n
         if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end, ask_trainer=eval_due))
@@ -260,6 +262,9 @@ class Controller:
         # time/step_s is what driving the run costs (benchmarks/hub.py)
         row["time/controller_s"] = cpu - self._cpu_mark
         self._cpu_mark = cpu
+        if calls > self._calls_mark:  # on Ray: the actor calls the driver submitted, each a round trip of its loop
+            row["controller/actor_calls"] = float(calls - self._calls_mark)
+        self._calls_mark = calls
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
         self._window_end = t_end
         return row

@@ -28,6 +28,7 @@ from asyncrl.local import run_local  # noqa: F401 - its home is asyncrl/local.py
 from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
+from asyncrl.telemetry.metrics import ACTOR_CALLS
 from asyncrl.watchdog import Heartbeat, Probe
 from engines.hf import ensure_model
 
@@ -205,6 +206,7 @@ class RayDeployment:
 
         def probe(actor: Callable[[], Any]) -> Probe:
             async def heartbeat() -> Heartbeat:
+                ACTOR_CALLS.n += 1
                 return await actor().heartbeat.remote()
 
             return heartbeat

@@ -35,6 +35,14 @@ wall is sum(time/controller_s) / sum(time/step_s) over the steps after the first
 printed too. Target <= 2%. Beside it, each process's CPU in cores (`<role>/cpu_cores`, `controller/cpu_cores`:
 the driver's whole process, Ray's threads beside the event loop included; JSON `driver_cores`).
 
+What Ray alone takes of it. After the run, on a fresh local cluster of 2 CPUs, the driver's event loop (uvloop,
+as `asyncrl launch` runs it) awaits a no-op method of an async actor, one call at a time: its CPU per round
+trip (`time.thread_time`, median of 5 batches of 200 after 50 warm-up calls; JSON `ray_call_us`). The run's rows
+count the actor calls the driver submitted (`controller/actor_calls`: the train step, the weight send, each
+receive, the publish, the heartbeats; median a step, JSON `calls_per_step`). Their product over the median step
+is the share of wall those calls take by themselves (JSON `ray_floor_share`, %): a floor under the Controller's
+share for this protocol on this machine, whatever the Controller does besides.
+
 The last line is the result JSON: value = the Controller's share of wall in %, baseline = 2.0 (the budget, %),
 ratio = baseline / value (lower shares are better: the target is met when ratio >= 1.0), and beside them the
 hub's trajectories/s at the medium payload (`hub_traj_per_s`), the plain Ray actor's (`plain_traj_per_s`)
@@ -295,15 +303,21 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
                 pass
 
 
+def _by_value() -> None:
+    """Loaded from a file (the smoke test), not run as a script: the actors' workers cannot import this module by
+    name, so its classes travel by value."""
+    if __name__ != "__main__":
+        from ray import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
 def bench_hub(args: argparse.Namespace) -> dict[str, dict[str, tuple[float, float]]]:
     """{payload: {path: (trajectories/s, MB/s)}}, printed as a table."""
     import ray
 
     cfg = hub_config(args.producers, args.scorers, args.quick)
-    if __name__ != "__main__":  # loaded from a file (the smoke test): the actors' workers cannot import it by name
-        from ray import cloudpickle
-
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    _by_value()
     payloads = {"tiny": (8, 16)} if args.quick else PAYLOADS
     ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, object_store_memory=256 * 2**20)
@@ -370,8 +384,50 @@ def bench_controller(args: argparse.Namespace) -> dict[str, float]:
              for role in ("controller", "trainer", "generator", "buffer")
              if any(f"{role}/cpu_cores" in r for r in rows[1:])}
     print("   process CPU (cores, median) " + ", ".join(f"{role} {c:.2f}" for role, c in cores.items()))
+    calls = statistics.median(r["controller/actor_calls"] for r in rows[1:] if "controller/actor_calls" in r)
+    call_s = ray_round_trip_cpu(200 if not args.quick else 20, batches=5 if not args.quick else 2)
+    floor = 100 * calls * call_s / step_s
+    print(f"   actor calls (median)       {calls:8.1f} a step")
+    print(f"   Ray round trip             {call_s * 1e6:8.0f} us of the loop's CPU (a no-op call, fresh cluster)")
+    print(f"   those calls alone          {floor:8.2f} % of the step (a floor under the share)")
     return {"share": share, "median_s": median_s, "step_s": step_s,
-            "driver_cores": round(cores.get("controller", 0.0), 3)}
+            "driver_cores": round(cores.get("controller", 0.0), 3), "calls_per_step": calls,
+            "ray_call_us": round(call_s * 1e6, 1), "ray_floor_share": round(floor, 3)}
+
+
+class _Noop:
+    async def noop(self) -> None:
+        return None
+
+
+def ray_round_trip_cpu(calls: int, batches: int, warmup: int = 50) -> float:
+    """CPU seconds of the driver's event-loop thread per awaited actor call (a no-op on an async actor), on a
+    fresh local cluster of 2 CPUs and the loop `asyncrl launch` runs (asyncrl.aio.run_loop: uvloop): the median
+    over `batches` batches of `calls` calls made one at a time."""
+    import ray
+
+    from asyncrl.aio import run_loop
+
+    _by_value()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, object_store_memory=128 * 2**20)
+    try:
+        actor = ray.remote(_Noop).options(max_concurrency=4).remote()
+
+        async def measure() -> float:
+            for _ in range(warmup):
+                await actor.noop.remote()
+            per_call = []
+            for _ in range(batches):
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    await actor.noop.remote()
+                per_call.append((time.thread_time() - t0) / calls)
+            return statistics.median(per_call)
+
+        return run_loop(measure())
+    finally:
+        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -401,7 +457,8 @@ def main(argv: list[str] | None = None) -> dict:
         b = bench_controller(args)
         result = {"benchmark": "hub", "value": round(b["share"], 3), "unit": "% of wall (controller)",
                   "baseline": TARGET_SHARE, "ratio": round(TARGET_SHARE / max(b["share"], 1e-9), 3),
-                  "target": 1.0, "driver_cores": b["driver_cores"], **extra}
+                  "target": 1.0, "driver_cores": b["driver_cores"], "calls_per_step": b["calls_per_step"],
+                  "ray_call_us": b["ray_call_us"], "ray_floor_share": b["ray_floor_share"], **extra}
     print(json.dumps(result))
     return result
 

@@ -191,6 +191,20 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class CallCount:
+    """Actor calls this process submitted (`asyncrl.actors.RayProxy`'s calls and the watch's heartbeats count
+    themselves in `ACTOR_CALLS`): the Controller's rows carry the driver's calls a step (`controller/actor_calls`),
+    each of which costs its event loop a Ray round trip (benchmarks/hub.py)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+ACTOR_CALLS = CallCount()  # this process's
+
+
 class ProcessCpu:
     """The CPU seconds this process used since the previous `take()` (every thread: the role's event loop, its
     compute threads, Ray's own), for a role's window as `<role>/cpu_cores` (a Rate: cores busy on average).

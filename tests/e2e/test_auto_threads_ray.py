@@ -52,6 +52,10 @@ def test_overlapping_roles_run_with_the_decided_cpus_and_threads(tiny_config_fil
             assert (f"{role}/cpu_cores" in row) == (i > 0), (i, role)
             assert 0.0 < row.get(f"{role}/cpu_cores", 1.0) < len(cpus) + 0.5, (role, row[f"{role}/cpu_cores"])
         assert "scorer/cpu_cores" not in row
+        # the driver's actor calls in the window: the next train step asked ahead, the send claimed, the next
+        # version's receive armed, the publish (the last step asks for no next step and arms no receive);
+        # heartbeats come every second
+        assert row["controller/actor_calls"] >= (4 if i + 1 < len(rows) else 2), (i, row["controller/actor_calls"])
 
 
 def test_on_policy_trainer_measures_its_thread_counts_and_keeps_one(tiny_config_file, make_config, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -164,3 +165,9 @@ def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the
     assert last == returned and last["benchmark"] == "hub" and last["target"] == 1.0
     assert last["value"] > 0 and last["ratio"] == pytest.approx(2.0 / last["value"], rel=0.01)
     assert last["hub_traj_per_s"] > 0 and last["plain_traj_per_s"] > 0
+    # the driver's actor calls a step (the train step, the send, the receive, the publish at least) and what
+    # they take by themselves: calls x the round trip's CPU over the step
+    assert last["calls_per_step"] >= 4 and last["ray_call_us"] > 0
+    assert last["ray_floor_share"] == pytest.approx(
+        last["calls_per_step"] * last["ray_call_us"] / 10 / (step_ms := float(
+            re.search(r"step \(median\)\s+([\d.]+) ms", out).group(1))), rel=0.02), step_ms
