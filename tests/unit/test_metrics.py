@@ -188,9 +188,10 @@ def test_token_staleness_counts_each_token_at_its_own_version():
         token_staleness_stats([-1])
 
 
-def test_rss_mb_reads_this_process_and_a_forked_childs_own(tmp_path):
-    """rss_mb keeps /proc/<pid>/statm open (one pread a call): it follows the resident memory as it grows, and a
-    forked child reads its own process, not the parent's descriptor."""
+def test_rss_and_peak_read_this_process_and_a_forked_childs_own(tmp_path):
+    """rss_mb keeps /proc/<pid>/statm open (one pread a call), host_peak_gb status and clear_refs (`proc_fd`): rss
+    follows the resident memory as it grows, and a forked child reads its own process, not the parent's
+    descriptors."""
     import subprocess
     import sys
 
@@ -199,21 +200,26 @@ def test_rss_mb_reads_this_process_and_a_forked_childs_own(tmp_path):
     # in a fresh interpreter: a large test process's allocator and page reclaim make its RSS deltas unreliable
     script = f"""
 import os
-from asyncrl.telemetry import metrics
+from asyncrl.telemetry import memory, metrics
+memory.host_peak_gb()  # its descriptors are kept beside statm's
 before = metrics.rss_mb()
 block = b"\\x01" * (64 * 2**20)  # written: every page resident
 assert metrics.rss_mb() > before + 48, (before, metrics.rss_mb())
-assert metrics._statm is not None and metrics._statm[0] == os.getpid()
-os.close(metrics._statm[1])  # someone else closed it, and the number names another file now
+kept = metrics._kept[("statm", os.O_RDONLY)]
+assert kept[0] == os.getpid()
+os.close(kept[1])  # someone else closed it, and the number names another file now
 with open(os.devnull) as held:
     assert metrics.rss_mb() > before + 48  # from /proc/<pid>/statm opened again
-    assert metrics._statm[1] != held.fileno()
+    assert metrics._kept[("statm", os.O_RDONLY)][1] != held.fileno()
 out = {str(tmp_path / "child")!r}
 pid = os.fork()
 if pid == 0:  # the child: drop the block (its pages), read again
     try:
         del block
-        open(out, "w").write(f"{{os.getpid()}} {{metrics.rss_mb()}} {{metrics._statm[0]}}")
+        rss = metrics.rss_mb()
+        memory.host_peak_gb()  # its own status and clear_refs too, not the parent's
+        assert set(k[0] for k in metrics._kept.values()) == set([os.getpid()]), metrics._kept
+        open(out, "w").write(f"{{os.getpid()}} {{rss}} {{metrics._kept[('statm', os.O_RDONLY)][0]}}")
     finally:
         os._exit(0)
 os.waitpid(pid, 0)
