@@ -2,8 +2,9 @@
 
 Place in the dataflow: the Controller runs `RunWatch.run()` beside the generator and scorer loops for the
 whole training loop; its `_guard` fails fast (one line) when the watch raises `RunStalled`. Every
-`period_s` the watch asks each process that hosts roles for a `Heartbeat` (its `LoopMonitor`), then the
-buffer for its `progress()` (buffers/progress.py), and ends the run when
+`period_s` (`watch_period`: a twentieth of the shortest time bound below, at most 3 s) the watch asks each
+process that hosts roles for a `Heartbeat` (its `LoopMonitor`), then the buffer for its `progress()`
+(buffers/progress.py), and ends the run when
 
 | bound                            | crossed when                                                       |
 |----------------------------------|--------------------------------------------------------------------|
@@ -74,6 +75,18 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     activities: list[str] = []    # each role of the process: what it began last, and how long before
 
 
+PERIOD_MAX_S = 3.0  # the watch looks at least this often, however long the bounds
+
+
+def watch_period(role_timeout_s: float, no_progress_timeout_s: float = 0.0) -> float:
+    """How often the watch probes and reads the progress: a twentieth of its shortest time bound, at most
+    PERIOD_MAX_S (3 s with the default 60 s `run.role_timeout_s`: a bound is seen crossed within 5% of it, late).
+    Each look is an actor call to every process hosting roles and one to the buffer, on the driver's loop and
+    on the roles' cores: no more often than the bounds need."""
+    bounds = [b for b in (role_timeout_s, no_progress_timeout_s) if b > 0]
+    return min(PERIOD_MAX_S, min(bounds) / 20) if bounds else PERIOD_MAX_S
+
+
 class RunWatch:
     """Probes the roles and reads the run's progress every `period_s`; raises RunStalled when a bound is
     crossed. `max_failed_in_a_row` and `no_progress_timeout_s`: 0 turns that bound off. Every call the
@@ -82,13 +95,13 @@ class RunWatch:
 
     def __init__(self, *, buffer: ProgressSource | Any, max_failed_in_a_row: int, no_progress_timeout_s: float,
                  role_timeout_s: float = 60.0, probes: dict[str, Probe] | None = None,
-                 period_s: float = 1.0) -> None:
+                 period_s: float | None = None) -> None:
         self.buffer = buffer
         self.max_failed_in_a_row = max_failed_in_a_row
         self.no_progress_timeout_s = no_progress_timeout_s
         self.role_timeout_s = role_timeout_s
         self.probes = dict(probes or {})
-        self.period_s = period_s
+        self.period_s = watch_period(role_timeout_s, no_progress_timeout_s) if period_s is None else period_s
         self._answers: dict[str, tuple[float, Heartbeat]] = {}  # name -> (monotonic time, its last answer)
 
     async def run(self) -> None:

@@ -54,7 +54,7 @@ def test_overlapping_roles_run_with_the_decided_cpus_and_threads(tiny_config_fil
         assert "scorer/cpu_cores" not in row
         # the driver's actor calls in the window: the next train step asked ahead, the send claimed, the next
         # version's receive armed, the publish (the last step asks for no next step and arms no receive);
-        # heartbeats come every second
+        # the watch's heartbeats come every 3 s
         assert row["controller/actor_calls"] >= (4 if i + 1 < len(rows) else 2), (i, row["controller/actor_calls"])
 
 

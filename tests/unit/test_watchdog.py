@@ -189,3 +189,15 @@ def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_no
                               "runs, so something there holds the interpreter lock")
     assert message.endswith("ago: scorer 0: score (reward fn), begun 0.1 s before")
     assert info.value.process == "scorer 0"
+
+
+def test_the_watch_looks_at_a_twentieth_of_its_shortest_bound_and_at_least_every_3_s():
+    """Each look is an actor call to every role process and one to the buffer: no more often than the bounds need,
+    and a crossed bound is seen within 5% of it (the default 60 s role timeout: every 3 s)."""
+    from asyncrl.watchdog import watch_period
+
+    assert watch(role_timeout_s=60.0).period_s == watch_period(60.0) == 3.0
+    assert watch(role_timeout_s=2.0).period_s == pytest.approx(0.1)
+    assert watch(role_timeout_s=60.0, no_progress_timeout_s=10.0).period_s == pytest.approx(0.5)
+    assert watch_period(600.0, 0.0) == 3.0
+    assert watch(role_timeout_s=60.0, period_s=0.01).period_s == 0.01  # an explicit period is kept
