@@ -253,8 +253,9 @@ def run_launch(args: argparse.Namespace, root: Path, model_dir: Path, seed: int,
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     out = summarise([r["reward/mean"] for r in steps], [r["time/step_s"] for r in steps], args)
-    out["cpu_floor"] = cpu_floor(steps, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else os.cpu_count() or 1)
+    from asyncrl.auto import available_cpus
+
+    out["cpu_floor"] = cpu_floor(steps, len(available_cpus()))
     evals = [r["eval/greedy_reward"] for r in rows if "eval/greedy_reward" in r]
     out["eval_greedy"] = evals[-1] if evals else math.nan
     out["command_s"] = time.time() - t0
