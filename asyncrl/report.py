@@ -6,6 +6,10 @@ present, trace.json (spans) and config.toml ──► `summarize_rows` ──►
   reward_curve.png   reward against step and wall clock (`telemetry.plot.plot_run`)
   utilisation.png    busy share per role type and overlap ratio, per step, against wall clock
   staleness.png      staleness histogram: trained samples (min version) and trained tokens (own version)
+
+With max_staleness >= 1 and a trace, report.md also has the weight-version chain, link by link
+(`telemetry.chain`): where the time goes between one update's end and the trainer holding the groups sampled
+with its weights, and whether the trainer waited for them.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import read_run_config
+from asyncrl.telemetry.chain import chain_lines, weight_chain
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.plot import new_figure, plot_run, save_figure
 from asyncrl.telemetry.summary import summarize_rows, train_rows
+from asyncrl.telemetry.trace import read_trace, spans_from_trace
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +132,11 @@ def write_report(run_dir: str | Path, *, target_reward: float | None = None) -> 
     lines += ["", "Definitions: docs/metrics.md. Timeline: open `trace.json` in https://ui.perfetto.dev."
               if (run_dir / "trace.json").exists() else "Definitions: docs/metrics.md (no trace.json in this run).", ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
+    k = setting.get("staleness.max_staleness", 0)
+    chain = weight_chain(spans_from_trace(read_trace(run_dir / "trace.json")), k) \
+        if k >= 1 and (run_dir / "trace.json").exists() else None
+    if chain is not None:
+        lines += ["", *chain_lines(chain)]
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out
