@@ -7,7 +7,8 @@ the groups go once round the whole pipeline:
   the trainer's send begins   train step s-1 ends ──► its `weights_send` of version s starts
   broadcast                   that send starts ──► the last generator has received version s (`weights_recv`;
                               in a trace without receive spans, the send's end)
-  swap                        ──► the last generator's engine holds it (`weights_swap`)
+  swap                        ──► the last generator's engine holds it (`weights_swap`; 0 for an engine whose own
+                              workers receive and swap, vLLM or SGLang: its receive holds both)
   to first generation         ──► the first group sampled at version s starts (`generate`)
   generation                  ──► the last group sampled at version s ends
   hand-off                    ──► the trainer has step s + k's groups (the end of its `wait_gate`): scoring,
@@ -96,7 +97,8 @@ def weight_chain(spans: Iterable[Span], max_staleness: int) -> WeightChain | Non
         if v - 1 < SKIP_STEPS or step not in gate or v - 1 not in train_end:
             continue
         received = last["weights_recv"].get(v, last["send"][v])  # a trace without receive spans: the send's end
-        marks = [train_end[v - 1], first["send"][v], received, last["weights_swap"].get(v),
+        swapped = last["weights_swap"].get(v, received)  # vLLM / SGLang: the engine's workers swap as they receive
+        marks = [train_end[v - 1], first["send"][v], received, swapped,
                  first["generate"].get(v), last["generate"].get(v), gate[step].end]
         if any(m is None for m in marks):
             continue

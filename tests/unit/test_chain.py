@@ -48,10 +48,13 @@ def test_each_link_of_a_chain_the_trainer_waits_for():
     assert chain.gate_wait_s == pytest.approx(5 * MS) and chain.longest() == "hand-off"
 
 
-def test_without_receive_spans_the_broadcast_ends_with_the_send():
+def test_without_receive_or_swap_spans_the_link_before_ends_them():
     chain = weight_chain(k1_run(receive=False), max_staleness=1)
     assert chain is not None
     assert chain.links["broadcast"] == pytest.approx(10 * MS) and chain.links["swap"] == pytest.approx(8 * MS)
+    engine_swaps = weight_chain([s for s in k1_run() if s.kind != "weights_swap"], max_staleness=1)  # vLLM, SGLang
+    assert engine_swaps is not None and engine_swaps.links["swap"] == 0.0
+    assert engine_swaps.links["to first generation"] == pytest.approx(10 * MS)
 
 
 def test_a_chain_the_trainer_never_waits_for_is_off_the_critical_path():
