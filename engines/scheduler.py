@@ -122,11 +122,16 @@ class Scheduler:
 
     # -- thread-safe entry points ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        self.submit_many([req])
+
+    def submit_many(self, reqs: list[Request]) -> None:
+        """Post `reqs` at once: the loop finds all of them in its inbox or none, so they are admitted (and
+        prefilled) together whenever their slots allow, whatever the timing of the calling thread."""
         def add() -> None:
             if self.asleep:
                 raise RuntimeError("TorchEngine.generate while the engine sleeps (its K/V cache released): "
                                    "call wake() first")
-            self._inbox.append(req)
+            self._inbox.extend(reqs)
 
         self._post(add)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
@@ -72,6 +72,10 @@ class EngineOptions:
             raise ValueError(f"TorchEngine kv_on_update must be 'recompute' or 'keep', got {self.kv_on_update!r}")
         if self.max_prefill_tokens < 1 or self.admit_window_s < 0:
             raise ValueError("TorchEngine max_prefill_tokens must be >= 1 and admit_window_s >= 0")
+
+
+async def _no_completions() -> list[list[Completion]]:
+    return []
 
 
 def _options(options: dict[str, Any]) -> EngineOptions:
@@ -200,6 +204,25 @@ class TorchEngine:
 
     # ---- public API -------------------------------------------------------------------------------
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        req = self._request(prompts, params)
+        if req is None:
+            return []
+        self.scheduler.submit(req)
+        return await self._result(req)
+
+    def submit_many(self, calls: list[tuple[list[list[int]], SamplingParams]],
+                    ) -> list[Awaitable[list[list[Completion]]]]:
+        """Begin one `generate(prompts, params)` per call, all posted to the engine at once (called on the event
+        loop's thread); returns each call's outcome to await, in order. The engine admits them in the same
+        step whenever its slots allow, so their batch does not depend on how far apart the calls were made:
+        a group's logprobs, like its tokens (`seed`), are then the same in every run (an exact resume). Each
+        call is validated first; one that fails raises here, before anything is posted."""
+        reqs = [self._request(prompts, params) for prompts, params in calls]
+        self.scheduler.submit_many([r for r in reqs if r is not None])
+        return [self._result(r) if r is not None else _no_completions() for r in reqs]
+
+    def _request(self, prompts: list[list[int]], params: SamplingParams) -> Request | None:
+        """The engine's request for `generate(prompts, params)`, validated; None for no prompts."""
         params.validate()
         self._check_prompts(prompts)
         if params.n > self.options.max_batch:
@@ -208,16 +231,17 @@ class TorchEngine:
             raise RuntimeError("TorchEngine.generate called after close()")
         detokenize = self._stop_decoder() if params.stop else None
         if not prompts:
-            return []
+            return None
         kept = [list(p[-self.max_prompt_len :]) for p in prompts]
         loop = asyncio.get_running_loop()
-        req = Request(
+        return Request(
             prompts=kept, truncated=[len(k) < len(p) for k, p in zip(kept, prompts)], params=params,
             stop_ids=frozenset((*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids)),
             detokenize=detokenize,
             loop=loop, future=loop.create_future(),
         )
-        self.scheduler.submit(req)
+
+    async def _result(self, req: Request) -> list[list[Completion]]:
         try:
             return await req.future
         except asyncio.CancelledError:

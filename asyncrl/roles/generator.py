@@ -22,7 +22,7 @@ import functools
 import json
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, NamedTuple, Protocol
 
 import msgspec
 import torch
@@ -69,6 +69,17 @@ class GroupSource(Protocol):
         """This generator (`holder`) holds `version` now: its admit waiting at an older version goes on at
         `version` (other generators' admits return early, to ask again at their own)."""
         ...
+
+
+class _Begun(NamedTuple):
+    """A group whose engine call `Generator._begin_together` posted: its row, the row's JSON, its prompt, and the
+    completions to await; or the error that kept it from being posted (its row, its prompt, the engine's check)."""
+
+    row: dict[str, Any] | None = None
+    row_json: bytes = b""
+    prompt: Prompt | None = None
+    completions: Awaitable[list[list[Completion]]] | None = None
+    error: Exception | None = None
 
 
 class Generator:
@@ -346,9 +357,10 @@ class Generator:
                     if self._stopped.is_set():  # the run ends: these stay running at the gate (as at a crash)
                         break
                 version = self.engine.version
+                begun = self._begin_together(group_ids)  # their engine calls posted at once (an exact batch)
                 for gid in group_ids:  # [] on timeout, a newer published version, or a closed gate
                     self._sampling += 1  # given back by the task once its sampling is over
-                    task = asyncio.ensure_future(self._generate_groups([gid], version))
+                    task = asyncio.ensure_future(self._generate_groups([gid], version, begun.get(gid)))
                     inflight.add(task)
                     task.add_done_callback(lambda t: self._group_done(t, inflight))
         finally:
@@ -397,9 +409,10 @@ class Generator:
         self.samples_generated += len(trajs)
         await self._put_rollouts(trajs, version)
 
-    async def _generate_groups(self, group_ids: list[int], version: int) -> None:
+    async def _generate_groups(self, group_ids: list[int], version: int, begun: _Begun | None = None) -> None:
         """Sample the admitted groups (waiting for `wake` while asleep) and queue their rollouts. The run loop
-        counted them in `_sampling`; the slot is given back once sampling is over (or failed)."""
+        counted them in `_sampling`; the slot is given back once sampling is over (or failed). `begun`: the
+        group's engine call, posted by `_begin_together` (which counted it as an engine user)."""
         slot = True
 
         def free_slot() -> None:
@@ -409,7 +422,7 @@ class Generator:
                 self._free_slot()
 
         try:
-            if not await self._use_engine():  # stopped while asleep: the run is over, the slots go back
+            if begun is None and not await self._use_engine():  # stopped while asleep: the slots go back
                 free_slot()
                 await self._release_failed(group_ids, "generator stopped before sampling")
                 return
@@ -423,22 +436,31 @@ class Generator:
                 free_slot()
 
             try:
-                await self._sample_groups(group_ids, version, done_sampling)
+                await self._sample_groups(group_ids, version, done_sampling, begun)
             finally:
                 done_sampling()
         finally:
             free_slot()
 
-    async def _sample_groups(self, group_ids: list[int], version: int, done_sampling: Callable[[], None]) -> None:
+    async def _sample_groups(self, group_ids: list[int], version: int, done_sampling: Callable[[], None],
+                             begun: _Begun | None = None) -> None:
         if self.episodes is not None:  # multi-turn environment episodes instead of single completions
             await self._play_groups(group_ids, version, done_sampling)
             return
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
-            rows = [self.prompt_row(gid) for gid in group_ids]
-            row_jsons = [json.dumps(row).encode() for row in rows]
-            prompts = [self.encode(row) for row in rows]
-            t0 = self.recorder.begin("generate")
-            completions, baselines = await self._sample([p.ids for p in prompts], group_ids)
+            if begun is not None:
+                if begun.error is not None:
+                    raise begun.error
+                assert begun.row is not None and begun.prompt is not None and begun.completions is not None
+                rows, row_jsons, prompts = [begun.row], [begun.row_json], [begun.prompt]
+                t0 = self.recorder.begin("generate")
+                completions, baselines = await begun.completions, [[]]
+            else:
+                rows = [self.prompt_row(gid) for gid in group_ids]
+                row_jsons = [json.dumps(row).encode() for row in rows]
+                prompts = [self.encode(row) for row in rows]
+                t0 = self.recorder.begin("generate")
+                completions, baselines = await self._sample([p.ids for p in prompts], group_ids)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
@@ -478,6 +500,41 @@ class Generator:
             if not self._stopped.is_set():
                 raise
 
+    def _sampling_of(self, group_ids: list[int]) -> SamplingParams:
+        """The sampling parameters of these groups: with `group_seed`, a single group's own seed."""
+        if self.group_seed is not None and len(group_ids) == 1:
+            return msgspec.structs.replace(self.sampling, seed=self.group_seed(group_ids[0]))
+        return self.sampling
+
+    def _begin_together(self, group_ids: list[int]) -> dict[int, _Begun]:
+        """Post the engine calls of groups admitted together in one go, on the loop's thread, before their tasks
+        start: the engine then admits and batches them alike in every run, however the loop's thread is delayed
+        between tasks (a loaded machine), so their logprobs are the same too (`rollout.seed_groups`: an exact
+        resume). Only for an engine that can (`submit_many`: the native one), completions (not env episodes),
+        no greedy baseline, while awake; {} otherwise. A group whose row, prompt or engine check fails carries
+        its error to its own task, which fails it alone. Each group counts as an engine user (`_use_engine`)."""
+        submit = getattr(self.engine, "submit_many", None)
+        if (len(group_ids) < 2 or submit is None or self.episodes is not None or self.greedy_baseline
+                or not self._awake.is_set()):
+            return {}
+        out: dict[int, _Begun] = {}
+        ready: list[tuple[int, dict[str, Any], bytes, Prompt]] = []
+        for gid in group_ids:
+            try:
+                row = self.prompt_row(gid)
+                ready.append((gid, row, json.dumps(row).encode(), self.encode(row)))
+            except Exception as exc:  # noqa: BLE001 - contained by the group's own task
+                out[gid] = _Begun(error=exc)
+        try:
+            waits = submit([([p.ids], self._sampling_of([gid])) for gid, _, _, p in ready])
+        except Exception as exc:  # noqa: BLE001 - nothing was posted: every group fails with it, as its own call would
+            out.update({gid: _Begun(error=exc) for gid, _, _, _ in ready})
+        else:
+            out.update({gid: _Begun(row, row_json, p, w) for (gid, row, row_json, p), w in zip(ready, waits)})
+        self._users += len(out)
+        self._unused.clear()
+        return out
+
     async def _sample(self, prompts: list[list[int]],
                       group_ids: list[int]) -> tuple[list[list[Completion]], list[list[int]]]:
         """The training samples of each prompt and, with `greedy_baseline` (ReMax), its greedy completion (else []).
@@ -486,9 +543,7 @@ class Generator:
         batch; the greedy completion is never trained, only scored (the ReMax baseline). With `group_seed`,
         the samples of a single group draw from streams seeded by its id: the same tokens whatever the
         batch, the generator or the run (an exact resume regenerates a group in flight as it was)."""
-        sampling = self.sampling
-        if self.group_seed is not None and len(group_ids) == 1:
-            sampling = msgspec.structs.replace(sampling, seed=self.group_seed(group_ids[0]))
+        sampling = self._sampling_of(group_ids)
         if not self.greedy_baseline:
             return await self.engine.generate(prompts, sampling), [[] for _ in prompts]
         greedy = msgspec.structs.replace(self.sampling, n=1, temperature=0.0, seed=None)

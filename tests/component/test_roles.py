@@ -458,6 +458,35 @@ def test_generator_stop_ends_run_promptly_while_the_gate_is_closed():
     assert run(main()) < 0.5
 
 
+class BatchingEngine(FakeEngine):
+    """A FakeEngine with the native engine's `submit_many`: records how many calls each post carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posts: list[int] = []
+
+    def submit_many(self, calls: list[tuple[list[list[int]], SamplingParams]]) -> list[Any]:
+        self.posts.append(len(calls))
+        return [self.generate(prompts, params) for prompts, params in calls]
+
+
+def test_generator_posts_the_groups_it_was_admitted_together_in_one_engine_call_and_fails_a_bad_row_alone():
+    buffer = FakeBuffer(admit_ids=3)
+    engine = BatchingEngine()
+    asked: list[int] = []
+
+    def prompt_row(gid: int) -> dict[str, str]:
+        asked.append(gid)
+        return {"question": "no prompt key"} if gid == 1 else {"prompt": f"q{gid}", "answer": "a"}
+
+    gen = make_generator(buffer, engine, concurrency=3, rows=prompt_row)
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 4 and buffer.released.get("failed")))
+    assert engine.posts == [2]  # groups 0 and 2 in one post; group 1's row failed before it
+    assert buffer.released["failed"] == [1] and asked == [0, 1, 2]  # each row read once
+    assert sorted(t.group_id for t in buffer.rollouts) == [0, 0, 2, 2]
+    assert gen._users == 0  # every group let the engine go (a sleep is not kept waiting)
+
+
 def test_generator_fails_groups_whose_rows_lack_the_prompt_key():
     buffer = FakeBuffer()
     rows = iter([{"question": "no prompt key"}, {"question": "neither"}])

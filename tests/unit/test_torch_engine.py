@@ -492,3 +492,34 @@ def test_cuda_graphs_option_is_refused_without_cuda(model_dir):
         pytest.skip("a CUDA device is present")
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         TorchEngine(str(model_dir), cuda_graphs=True)
+
+
+def test_submit_many_posts_its_calls_together_and_each_gives_what_its_own_generate_would(model_dir):
+    """The calls of `submit_many` reach the engine at once: they are prefilled in one forward and decoded in one
+    batch, however long the caller takes to await them; each call's samples (seeded) are those of a `generate`
+    of its own. A call that fails validation raises before anything is posted."""
+    calls = [([p], SamplingParams(n=2, max_new_tokens=3, temperature=1.0, seed=7 + i)) for i, p in enumerate(PROMPTS)]
+
+    async def together(engine):
+        waits = engine.submit_many(calls)
+        await asyncio.sleep(0.05)  # a slow caller: the calls are in the engine's inbox already
+        return await asyncio.gather(*waits)
+
+    engine = TorchEngine(str(model_dir), seed=0)
+    out = asyncio.run(together(engine))
+    assert engine.scheduler.num_prefill_forwards == 1 and engine.scheduler.decode_batch_sizes[0] == 2 * len(PROMPTS)
+    alone = TorchEngine(str(model_dir), seed=0)
+    for (prompts, params), got in zip(calls, out):
+        want = asyncio.run(alone.generate(prompts, params))
+        assert [c.response_ids for c in got[0]] == [c.response_ids for c in want[0]]
+
+    too_many = [calls[0], ([PROMPTS[1]], SamplingParams(n=10**6, max_new_tokens=1))]
+    before = engine.scheduler.num_prefill_forwards
+
+    async def refused():
+        with pytest.raises(ValueError, match="max_batch"):
+            engine.submit_many(too_many)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(refused())
+    assert engine.scheduler.num_prefill_forwards == before  # nothing was posted
