@@ -214,9 +214,9 @@ class TorchEngine:
                     ) -> list[Awaitable[list[list[Completion]]]]:
         """Begin one `generate(prompts, params)` per call, all posted to the engine at once (called on the event
         loop's thread); returns each call's outcome to await, in order. The engine admits them in the same
-        step whenever its slots allow, so their batch does not depend on how far apart the calls were made:
-        a group's logprobs, like its tokens (`seed`), are then the same in every run (an exact resume). Each
-        call is validated first; one that fails raises here, before anything is posted."""
+        step whenever its slots allow, so their batch does not depend on how far apart the calls were made (an
+        exact resume needs every run to batch alike). Each call is validated first; one that fails raises here,
+        before anything is posted."""
         reqs = [self._request(prompts, params) for prompts, params in calls]
         self.scheduler.submit_many([r for r in reqs if r is not None])
         return [self._result(r) if r is not None else _no_completions() for r in reqs]

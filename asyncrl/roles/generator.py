@@ -72,8 +72,7 @@ class GroupSource(Protocol):
 
 
 class _Begun(NamedTuple):
-    """A group whose engine call `Generator._begin_together` posted: its row, the row's JSON, its prompt, and the
-    completions to await; or the error that kept it from being posted (its row, its prompt, the engine's check)."""
+    """A group `Generator._begin_together` posted (row, its JSON, prompt, completions), or why it could not."""
 
     row: dict[str, Any] | None = None
     row_json: bytes = b""
@@ -448,19 +447,13 @@ class Generator:
             await self._play_groups(group_ids, version, done_sampling)
             return
         try:  # a bad row, a failing encode or engine error fails these groups, never the loop
-            if begun is not None:
-                if begun.error is not None:
-                    raise begun.error
-                assert begun.row is not None and begun.prompt is not None and begun.completions is not None
-                rows, row_jsons, prompts = [begun.row], [begun.row_json], [begun.prompt]
-                t0 = self.recorder.begin("generate")
-                completions, baselines = await begun.completions, [[]]
-            else:
-                rows = [self.prompt_row(gid) for gid in group_ids]
-                row_jsons = [json.dumps(row).encode() for row in rows]
-                prompts = [self.encode(row) for row in rows]
-                t0 = self.recorder.begin("generate")
-                completions, baselines = await self._sample([p.ids for p in prompts], group_ids)
+            if begun is not None and begun.error is not None:
+                raise begun.error
+            prepared = [begun[:3]] if begun is not None else [self._prepare(gid) for gid in group_ids]
+            rows, row_jsons, prompts = map(list, zip(*prepared))
+            t0 = self.recorder.begin("generate")
+            completions, baselines = (await begun.completions, [[]]) if begun is not None and begun.completions \
+                else await self._sample([p.ids for p in prompts], group_ids)
             self.recorder.record("generate", t0, time.time(), version)
         except Exception as exc:  # contained: the groups fail, their slots return, the run goes on
             log.warning("generator %d: generation of %d groups failed: %s", self.generator_id, len(group_ids), exc)
@@ -500,19 +493,20 @@ class Generator:
             if not self._stopped.is_set():
                 raise
 
+    def _prepare(self, gid: int) -> tuple[dict[str, Any], bytes, Prompt]:
+        row = self.prompt_row(gid)  # its row, the row's JSON (for its trajectories), its encoded prompt
+        return row, json.dumps(row).encode(), self.encode(row)
+
     def _sampling_of(self, group_ids: list[int]) -> SamplingParams:
-        """The sampling parameters of these groups: with `group_seed`, a single group's own seed."""
         if self.group_seed is not None and len(group_ids) == 1:
             return msgspec.structs.replace(self.sampling, seed=self.group_seed(group_ids[0]))
         return self.sampling
 
     def _begin_together(self, group_ids: list[int]) -> dict[int, _Begun]:
-        """Post the engine calls of groups admitted together in one go, on the loop's thread, before their tasks
-        start: the engine then admits and batches them alike in every run, however the loop's thread is delayed
-        between tasks (a loaded machine), so their logprobs are the same too (`rollout.seed_groups`: an exact
-        resume). Only for an engine that can (`submit_many`: the native one), completions (not env episodes),
-        no greedy baseline, while awake; {} otherwise. A group whose row, prompt or engine check fails carries
-        its error to its own task, which fails it alone. Each group counts as an engine user (`_use_engine`)."""
+        """Post the engine calls of groups admitted together at once, before their tasks start, so every run
+        batches them alike however the loop's thread is delayed (an exact resume). Native engine (`submit_many`),
+        completions, no greedy baseline, awake; else {}. A group whose row, prompt or engine check fails carries
+        its error to its own task. Each group counts as an engine user (`_use_engine`)."""
         submit = getattr(self.engine, "submit_many", None)
         if (len(group_ids) < 2 or submit is None or self.episodes is not None or self.greedy_baseline
                 or not self._awake.is_set()):
@@ -521,8 +515,7 @@ class Generator:
         ready: list[tuple[int, dict[str, Any], bytes, Prompt]] = []
         for gid in group_ids:
             try:
-                row = self.prompt_row(gid)
-                ready.append((gid, row, json.dumps(row).encode(), self.encode(row)))
+                ready.append((gid, *self._prepare(gid)))
             except Exception as exc:  # noqa: BLE001 - contained by the group's own task
                 out[gid] = _Begun(error=exc)
         try:
