@@ -294,7 +294,8 @@ class Runtime:
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The newest metrics rows (one per train step, the last `controller.ROWS_KEPT`; all are in metrics.jsonl)."""
+        """The newest metrics rows (one per train step, the last `controller.ROWS_KEPT`; all are in metrics.jsonl).
+        Step v's row comes a little after version v is published (the roles' stats are gathered first)."""
         return list(self.controller.rows)
 
     def _published(self, version: int) -> None:

@@ -71,6 +71,12 @@ async def play_guess(rt: Runtime, target: int, max_guesses: int = 4):
     return ep
 
 
+async def rows_through(rt: Runtime, step: int) -> list[dict]:
+    while not any(r.get("step", -1) >= step for r in rt.metrics):
+        await asyncio.sleep(0.01)
+    return rt.metrics
+
+
 def test_runtime_trains_from_an_agent_loop_and_the_version_advances(tmp_path):
     cfg = tiny_config(tmp_path)
 
@@ -85,7 +91,10 @@ def test_runtime_trains_from_an_agent_loop_and_the_version_advances(tmp_path):
                 group = await asyncio.gather(*[play_guess(rt, target) for _ in range(4)])
                 submitted.append(await rt.submit(group, timeout=30))
             await rt.wait_for_version(2, timeout=30)
-            rows = await asyncio.wait_for(rt.wait_done(), 60) if len(submitted) >= 6 else rt.metrics
+            if len(submitted) >= 6:
+                rows = await asyncio.wait_for(rt.wait_done(), 60)
+            else:  # version 2 is published inside step 2; its row follows once the roles' stats are gathered
+                rows = await asyncio.wait_for(rows_through(rt, 2), 30)
             return rt.version, submitted, rows
 
     version, submitted, rows = asyncio.run(asyncio.wait_for(main(), 120))
