@@ -5,16 +5,18 @@ is what train step s - 1 made, so between the end of that update and the start o
 the groups go once round the whole pipeline:
 
   the trainer's send begins   train step s-1 ends ──► its `weights_send` of version s starts
-  broadcast                   that send starts ──► the last generator has received version s (`weights_recv`;
+  broadcast                   that send starts ──► the generator has received version s (`weights_recv`;
                               in a trace without receive spans, the send's end)
-  swap                        ──► the last generator's engine holds it (`weights_swap`; 0 for an engine whose own
-                              workers receive and swap, vLLM or SGLang: its receive holds both)
-  to first generation         ──► the first group sampled at version s starts (`generate`)
-  generation                  ──► the last group sampled at version s ends
+  swap                        ──► its engine holds it (`weights_swap`; 0 for an engine whose own workers receive
+                              and swap, vLLM or SGLang: its receive holds both)
+  to first generation         ──► its first group sampled at version s starts (`generate`)
+  generation                  ──► its last group sampled at version s ends
   hand-off                    ──► the trainer has step s + k's groups (the end of its `wait_gate`): scoring,
                               the buffer, the take; on a step the trainer did not wait for, also the time the
                               groups sat ready
 
+"The generator" is the one whose group of version s ended last (with several generators, the one the trainer
+waited for; its links then never go backwards, as they would across generators that swap at different times).
 Meanwhile the trainer does its own part (the release of the weights, k updates, its metrics). Where the chain
 is longer, the trainer waits at the gate for the difference: its `wait_gate` span. `weight_chain` measures
 each link per version (median over the versions whose step s + k the trainer waited for, longer than
@@ -25,7 +27,6 @@ each link per version (median over the versions whose step s + k the trainer wai
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Iterable
 
 import msgspec
@@ -70,8 +71,10 @@ def weight_chain(spans: Iterable[Span], max_staleness: int) -> WeightChain | Non
     the whole way round (no weight sync recorded, a run of a few steps)."""
     if max_staleness < 1:
         return None
-    first: dict[str, dict[int, float]] = defaultdict(dict)  # (what, version) -> earliest start
-    last: dict[str, dict[int, float]] = defaultdict(dict)  # (what, version) -> latest end
+    sends: dict[int, tuple[float, float]] = {}  # version -> (first start, last end) of the trainer's send
+    # (generator, what, version) -> the latest end (receive, swap, generation), the first start (generation)
+    last: dict[tuple[str, str, int], float] = {}
+    first: dict[tuple[str, int], float] = {}
     train_end: dict[int, float] = {}
     gate: dict[int, Span] = {}
     updates: list[float] = []
@@ -84,26 +87,27 @@ def weight_chain(spans: Iterable[Span], max_staleness: int) -> WeightChain | Non
             elif kind == "wait_gate":
                 gate[s.version] = s
             elif kind == "weights_send":
-                first["send"][s.version] = min(s.start, first["send"].get(s.version, s.start))
-                last["send"][s.version] = max(s.end, last["send"].get(s.version, s.end))
+                a, b = sends.get(s.version, (s.start, s.end))
+                sends[s.version] = (min(a, s.start), max(b, s.end))
         elif role == "generator" and kind in ("weights_recv", "weights_swap", "generate"):
-            v = s.version
-            last[kind][v] = max(s.end, last[kind].get(v, s.end))
+            key = (s.role, kind, s.version)
+            last[key] = max(s.end, last.get(key, s.end))
             if kind == "generate":
-                first[kind][v] = min(s.start, first[kind].get(v, s.start))
+                first[(s.role, s.version)] = min(s.start, first.get((s.role, s.version), s.start))
+    ended: dict[int, tuple[float, str]] = {}  # version -> (the end of its last group, the generator that ran it)
+    for (gen, kind, v), end in last.items():
+        if kind == "generate" and end >= ended.get(v, (end, gen))[0]:
+            ended[v] = (end, gen)
     rows: list[tuple[list[float], float]] = []  # per version: its links, the trainer's wait for its step
-    for v in sorted(first["send"]):
+    for v in sorted(sends):
         step = v + max_staleness
-        if v - 1 < SKIP_STEPS or step not in gate or v - 1 not in train_end:
+        if v - 1 < SKIP_STEPS or step not in gate or v - 1 not in train_end or v not in ended:
             continue
-        received = last["weights_recv"].get(v, last["send"][v])  # a trace without receive spans: the send's end
-        swapped = last["weights_swap"].get(v, received)  # vLLM / SGLang: the engine's workers swap as they receive
-        marks = [train_end[v - 1], first["send"][v], received, swapped,
-                 first["generate"].get(v), last["generate"].get(v), gate[step].end]
-        if any(m is None for m in marks):
-            continue
-        ts = [float(m) for m in marks if m is not None]
-        rows.append(([b - a for a, b in zip(ts, ts[1:])], gate[step].duration))
+        gen_end, gen = ended[v]
+        received = last.get((gen, "weights_recv", v), sends[v][1])  # a trace without receive spans: the send's end
+        swapped = last.get((gen, "weights_swap", v), received)  # vLLM / SGLang: the workers swap as they receive
+        marks = [train_end[v - 1], sends[v][0], received, swapped, first[(gen, v)], gen_end, gate[step].end]
+        rows.append(([b - a for a, b in zip(marks, marks[1:])], gate[step].duration))
     if not rows:
         return None
     waited = [r for r in rows if r[1] > WAITED_S]

@@ -57,6 +57,25 @@ def test_without_receive_or_swap_spans_the_link_before_ends_them():
     assert engine_swaps.links["to first generation"] == pytest.approx(10 * MS)
 
 
+def test_with_two_generators_the_chain_follows_the_one_whose_groups_ended_last():
+    """generator/1 swaps later (e + 30) and samples from e + 35 to e + 55, before generator/0's last group ends
+    (e + 60): the chain is generator/0's, and no link goes backwards as it would across the two (generator/0's
+    first group, e + 21, starts before generator/1's swap ends)."""
+    spans = k1_run()
+    for s in range(1, 11):
+        e = 100 * MS * s - 10 * MS
+        spans += [Span(role="generator/1", kind="weights_recv", start=e + 3 * MS, end=e + 25 * MS, version=s),
+                  Span(role="generator/1", kind="weights_swap", start=e + 25 * MS, end=e + 30 * MS, version=s),
+                  Span(role="generator/1", kind="generate", start=e + 35 * MS, end=e + 55 * MS, version=s)]
+    got = {name: round(x / MS, 6) for name, x in weight_chain(spans, max_staleness=1).links.items()}
+    assert got == {"trainer's send begins": 2.0, "broadcast": 9.0, "swap": 9.0, "to first generation": 1.0,
+                   "generation": 39.0, "hand-off": 50.0}
+    later = [x for x in spans if not (x.role == "generator/0" and x.kind == "generate")]  # now generator/1 is last
+    got = {name: round(x / MS, 6) for name, x in weight_chain(later, max_staleness=1).links.items()}
+    assert got == {"trainer's send begins": 2.0, "broadcast": 23.0, "swap": 5.0, "to first generation": 5.0,
+                   "generation": 20.0, "hand-off": 55.0}
+
+
 def test_a_chain_the_trainer_never_waits_for_is_off_the_critical_path():
     chain = weight_chain(k1_run(wait_ms=0.0), max_staleness=1)
     assert chain is not None and not chain.critical and chain.waited == 0 and chain.gate_wait_s == 0.0
