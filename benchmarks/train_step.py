@@ -28,7 +28,15 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
     python benchmarks/train_step.py --decoupled       # decoupled PPO (a proximal policy every step)
     python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
     python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
+    python benchmarks/train_step.py --compile         # + the bare step on a torch.compile'd model, interleaved
     python benchmarks/train_step.py --quick           # smoke run (used by the test)
+
+--compile asks whether compiling pays, compile time included. A third side runs the bare step on
+`torch.compile(model, dynamic=True)` (a copy of the same weights). Before timing it takes one step on each of
+`--compile-widths` batches of other padded widths (shorter prompts, other seeds), as a run's steps differ: the
+first call of each is timed, and their sum less as many eager bare steps is the compile time (tracing, codegen and
+any recompilation a new width causes). The steady compiled step is then timed interleaved with the others, on the
+main batch; break-even is compile time / (eager bare - compiled) steps.
 """
 
 from __future__ import annotations
@@ -254,6 +262,31 @@ def breakdown(learner: Learner, bare: BareStep, groups: list[Group], repeats: in
     return _medians(ours), _medians(theirs)
 
 
+def compiled_bare(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
+                  algorithm: AlgorithmConfig, trainer: TrainerConfig, widths: int) -> tuple[BareStep, list[float],
+                                                                                           list[int]]:
+    """The bare step on a torch.compile'd copy of `model`, after one step on each of `widths` batches: the
+    first `widths - 1` with prompts up to 1, 2, ... tokens shorter than the spec's longest and other seeds (other
+    padded widths, as a run's steps differ in length), the main batch (seed 1) last. Returns it, the first call's
+    seconds for each batch and each batch's padded width."""
+    compiled = torch.compile(copy.deepcopy(model), dynamic=True)
+    lo, hi = spec["prompt"]
+    variants = [(dict(spec, prompt=(lo, max(lo, hi - j))), 1 + j) for j in range(widths - 1, 0, -1)]
+    firsts, padded = [], []
+    for shape, seed in [*variants, (spec, 1)]:
+        step = BareStep(compiled, build_groups(model, shape, samples, group_size, seed=seed), algorithm, trainer)
+        t0 = time.perf_counter()
+        step()
+        firsts.append(time.perf_counter() - t0)
+        padded.append(step.input_ids.shape[1])
+    return step, firsts, padded
+
+
+def break_even(compile_s: float, eager_s: float, compiled_s: float) -> float | None:
+    """Steps after which compiling has paid for itself (None: the compiled step is not faster)."""
+    return compile_s / (eager_s - compiled_s) if compiled_s < eager_s else None
+
+
 def _medians(calls: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in {k for c in calls for k in c}}
 
@@ -308,6 +341,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decoupled", action="store_true", help="algorithm.decoupled = true (proximal logprobs)")
     p.add_argument("--compare", choices=sorted(LEVERS), default=None,
                    help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the bare step on a torch.compile'd model, with its compile time (module doc)")
+    p.add_argument("--compile-widths", type=int, default=4,
+                   help="batches of different padded widths the compiled model sees before timing (default 4)")
     p.add_argument("--quick", action="store_true", help="a 1-layer model, 8 samples, 3 repeats")
     return p.parse_args(argv)
 
@@ -349,6 +386,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step[f"{args.compare} off"] = lambda: off.update(groups)
         for _ in range(warmup):
             off.update(groups)
+    if args.compile:
+        compiled, firsts, padded = compiled_bare(model, spec, samples, group_size, algorithm, trainer,
+                                                 max(args.compile_widths, 1))
+        times["bare compiled"] = []
+        step["bare compiled"] = compiled
+        for _ in range(warmup):
+            compiled()
     for i in range(repeats):  # interleaved, so load from other processes hits both sides alike
         for side in _order(i, list(step)):
             t0 = time.perf_counter()
@@ -364,6 +408,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         off_s = statistics.median(times[f"{args.compare} off"])
         print(f"asyncrl with {args.compare} off  {off_s * 1e3:8.2f} ms (median)  = {off_s / bare_s:.2f}x the bare "
               f"step, {off_s / ours_s:.2f}x asyncrl's")
+    extra: dict[str, Any] = {}
+    if args.compile:
+        comp_s = statistics.median(times["bare compiled"])
+        compile_s = max(sum(firsts) - len(firsts) * bare_s, 0.0)
+        steps = break_even(compile_s, bare_s, comp_s)
+        print(f"bare compiled {comp_s * 1e3:8.2f} ms (median)  = {comp_s / bare_s:.2f}x the eager bare step; "
+              f"compile {compile_s:.1f} s over {len(firsts)} batches of padded widths {padded} (first calls "
+              + ", ".join(f"{f:.1f}" for f in firsts) + " s); "
+              + (f"pays for itself after {steps:,.0f} steps" if steps is not None else "never pays for itself"))
+        extra = {"compiled_ms": round(comp_s * 1e3, 3), "compile_s": round(compile_s, 2),
+                 "compile_break_even_steps": None if steps is None else round(steps)}
 
     ours, theirs = breakdown(learner, bare, groups, max(repeats // 2, 1))
     print("\nwhere the time goes (ms per step, instrumented calls, median of each section):")
@@ -373,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'total':<22}{sum(ours.values()) * 1e3:>10.2f}{sum(theirs.values()) * 1e3:>10.2f}")
 
     result = {"benchmark": "train_step", "value": round(1 / ours_s, 3), "unit": "steps/s",
-              "baseline": round(1 / bare_s, 3), "ratio": round(bare_s / ours_s, 3), "target": round(TARGET, 3)}
+              "baseline": round(1 / bare_s, 3), "ratio": round(bare_s / ours_s, 3), "target": round(TARGET, 3), **extra}
     print(json.dumps(result))
     return result
 

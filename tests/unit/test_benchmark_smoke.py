@@ -142,6 +142,49 @@ def test_train_step_quick_run_prints_the_breakdown_and_the_result_json_line(caps
     assert abs(last["ratio"] - last["value"] / last["baseline"]) <= 0.01 * last["ratio"] + 1e-3
 
 
+def load_train_step(monkeypatch):
+    return load_benchmark(monkeypatch, SCRIPT.parent / "train_step.py")
+
+
+def test_train_step_break_even_is_compile_time_over_the_saving_and_none_when_compiling_is_not_faster(monkeypatch):
+    module = load_train_step(monkeypatch)
+    assert module.break_even(30.0, 0.050, 0.040) == pytest.approx(3000)
+    assert module.break_even(30.0, 0.050, 0.050) is None and module.break_even(30.0, 0.050, 0.060) is None
+
+
+@pytest.mark.slow  # torch.compile: 15-45 s on 2 cores
+def test_train_step_compiled_bare_step_does_the_same_update_as_the_eager_one(monkeypatch):
+    """The --compile side measures the same work: from the same weights, one compiled step on the same batch
+    moves them as the eager step does (to float rounding), after steps on batches of other padded widths."""
+    module = load_train_step(monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = module.MODELS["quick"]
+        model = module.build_model(spec, seed=0)
+        algorithm = module.AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean",
+                                           clip_eps=0.2)
+        trainer = module.TrainerConfig(lr=1e-3, grad_clip=1.0, mini_batches=1, micro_batch_size=8)
+        step, firsts, padded = module.compiled_bare(model, spec, 8, 4, algorithm, trainer, widths=2)
+        assert len(firsts) == len(padded) == 2 and min(firsts) > 0
+        assert len(set(padded)) == 2, padded  # the two batches have different widths: a real recompile test
+        eager = module.BareStep(module.copy.deepcopy(model), module.build_groups(model, spec, 8, 4, seed=1),
+                                algorithm, trainer)
+        compiled_model = step.model._orig_mod
+        compiled_model.load_state_dict(model.state_dict())
+        step.optimizer = torch.optim.AdamW(step.params, lr=trainer.lr, betas=tuple(trainer.betas),
+                                           weight_decay=trainer.weight_decay)
+        eager()
+        step()
+    finally:
+        torch.set_num_threads(threads)
+    moved = 0
+    for (name, a), b in zip(eager.model.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        moved += int(not torch.equal(a, model.get_parameter(name)))
+    assert moved > 0  # the step trained
+
+
 HUB = SCRIPT.parent / "hub.py"
 
 
