@@ -125,13 +125,16 @@ class AdmissionGate:
 
     # -- generators ----------------------------------------------------------------------------
     async def admit(self, max_groups: int, version: int, timeout: float | None = None,
-                    share: Callable[[int], int] | None = None) -> list[int]:
+                    share: Callable[[int], int] | None = None, held: Callable[[], int] | None = None) -> list[int]:
         """Fresh group ids (<= max_groups) admitted at `version`, waiting until at least one fits.
 
         Returns [] without admitting on timeout, on close, or once the published version (or one a
         generator already holds, `note_held`) is newer than `version` while no group fits (load the
         newer weights, then ask again). `share(room)`: how many of the `room` groups that fit now this
         caller may take (buffers/dispatch.py, several generators waiting); it waits while that is 0.
+        `held()`: the version the caller's own generator holds; once it is newer than `version` the wait
+        ends too (its note may raise no version the gate had not heard of: another generator noted it
+        first; whoever notes it then `nudge`s).
         """
         if max_groups < 1:
             raise ValueError(f"admit: max_groups must be >= 1, got {max_groups}")
@@ -155,7 +158,8 @@ class AdmissionGate:
         notes = self._held_notes
 
         def newer() -> bool:
-            return self._published > version or (self._held_notes != notes and self._held > version)
+            return (self._published > version or (self._held_notes != notes and self._held > version)
+                    or (held is not None and held() > version))
 
         _, waited = await timed_wait(self._signal, lambda: self._closed or newer() or mine() > 0, timeout)
         self.admit_wait_s += waited

@@ -170,7 +170,8 @@ class ReplayBuffer:
         try:
             while True:
                 ids = await self.gate.admit(max_groups, version, timeout,
-                                            share=lambda room: self.dispatch.share(holder, room))
+                                            share=lambda room: self.dispatch.share(holder, room),
+                                            held=lambda: self._held_by.get(holder, -1))
                 # this generator swapped to newer weights meanwhile (note_held): admit at them here instead of
                 # returning [] for it to ask again (a round trip on the path from a weight swap to generation)
                 held = self._held_by.get(holder, version)
@@ -386,6 +387,9 @@ class ReplayBuffer:
         self.gate.note_held(version)  # (raises for a version no step made yet)
         if holder is not None and version > self._held_by.get(holder, -1):
             self._held_by[holder] = version
+            # its admit waiting at an older version hears of it even when another generator noted the
+            # version first (the gate's own wake-up is for versions it had not heard of)
+            self.gate.nudge()
 
     async def publish(self, version: int, *, report: bool = False) -> RoleStats | None:
         """Every generator holds `version`: the gate admits at it from now on. `report`: returns the
