@@ -410,16 +410,19 @@ def test_an_admit_waiting_goes_on_at_the_version_its_generator_notes_after_anoth
         await buffer.accept_groups([group(gid, 0) for gid in first])
         await buffer.take_step(0)
         await buffer.note_held(1, holder="generator/1")  # generator 1 swapped first
-        mine = asyncio.create_task(buffer.admit(2, 0, timeout=1.0, holder="generator/0"))
+        mine = asyncio.create_task(buffer.admit(1, 0, timeout=1.0, holder="generator/0"))
         await asyncio.sleep(SHORT)
         waiting = not mine.done()
         await buffer.note_held(1, holder="generator/0")  # now generator 0's swap landed too
         ids = await asyncio.wait_for(mine, SHORT * 10)
-        return waiting, ids, [buffer.gate.admitted_version(g) for g in ids]
+        # asked at the older version after its own note (its swap still landing): at once, at the noted one
+        late = await asyncio.wait_for(buffer.admit(1, 0, timeout=1.0, holder="generator/0"), SHORT * 10)
+        return waiting, ids, [buffer.gate.admitted_version(g) for g in ids + late], late
 
-    waiting, ids, versions = run(main())
+    waiting, ids, versions, late = run(main())
     assert waiting
-    assert ids and versions == [1] * len(ids)  # admitted at the version it holds, before any publish
+    assert ids and versions == [1] * len(ids + late)  # admitted at the version it holds, before any publish
+    assert ids + late == [2, 3]  # version 1's room: one group each ask
 
 
 
