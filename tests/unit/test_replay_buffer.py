@@ -375,14 +375,21 @@ def test_an_admit_of_a_dead_holder_that_was_waiting_gets_nothing_and_the_room_go
     run(main())
 
 
+async def _on_policy_after_step_0() -> ReplayBuffer:
+    """k = 0, P = 2: step 0's two groups admitted (by generator 0), generated, accepted and taken; version 0
+    has no room left, version 1 two groups."""
+    buffer = make_buffer(max_staleness=0)
+    first = await buffer.admit(2, 0, holder="generator/0")
+    await buffer.put_rollouts([t for gid in first for t in group(gid, 0).trajectories])
+    await buffer.get_rollouts(4)
+    await buffer.accept_groups([group(gid, 0) for gid in first])
+    await buffer.take_step(0)
+    return buffer
+
+
 def test_an_admit_waiting_when_its_own_generator_swaps_goes_on_at_the_new_version():
     async def main():
-        buffer = make_buffer(max_staleness=0)  # P = 2: version 0 admits 2 groups, version 1 two more
-        first = await buffer.admit(2, 0, holder="generator/0")
-        await buffer.put_rollouts([t for gid in first for t in group(gid, 0).trajectories])
-        await buffer.get_rollouts(4)
-        await buffer.accept_groups([group(gid, 0) for gid in first])
-        await buffer.take_step(0)
+        buffer = await _on_policy_after_step_0()
         mine = asyncio.create_task(buffer.admit(2, 0, timeout=1.0, holder="generator/0"))
         other = asyncio.create_task(buffer.admit(2, 0, timeout=1.0, holder="generator/1"))
         await asyncio.sleep(SHORT)
@@ -398,17 +405,13 @@ def test_an_admit_waiting_when_its_own_generator_swaps_goes_on_at_the_new_versio
     assert ids == [2] and versions == [1]
     assert other == []  # another generator still on version 0 returns, to ask again at its own version
 
+
 def test_an_admit_waiting_goes_on_at_the_version_its_generator_notes_after_another_noted_it_first():
     """Two generators: the first to swap notes version 1; the other's admit, waiting at version 0, goes on at
     version 1 when its own swap lands, not at the publish (which follows both swaps and the Controller's round
     trip). Its note raises no version the gate has not heard of, yet its own admit must hear of it."""
     async def main():
-        buffer = make_buffer(max_staleness=0)  # P = 2: version 0 admits 2 groups, version 1 two more
-        first = await buffer.admit(2, 0, holder="generator/0")
-        await buffer.put_rollouts([t for gid in first for t in group(gid, 0).trajectories])
-        await buffer.get_rollouts(4)
-        await buffer.accept_groups([group(gid, 0) for gid in first])
-        await buffer.take_step(0)
+        buffer = await _on_policy_after_step_0()
         await buffer.note_held(1, holder="generator/1")  # generator 1 swapped first
         mine = asyncio.create_task(buffer.admit(1, 0, timeout=1.0, holder="generator/0"))
         await asyncio.sleep(SHORT)
