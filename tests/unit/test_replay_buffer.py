@@ -428,7 +428,6 @@ def test_an_admit_waiting_goes_on_at_the_version_its_generator_notes_after_anoth
     assert ids + late == [2, 3]  # version 1's room: one group each ask
 
 
-
 def test_put_rollouts_takes_the_packed_blob_a_generator_in_another_process_sends():
     from asyncrl.messages import pack_trajectories, unpack_trajectories
 
