@@ -41,7 +41,7 @@ from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.thread_tuner import ThreadTuner, TunedUpdater
+from asyncrl.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
 from transports.base import SENDERS
@@ -123,14 +123,23 @@ def _model_on_this_node(cfg: Config, kind: str) -> None:
                            f"every node that runs a role, or put it on storage they share") from None
 
 
-def tune_threads(cfg: Config, kind: str, role: Any) -> None:
+def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = None) -> None:
     """Where `cluster.torch_threads = "auto"` offers the role more than one thread count, measure them on its own
-    work and keep the faster (asyncrl/thread_tuner.py): the trainer's updates, the native engine's decode steps."""
-    candidates = thread_candidates(cfg, len(available_cpus()), kind)
+    work and keep the faster (asyncrl/thread_tuner.py): the trainer's updates, the native engine's decode steps.
+    `spread` (the trainer pinned by the automatic affinity): every CPU of the run, a layout the trainer tries too."""
+    cpus = available_cpus()
+    candidates = thread_candidates(cfg, len(cpus), kind)
+    if kind == "trainer" and cfg.trainer.num_ranks == 1:
+        fixed = None if cfg.cluster.torch_threads == "auto" else int(cfg.cluster.torch_threads)
+        candidates = trainer_layouts(candidates, cpus, spread or [], fixed)
     if len(candidates) < 2:
         return
     if kind == "trainer" and cfg.trainer.num_ranks == 1:
-        role.pipeline.learner = TunedUpdater(role.pipeline.learner, ThreadTuner(candidates))
+        if isinstance(candidates[0], Layout):  # judged by the steps' pace, two steps a window (thread_tuner.py)
+            tuner = ThreadTuner(candidates, window=2, skip=2, decisive=1.3)
+            role.pipeline.learner = TunedUpdater(role.pipeline.learner, tuner, per_step=True)
+        else:
+            role.pipeline.learner = TunedUpdater(role.pipeline.learner, ThreadTuner(candidates))
     elif kind == "generator" and hasattr(getattr(role.engine, "scheduler", None), "tuner"):
         role.engine.scheduler.tuner = ThreadTuner(candidates, window=8, skip=8)  # decode steps
 
@@ -141,7 +150,7 @@ class RoleActor(NodeFiles):
     checkpoints to and from a trainer on another node (asyncrl/ckpt_transfer.py)."""
 
     def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, spread: list[int] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
         self.nice = lower_priority(cfg, kind)  # a generator beside the light roles (cluster.generator_nice)
@@ -158,7 +167,7 @@ class RoleActor(NodeFiles):
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
         if self.role is not None:
-            tune_threads(cfg, kind, self.role)
+            tune_threads(cfg, kind, self.role, spread)  # spread: the trainer's, from asyncrl.auto.trainer_spread
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
         if kind == "buffer" and scorers_in_buffer(cfg):

@@ -153,6 +153,15 @@ def resolve_ray(cfg: Config, cpus: list[int] | None = None, *, starts_cluster: b
                                                                         affinity=affinity, generator_nice=nice))
 
 
+def trainer_spread(cfg: Config, resolved: Config) -> list[int]:
+    """Every CPU of the run when `resolve_ray` pinned the trainer (one rank) automatically: where its tuner may also
+    try the update (asyncrl/thread_tuner.py, `trainer_layouts`); [] when nothing was pinned or the user pinned."""
+    before, after = cfg.cluster.affinity, resolved.cluster.affinity
+    if before == after or not after.trainer or cfg.trainer.num_ranks > 1:
+        return []
+    return sorted(set(after.trainer) | set(after.generator))
+
+
 def lower_priority(cfg: Config, kind: str) -> int:
     """Lower this process's priority as `cluster.generator_nice` says for a generator (an unresolved "auto": no
     change); returns the niceness added."""

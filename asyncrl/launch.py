@@ -18,7 +18,7 @@ import ray
 
 from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard, run_loop
-from asyncrl.auto import available_cpus, resolve_ray, scorers_in_buffer
+from asyncrl.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
 from asyncrl.build import pin_cpus
 from asyncrl.ckpt_transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
@@ -104,13 +104,15 @@ def actor_options(plan: ActorPlan, bundle: Any = None, network_interface: str = 
 class RayDeployment:
     """The roles as Ray actors; attributes are RayProxy objects the Controller awaits."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, trainer_spread: list[int] | None = None) -> None:
+        """`trainer_spread`: every CPU of the run where the automatic affinity pinned the trainer (its tuner may
+        try its update on all of them; asyncrl.auto.trainer_spread)."""
         self.cfg = cfg
         self._plans = {p.role: p for p in plan_resources(cfg)}
         self._bundle = colocation_group(cfg)
         actor = self._actor
         self.buffer_actor = actor("buffer").remote("buffer", cfg)
-        self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor)
+        self.trainer_actor = actor("trainer").remote("trainer", cfg, 0, self.buffer_actor, 0, trainer_spread or [])
         # trainer.num_ranks > 1: ranks 1..W-1 train each step beside the trainer (rank 0), which drives them
         self.rank_actors = [actor("trainer").remote("trainer", cfg, r) for r in range(1, cfg.trainer.num_ranks)]
         self.generator_actors = [actor("generator").remote("generator", cfg, i, self.buffer_actor)
@@ -310,7 +312,8 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
     ensure_model(cfg.model)
     # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/auto.py)
-    cfg = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
+    resolved = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
+    spread, cfg = trainer_spread(cfg, resolved), resolved
     problems = check_prompts(cfg)  # an over-long or unrenderable prompt: one line here, not an actor's death
     if problems:
         raise ValueError("\n".join(problems))
@@ -319,7 +322,7 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     try:
         resumes = 0
         while True:
-            deployment = RayDeployment(cfg)
+            deployment = RayDeployment(cfg, trainer_spread=spread)
             try:
                 deployment.wait_ready()
                 write_placement(cfg, deployment.where())

@@ -43,6 +43,8 @@ def test_overlapping_roles_run_with_the_decided_cpus_and_threads(tiny_config_fil
         cfg = make_config("staleness.max_staleness=1", *[f"cluster.affinity.{r}={c}" for r, c in pins.items()])
         assert where["torch_threads"] == decide_threads(cfg, len(where["cpus"]), kind), role
         assert where["gc_frozen"] > 10_000, role  # its setup's objects left out of every later collection
+    if pins:  # pinned automatically, the trainer's tuner also tries every core; its first steps run on its own
+        assert [r["trainer/cpus"] for r in rows] == [float(len(pins["trainer"]))] * 3
     # each process's CPU over each step's window (docs/metrics.md, Process CPU): every actor's process reports one
     # from its second report on (the first window would carry its setup), the hosted scorer none (the buffer's has
     # its work), the driver its own in every row; a core busy all the window is 1.0

@@ -12,6 +12,7 @@ import torch
 from asyncrl.auto import (
     AUTO_GENERATOR_NICE,
     auto_affinity,
+    available_cpus,
     decide_threads,
     local_threads,
     lower_priority,
@@ -19,8 +20,10 @@ from asyncrl.auto import (
     scorers_in_buffer,
     split_cores,
     thread_candidates,
+    trainer_spread,
 )
-from asyncrl.thread_tuner import ThreadTuner, TunedUpdater
+from asyncrl.build import pin_cpus
+from asyncrl.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
 
 
 def test_the_defaults_are_automatic(make_config):
@@ -189,6 +192,69 @@ def test_tuned_updater_runs_each_update_with_the_tuners_threads_on_its_own_threa
     assert [r["trainer/torch_threads"] for r in rows] == [float(n) for n in learner.threads]
     assert rows[0]["trainer/loss"] == 0.5 and tuned.version == 7  # the learner's attributes pass through
     assert torch.get_num_threads() == before  # the caller's own thread is left alone
+
+
+def test_a_trainer_the_automatic_affinity_pinned_may_also_try_every_core(make_config):
+    """Pinned by the automatic affinity (not by the user), the trainer's tuner gets one more layout: every CPU of
+    the run, with as many threads (or the explicit torch_threads)."""
+    cfg = make_config("staleness.max_staleness=1")
+    assert trainer_spread(cfg, resolve_ray(cfg, [0, 1])) == [0, 1]
+    assert trainer_spread(cfg, resolve_ray(cfg, [0, 1, 2])) == [0, 1, 2]
+    assert trainer_spread(cfg, resolve_ray(cfg, list(range(8)))) == []  # room for every role: nothing pinned
+    user = make_config("staleness.max_staleness=1", "cluster.affinity.trainer=[1]", "cluster.affinity.generator=[0]")
+    assert trainer_spread(user, resolve_ray(user, [0, 1])) == []  # the user's pins are kept as they are
+    on_policy = make_config("staleness.max_staleness=0")
+    assert trainer_spread(on_policy, resolve_ray(on_policy, [0, 1])) == []
+    ranks = make_config("staleness.max_staleness=1", "trainer.num_ranks=2")
+    assert trainer_spread(ranks, resolve_ray(ranks, [0, 1])) == []
+    assert trainer_layouts([1], [1], [0, 1]) == [Layout(1, (1,)), Layout(2, (0, 1))]
+    assert trainer_layouts([2], [1], [0, 1], fixed=2) == [Layout(2, (1,)), Layout(2, (0, 1))]
+    assert trainer_layouts([1, 2], [0, 1], []) == [1, 2]  # not pinned: thread counts only
+    assert trainer_layouts([1], [0, 1], [0, 1]) == [1]  # already on every core
+
+
+def test_a_decisive_tuner_stops_once_one_candidate_is_clearly_slower():
+    """`decisive`: after one window of each, the slowest one's quickest unit at that multiple of the fastest's ends
+    the measuring (an outlier such as an evaluation step does not decide it); closer than that, every window runs."""
+    tuner = ThreadTuner([1, 2], window=2, windows=3, skip=0, decisive=1.3)
+    for seconds in (10.0, 30.0, 6.0, 6.5):  # 1: its quickest 10 s (30: an evaluation); 2: 6 s
+        tuner.record(seconds)
+    assert tuner.chosen == 2
+    close = ThreadTuner([1, 2], window=2, windows=3, skip=0, decisive=1.3)
+    for seconds in (10.0, 11.0, 8.0, 9.0):
+        close.record(seconds)
+    assert close.chosen is None  # 1.25x: the other windows run
+    while close.chosen is None:
+        close.record(10.0 if close.current == 1 else 8.0)
+    assert close.chosen == 2 and len(close.samples[1]) == 6
+
+
+@pytest.mark.skipif(len(available_cpus()) < 2, reason="one CPU: no layout to move to")
+def test_tuned_updater_judges_layouts_by_the_steps_pace_and_pins_the_process(monkeypatch):
+    """Layout candidates: before each update the process is pinned to the layout's CPUs; per_step, the tuner is
+    given the time from one update's start to the next (the step the layout ran), not the update alone."""
+    cpus = available_cpus()
+    home, every = Layout(1, (cpus[-1],)), Layout(len(cpus), tuple(cpus))
+    clock = iter([0.0, 0.1, 10.0, 10.1, 16.0, 16.1, 26.0, 26.1, 32.0, 32.1])  # two perf_counter calls an update
+    monkeypatch.setattr("asyncrl.thread_tuner.time.perf_counter", lambda: next(clock))
+
+    class Learner:
+        def update(self, groups):
+            return {"trainer/loss": 0.5}
+
+    try:
+        tuned = TunedUpdater(Learner(), ThreadTuner([home, every], window=1, windows=2, skip=0), per_step=True)
+        first = tuned.update([])
+        pinned = available_cpus()  # the process on the home layout's one core
+        rows = [first, *(tuned.update([]) for _ in range(4))]
+        after = available_cpus()
+    finally:
+        pin_cpus(cpus, "trainer")  # this test's process (every thread of it) back where it was
+    # steps of 10 s on its own core and 6 s on every core: home, every, home, every, then every for good
+    assert [r["trainer/cpus"] for r in rows] == [1.0, len(cpus), 1.0, len(cpus), len(cpus)]
+    assert [r["trainer/torch_threads"] for r in rows] == [1.0, len(cpus), 1.0, len(cpus), len(cpus)]
+    assert tuned.tuner.chosen == every and tuned.tuner.samples[home] == [10.0, 10.0]
+    assert pinned == [cpus[-1]] and after == cpus
 
 
 def test_the_native_engine_decodes_with_the_tuners_threads_and_keeps_the_faster(tmp_path):
