@@ -229,7 +229,7 @@ def calibrate(run_dir: str | Path, *, cores: float | None = None, shared_interpr
         train_cpu_share=_cpu_share(train, shared_interpreter) if cpu_shares else 1.0,
         prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.rollout.group_size,
         concurrency=cfg.rollout.concurrency, steps=steps, source=str(run_dir),
-        gen_cores=_pinned_generator_cores(run_dir) if setting.max_staleness >= 1 else 0.0,
+        gen_cores=_pinned_generator_cores(run_dir, rows) if setting.max_staleness >= 1 else 0.0,
         generators=setting.num_generators,
         roles_cpu_s=_cpu_per_step(rows, ("generator", "buffer")), driver_cpu_s=_cpu_per_step(rows, ("controller",)),
     )
@@ -275,10 +275,11 @@ def _cpu_per_step(rows: list[dict], roles: tuple[str, ...]) -> float:
     return _median(per_step) if per_step else 0.0
 
 
-def _pinned_generator_cores(run_dir: Path) -> float:
+def _pinned_generator_cores(run_dir: Path, rows: list[dict] | None = None) -> float:
     """The cores the run's generators were pinned to apart from the trainer's (RUN_DIR/placement.json, written
-    by a Ray run: each role's `cpus`); 0 when they were not pinned, shared cores with the trainer, or the run
-    has no placement.json (in process, or an older run)."""
+    by a Ray run: each role's `cpus`); 0 when they were not pinned, shared cores with the trainer, the run
+    has no placement.json (in process, or an older run), or the trainer ended on more CPUs than it started
+    pinned to (`trainer/cpus` of the last row in `rows`: its tuner kept every core, asyncrl/thread_tuner.py)."""
     try:
         where = json.loads((run_dir / "placement.json").read_text())
     except (OSError, ValueError):
@@ -287,6 +288,8 @@ def _pinned_generator_cores(run_dir: Path) -> float:
     generators, trainer = cpus("generator"), cpus("trainer")
     everything = cpus("")
     if not generators or not trainer or generators & trainer or generators == everything:
+        return 0.0
+    if rows and rows[-1].get("trainer/cpus", 0.0) > len(trainer):  # spread over the generators' cores too
         return 0.0
     return float(len(generators))
 

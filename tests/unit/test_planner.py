@@ -203,18 +203,21 @@ def test_calibrate_reads_the_cores_the_generators_were_pinned_to(tmp_path):
 
     from asyncrl.planner import _pinned_generator_cores
 
-    def placement(**cpus):
-        run = tmp_path / "-".join(f"{k}{v}" for k, v in cpus.items())
+    def placement(rows=None, **cpus):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         run.mkdir()
         where = {role.replace("_", " "): {"cpus": c, "pid": 1} for role, c in cpus.items()}
         (run / "placement.json").write_text(json.dumps(where))
-        return _pinned_generator_cores(run)
+        return _pinned_generator_cores(run, rows)
 
     assert placement(trainer=[1], buffer=[0], generator_0=[0], generator_1=[0]) == 1.0
     assert placement(trainer=[2, 3], buffer=[0, 1], generator_0=[0, 1]) == 2.0
     assert placement(trainer=[0, 1], buffer=[0, 1], generator_0=[0, 1]) == 0.0  # floating: not pinned
     assert placement(trainer=[0, 1], buffer=[0], generator_0=[0]) == 0.0  # the trainer shares the generator's
     assert _pinned_generator_cores(tmp_path / "no-such-run") == 0.0  # no placement.json: an older or local run
+    # the trainer's tuner kept its own core (trainer/cpus 1), or spread over both: then nothing is apart
+    assert placement([{"trainer/cpus": 2.0}, {"trainer/cpus": 1.0}], trainer=[1], generator_0=[0]) == 1.0
+    assert placement([{"trainer/cpus": 1.0}, {"trainer/cpus": 2.0}], trainer=[1], generator_0=[0]) == 0.0
 
 
 def test_calibrate_marks_an_in_process_run_and_keeps_its_alone_costs(tmp_path):
