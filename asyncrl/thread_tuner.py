@@ -28,6 +28,7 @@ steps' pace (`TunedUpdater(per_step=True)`), two steps a window, and `decisive` 
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any, NamedTuple
@@ -36,6 +37,8 @@ import torch
 
 from asyncrl.auto import available_cpus
 from asyncrl.build import pin_cpus
+
+log = logging.getLogger(__name__)
 
 
 class Layout(NamedTuple):
@@ -131,8 +134,14 @@ class TunedUpdater:
         extra: dict[str, float] = {}
         if isinstance(candidate, Layout):
             if candidate.cpus != self.cpus:
-                pin_cpus(list(candidate.cpus), "trainer")  # every thread of the process, OpenMP's pool among them
-                self.__dict__["cpus"] = candidate.cpus
+                try:
+                    pin_cpus(list(candidate.cpus), "trainer")  # every thread of the process, OpenMP's pool among them
+                    self.__dict__["cpus"] = candidate.cpus
+                except RuntimeError as exc:  # e.g. a cpuset that no longer offers them: stay where it runs
+                    log.warning("trainer: cannot move to CPUs %s (%s); it stays on %s", list(candidate.cpus), exc,
+                                list(self.cpus))
+                    stay = [c for c in self.tuner.candidates if isinstance(c, Layout) and c.cpus == self.cpus]
+                    candidate = self.tuner.chosen = stay[0] if stay else Layout(_threads(candidate), self.cpus)
             extra["trainer/cpus"] = float(len(candidate.cpus))
         torch.set_num_threads(_threads(candidate))
         threads = torch.get_num_threads()

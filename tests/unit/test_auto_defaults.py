@@ -257,6 +257,25 @@ def test_tuned_updater_judges_layouts_by_the_steps_pace_and_pins_the_process(mon
     assert pinned == [cpus[-1]] and after == cpus
 
 
+def test_a_layout_the_process_cannot_move_to_is_dropped_and_the_trainer_stays_where_it_runs(monkeypatch, caplog):
+    cpus = available_cpus()
+    home, elsewhere = Layout(1, tuple(cpus)), Layout(2, (max(cpus) + 1,))
+
+    def refuse(cpus, who):
+        raise RuntimeError(f"cluster.affinity.{who} = {cpus}: Invalid argument")
+
+    monkeypatch.setattr("asyncrl.thread_tuner.pin_cpus", refuse)
+
+    class Learner:
+        def update(self, groups):
+            return {"trainer/loss": 0.5}
+
+    tuned = TunedUpdater(Learner(), ThreadTuner([elsewhere, home], window=1, windows=2, skip=0), per_step=True)
+    rows = [tuned.update([]) for _ in range(3)]
+    assert tuned.tuner.chosen == home and [r["trainer/cpus"] for r in rows] == [float(len(cpus))] * 3
+    assert "cannot move to CPUs" in caplog.text
+
+
 def test_the_native_engine_decodes_with_the_tuners_threads_and_keeps_the_faster(tmp_path):
     import asyncio
 
