@@ -41,7 +41,7 @@ from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
+from asyncrl.thread_tuner import ThreadTuner, TunedUpdater, trainer_layouts
 from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
 from transports.base import SENDERS
@@ -131,16 +131,12 @@ def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = N
     candidates = thread_candidates(cfg, len(cpus), kind)
     if kind == "trainer" and cfg.trainer.num_ranks == 1:
         fixed = None if cfg.cluster.torch_threads == "auto" else int(cfg.cluster.torch_threads)
-        candidates = trainer_layouts(candidates, cpus, spread or [], fixed)
-    if len(candidates) < 2:
-        return
-    if kind == "trainer" and cfg.trainer.num_ranks == 1:
-        if isinstance(candidates[0], Layout):  # judged by the steps' pace, two steps a window (thread_tuner.py)
-            tuner = ThreadTuner(candidates, window=2, skip=2, decisive=1.3)
-            role.pipeline.learner = TunedUpdater(role.pipeline.learner, tuner, per_step=True)
-        else:
-            role.pipeline.learner = TunedUpdater(role.pipeline.learner, ThreadTuner(candidates))
-    elif kind == "generator" and hasattr(getattr(role.engine, "scheduler", None), "tuner"):
+        layouts = trainer_layouts(candidates, cpus, spread or [], fixed)
+        if len(layouts) > 1:
+            per_step = layouts != candidates  # layouts: judged by the steps' pace, two steps a window
+            tuner = ThreadTuner(layouts, window=2, skip=2, decisive=1.3) if per_step else ThreadTuner(layouts)
+            role.pipeline.learner = TunedUpdater(role.pipeline.learner, tuner, per_step=per_step)
+    elif len(candidates) > 1 and kind == "generator" and hasattr(getattr(role.engine, "scheduler", None), "tuner"):
         role.engine.scheduler.tuner = ThreadTuner(candidates, window=8, skip=8)  # decode steps
 
 
