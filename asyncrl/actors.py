@@ -126,9 +126,13 @@ def _model_on_this_node(cfg: Config, kind: str) -> None:
 def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = None) -> None:
     """Where `cluster.torch_threads = "auto"` offers the role more than one thread count, measure them on its own
     work and keep the faster (asyncrl/thread_tuner.py): the trainer's updates, the native engine's decode steps.
-    `spread` (the trainer pinned by the automatic affinity): every CPU of the run, a layout the trainer tries too."""
+    `spread` (the trainer pinned by the automatic affinity): every CPU of the run, a layout the trainer tries too.
+    Not the trainer with `trainer.compile`: its compiled code is specialised to the thread count, so each count
+    tried would compile the model again; it keeps the count it starts with."""
     cpus = available_cpus()
     candidates = thread_candidates(cfg, len(cpus), kind)
+    if kind == "trainer" and cfg.trainer.compile:
+        return
     if kind == "trainer" and cfg.trainer.num_ranks == 1:
         fixed = None if cfg.cluster.torch_threads == "auto" else int(cfg.cluster.torch_threads)
         layouts = trainer_layouts(candidates, cpus, spread or [], fixed)

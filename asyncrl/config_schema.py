@@ -242,6 +242,13 @@ class TrainerConfig(Section):
            "when rollout.dtype = 'auto'. Needs bfloat16 on the trainer's device (any CPU; a GPU of the Ampere "
            "generation or newer)"),
     ] = "no"
+    compile: Annotated[
+        bool,
+        _d("train through torch.compile'd forwards (the policy's and the critic's gradient passes; dynamic shapes, "
+           "the same parameters and names): the first update compiles, which takes seconds to minutes, after which "
+           "a step of a small model is quicker (per-op overhead fused away). Pays on runs of many steps "
+           "(benchmarks/README.md, train_step.py); needs a C++ compiler on a CPU trainer"),
+    ] = False
     num_ranks: Annotated[
         int,
         _d("trainer processes (Ray actors) training each step together, each on its 1/num_ranks of every "

@@ -36,7 +36,11 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
 `--compile-widths` batches of other padded widths (shorter prompts, other seeds), as a run's steps differ: the
 first call of each is timed, and their sum less as many eager bare steps is the compile time (tracing, codegen and
 any recompilation a new width causes). The steady compiled step is then timed interleaved with the others, on the
-main batch; break-even is compile time / (eager bare - compiled) steps.
+main batch; break-even is compile time / (eager bare - compiled) steps. A fourth side is asyncrl's own Learner with
+`trainer.compile` (its gradient forward compiled the same way), warmed up on the same batches: its compile time, its
+step against the eager Learner's and against the compiled bare step, and its break-even. Each side compiles from
+scratch (inductor's caches off, `--compile-cache` to allow them): what a run pays on a machine's first compile; a
+later run of the same model on the same machine reuses the disk cache and compiles 3-4x faster.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -262,24 +267,42 @@ def breakdown(learner: Learner, bare: BareStep, groups: list[Group], repeats: in
     return _medians(ours), _medians(theirs)
 
 
-def compiled_bare(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
-                  algorithm: AlgorithmConfig, trainer: TrainerConfig, widths: int) -> tuple[BareStep, list[float],
-                                                                                           list[int]]:
-    """The bare step on a torch.compile'd copy of `model`, after one step on each of `widths` batches: the
-    first `widths - 1` with prompts up to 1, 2, ... tokens shorter than the spec's longest and other seeds (other
-    padded widths, as a run's steps differ in length), the main batch (seed 1) last. Returns it, the first call's
-    seconds for each batch and each batch's padded width."""
-    compiled = torch.compile(copy.deepcopy(model), dynamic=True)
+def width_variants(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
+                   widths: int) -> list[list[Group]]:
+    """`widths` batches: the first `widths - 1` with prompts up to 1, 2, ... tokens shorter than the spec's longest
+    and other seeds (other padded widths, as a run's steps differ in length), the main batch (seed 1) last."""
     lo, hi = spec["prompt"]
     variants = [(dict(spec, prompt=(lo, max(lo, hi - j))), 1 + j) for j in range(widths - 1, 0, -1)]
+    return [build_groups(model, shape, samples, group_size, seed=seed) for shape, seed in [*variants, (spec, 1)]]
+
+
+def compiled_bare(model: torch.nn.Module, batches: list[list[Group]], algorithm: AlgorithmConfig,
+                  trainer: TrainerConfig) -> tuple[BareStep, list[float], list[int]]:
+    """The bare step on a torch.compile'd copy of `model`, after one step on each of `batches` (width_variants).
+    Returns it (on the last batch), the first call's seconds for each batch and each batch's padded width."""
+    compiled = torch.compile(copy.deepcopy(model), dynamic=True)
     firsts, padded = [], []
-    for shape, seed in [*variants, (spec, 1)]:
-        step = BareStep(compiled, build_groups(model, shape, samples, group_size, seed=seed), algorithm, trainer)
+    for groups in batches:
+        step = BareStep(compiled, groups, algorithm, trainer)
         t0 = time.perf_counter()
         step()
         firsts.append(time.perf_counter() - t0)
         padded.append(step.input_ids.shape[1])
     return step, firsts, padded
+
+
+def compiled_learner(model: torch.nn.Module, batches: list[list[Group]], algorithm: AlgorithmConfig,
+                     trainer: TrainerConfig) -> tuple[Learner, list[float]]:
+    """A Learner with `trainer.compile` on a copy of `model`, after one update on each of `batches`; returns it and
+    each first update's seconds."""
+    learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=msgspec.structs.replace(trainer, compile=True),
+                      pad_token_id=PAD)
+    firsts = []
+    for groups in batches:
+        t0 = time.perf_counter()
+        learner.update(groups)
+        firsts.append(time.perf_counter() - t0)
+    return learner, firsts
 
 
 def break_even(compile_s: float, eager_s: float, compiled_s: float) -> float | None:
@@ -343,6 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
     p.add_argument("--compile", action="store_true",
                    help="also time the bare step on a torch.compile'd model, with its compile time (module doc)")
+    p.add_argument("--compile-cache", action="store_true",
+                   help="let each compile use inductor's caches (the second side then reuses the first's graphs; "
+                        "default: both compile from scratch, as on a machine's first run)")
     p.add_argument("--compile-widths", type=int, default=4,
                    help="batches of different padded widths the compiled model sees before timing (default 4)")
     p.add_argument("--quick", action="store_true", help="a 1-layer model, 8 samples, 3 repeats")
@@ -387,12 +413,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(warmup):
             off.update(groups)
     if args.compile:
-        compiled, firsts, padded = compiled_bare(model, spec, samples, group_size, algorithm, trainer,
-                                                 max(args.compile_widths, 1))
-        times["bare compiled"] = []
+        batches = width_variants(model, spec, samples, group_size, max(args.compile_widths, 1))
+        # both sides compile the same model's forward: without this the second would reuse the first's graphs
+        # (in memory and on disk), and with a warm disk cache from an earlier run both compile times would be short
+        torch._inductor.config.force_disable_caches = not args.compile_cache
+        compiled, firsts, padded = compiled_bare(model, batches, algorithm, trainer)
+        torch._dynamo.reset()
+        ours_compiled, our_firsts = compiled_learner(model, batches, algorithm, trainer)
+        times["bare compiled"], times["asyncrl compiled"] = [], []
         step["bare compiled"] = compiled
+        step["asyncrl compiled"] = lambda: ours_compiled.update(groups)
         for _ in range(warmup):
             compiled()
+            ours_compiled.update(groups)
     for i in range(repeats):  # interleaved, so load from other processes hits both sides alike
         for side in _order(i, list(step)):
             t0 = time.perf_counter()
@@ -410,15 +443,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"step, {off_s / ours_s:.2f}x asyncrl's")
     extra: dict[str, Any] = {}
     if args.compile:
-        comp_s = statistics.median(times["bare compiled"])
+        comp_s, ours_comp_s = statistics.median(times["bare compiled"]), statistics.median(times["asyncrl compiled"])
         compile_s = max(sum(firsts) - len(firsts) * bare_s, 0.0)
-        steps = break_even(compile_s, bare_s, comp_s)
+        our_compile_s = max(sum(our_firsts) - len(our_firsts) * ours_s, 0.0)
+        steps, our_steps = break_even(compile_s, bare_s, comp_s), break_even(our_compile_s, ours_s, ours_comp_s)
         print(f"bare compiled {comp_s * 1e3:8.2f} ms (median)  = {comp_s / bare_s:.2f}x the eager bare step; "
               f"compile {compile_s:.1f} s over {len(firsts)} batches of padded widths {padded} (first calls "
               + ", ".join(f"{f:.1f}" for f in firsts) + " s); "
               + (f"pays for itself after {steps:,.0f} steps" if steps is not None else "never pays for itself"))
+        print(f"asyncrl with trainer.compile {ours_comp_s * 1e3:8.2f} ms (median)  = {ours_comp_s / ours_s:.2f}x the "
+              f"eager asyncrl step, {ours_comp_s / comp_s:.2f}x the compiled bare step; compile {our_compile_s:.1f} s "
+              "(first calls " + ", ".join(f"{f:.1f}" for f in our_firsts) + " s); "
+              + (f"pays for itself after {our_steps:,.0f} steps" if our_steps is not None
+                 else "never pays for itself"))
         extra = {"compiled_ms": round(comp_s * 1e3, 3), "compile_s": round(compile_s, 2),
-                 "compile_break_even_steps": None if steps is None else round(steps)}
+                 "compile_break_even_steps": None if steps is None else round(steps),
+                 "asyncrl_compiled_ms": round(ours_comp_s * 1e3, 3), "asyncrl_compile_s": round(our_compile_s, 2),
+                 "asyncrl_compiled_over_bare_compiled": round(ours_comp_s / comp_s, 3),
+                 "asyncrl_compile_break_even_steps": None if our_steps is None else round(our_steps)}
 
     ours, theirs = breakdown(learner, bare, groups, max(repeats // 2, 1))
     print("\nwhere the time goes (ms per step, instrumented calls, median of each section):")

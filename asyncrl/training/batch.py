@@ -210,9 +210,17 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     return logprobs, entropy
 
 
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """trainer.compile: `model` behind torch.compile with dynamic shapes (a step's batch size and padded width
+    change from step to step: one graph for all of them rather than one per shape). The wrapper holds `model`'s own
+    parameters; whatever reads or writes them (the optimizer, the weight sync, checkpoints) keeps using `model`."""
+    return torch.compile(model, dynamic=True)
+
+
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper)."""
-    inner = getattr(model, "module", model)                   # DDP
+    inner = getattr(model, "_orig_mod", model)                # torch.compile (trainer.compile)
+    inner = getattr(inner, "module", inner)                   # DDP
     if hasattr(inner, "get_base_model"):                      # peft passes it on to the base model
         inner = inner.get_base_model()
     return _forward_takes(type(inner), "logits_to_keep")

@@ -25,7 +25,7 @@ from asyncrl.algorithms.value import value_loss
 from asyncrl.config_schema import CriticConfig
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
-from asyncrl.training.batch import collate, gather_response
+from asyncrl.training.batch import collate, compiled, gather_response
 from asyncrl.training.parallel import SingleProcess
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class Critic:
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
         self.dp: SingleProcess = SingleProcess()
-        self.train_model = self.model
+        self.train_model = self.forward_model = self.model  # forward_model: compiled by `compile_forward`
+        self._compiled = False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -84,15 +85,23 @@ class Critic:
         """Train as one rank of the trainer group, sharded like the policy (training/parallel.py); called by the
         Learner before any step (the optimizer is rebuilt: FSDP2 replaces the parameters)."""
         self.dp = dp
-        self.train_model = dp.wrap(self.model)
+        self.train_model = self.forward_model = dp.wrap(self.model)
+        if self._compiled:
+            self.forward_model = compiled(self.train_model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def compile_forward(self) -> None:
+        """trainer.compile: the gradient pass forwards through the torch.compile'd model (training/batch.py)."""
+        self._compiled = True
+        self.forward_model = compiled(self.train_model)
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                  model: torch.nn.Module | None = None) -> Tensor:
         """[B, L] each -> values [B, L] at response positions (0 elsewhere), float32."""
         with precision.autocast(self.device, self.autocast):
-            out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            net = self.model if model is None else model  # (not `model or`: a compiled module has no len())
+            out = net(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         out = out[..., 0].to(torch.promote_types(out.dtype, torch.float32))  # [B, L]
         values = torch.cat([out.new_zeros(out.shape[0], 1), out[:, :-1]], dim=1)
         return torch.where(response_mask.bool(), values, 0.0)
@@ -128,7 +137,7 @@ class Critic:
                     batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
                                     extras={"old_values": old_values[sl], "returns": returns[sl]})
                     values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                          self.train_model)
+                                          self.forward_model)
                     loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
                                                   batch.loss_mask, clip)
                     loss = loss_tok.sum() / global_tokens

@@ -70,6 +70,7 @@ from asyncrl.training.batch import (
     StepData,
     TokenBatch,
     collate,
+    compiled,
     flatten_groups,
     gather_response,
     response_rows,
@@ -123,8 +124,13 @@ class Learner:
         # and so do the critic and the frozen reference (FSDP2 shards it; DDP keeps a replica)
         self.dp = parallel or SingleProcess()
         self.train_model = self.dp.wrap(self.model)
+        # what the gradient passes forward through: trainer.compile compiles it (the wrapper's parameters are the
+        # model's own, so the optimizer, the weight sync and the checkpoints see the same tensors and names)
+        self.forward_model = compiled(self.train_model) if trainer.compile else self.train_model
         if self.dp.world_size > 1 and critic is not None:
             critic.distribute(self.dp)
+        if trainer.compile and critic is not None:
+            critic.compile_forward()
         if self.dp.world_size > 1 and reference is not None:
             self.dp.wrap(reference.model, trainable=False)
         self.algorithm = a = algorithm
@@ -170,7 +176,8 @@ class Learner:
         *, entropy_grad: bool = False, model: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
-        return token_logprobs(model or self.model, input_ids, attention_mask, response_mask, temperature,
+        net = self.model if model is None else model  # (not `model or`: a compiled module has no len())
+        return token_logprobs(net, input_ids, attention_mask, response_mask, temperature,
                               entropy_grad=entropy_grad, autocast=self.autocast)
 
     @torch.no_grad()
@@ -359,7 +366,7 @@ class Learner:
                         logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
                                                                    batch.response_mask, batch.temperature,
                                                                    entropy_grad=a.entropy_coef > 0,
-                                                                   model=self.train_model)
+                                                                   model=self.forward_model)
                     mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
                     old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
                     loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
@@ -464,7 +471,7 @@ class Learner:
         batch = collate(trajs, torch.zeros(len(trajs)), self.pad_token_id, self.device)
         logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
                                                    batch.temperature, entropy_grad=self.algorithm.entropy_coef > 0,
-                                                   model=self.train_model)
+                                                   model=self.forward_model)
         width = max(max(len(t.response_ids) for t in trajs), 1)  # response_rows' width
         return logprobs, entropy, gather_response(batch, trajs, logprobs, width)
 

@@ -49,17 +49,19 @@ def _model(seed: int = 0, cls: type = Qwen2ForCausalLM, **kw: Any) -> torch.nn.M
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)).double()
 
 
-def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None, compile: bool = False,
+             device: str = "cpu") -> Learner:
     algorithm = AlgorithmConfig(**CASES[case])
-    trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
+    trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size,
+                            compile=compile)
     critic = reference = None
     if algorithm.advantage == "gae":
         critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
-                        pad_token_id=PAD, micro_batch_size=micro_batch_size)
+                        pad_token_id=PAD, micro_batch_size=micro_batch_size, device=device)
     if algorithm.kl_mode != "off":
-        reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size)
+        reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size, device=device)
     return Learner(_model(), algorithm=algorithm, trainer=trainer, pad_token_id=PAD, critic=critic,
-                   reference=reference, parallel=parallel)
+                   reference=reference, parallel=parallel, device=device)
 
 
 def _steps() -> list[list[Group]]:

@@ -300,3 +300,21 @@ def test_the_native_engine_decodes_with_the_tuners_threads_and_keeps_the_faster(
     # each decode step ran with the count the tuner asked for: warm-up and windows of 2, then the faster one
     assert threads_seen[:9] == [1, 1, 1, 2, 2, 1, 1, 2, 2]
     assert set(threads_seen[9:]) <= {tuner.chosen} and engine.scheduler.num_threads == tuner.chosen
+
+
+def test_a_compiled_trainer_keeps_the_threads_it_starts_with(make_config, monkeypatch):
+    """trainer.compile: its compiled code is specialised to the thread count, so the tuner would compile the model
+    again for each count it tries; the trainer is left untuned (a generator is tuned as before)."""
+    from types import SimpleNamespace
+
+    from asyncrl import actors
+
+    monkeypatch.setattr(actors, "available_cpus", lambda: [0, 1])
+    learner = object()
+    for compile, tuned in ((False, True), (True, False)):
+        cfg = make_config("staleness.max_staleness=0", f"trainer.compile={str(compile).lower()}")
+        assert thread_candidates(cfg, 2, "trainer") == [1, 2]
+        role = SimpleNamespace(pipeline=SimpleNamespace(learner=learner))
+        actors.tune_threads(cfg, "trainer", role, spread=[0, 1])
+        assert isinstance(role.pipeline.learner, TunedUpdater) is tuned
+        assert (role.pipeline.learner is learner) is not tuned

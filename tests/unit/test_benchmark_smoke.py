@@ -165,7 +165,8 @@ def test_train_step_compiled_bare_step_does_the_same_update_as_the_eager_one(mon
         algorithm = module.AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean",
                                            clip_eps=0.2)
         trainer = module.TrainerConfig(lr=1e-3, grad_clip=1.0, mini_batches=1, micro_batch_size=8)
-        step, firsts, padded = module.compiled_bare(model, spec, 8, 4, algorithm, trainer, widths=2)
+        batches = module.width_variants(model, spec, 8, 4, widths=2)
+        step, firsts, padded = module.compiled_bare(model, batches, algorithm, trainer)
         assert len(firsts) == len(padded) == 2 and min(firsts) > 0
         assert len(set(padded)) == 2, padded  # the two batches have different widths: a real recompile test
         eager = module.BareStep(module.copy.deepcopy(model), module.build_groups(model, spec, 8, 4, seed=1),
