@@ -26,6 +26,7 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
     python benchmarks/train_step.py --threads 2
     python benchmarks/train_step.py --model small     # SmolLM2-135M's shape (random init), 16 samples
     python benchmarks/train_step.py --decoupled       # decoupled PPO (a proximal policy every step)
+    python benchmarks/train_step.py --model small --mixed-precision bf16  # both sides under bf16 autocast
     python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
     python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
     python benchmarks/train_step.py --compile         # + the bare step on a torch.compile'd model, interleaved
@@ -65,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config_schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from asyncrl.messages import Group, Trajectory  # noqa: E402
 from asyncrl.training import learner as learner_module  # noqa: E402
-from asyncrl.training import schedule  # noqa: E402
+from asyncrl.training import precision, schedule  # noqa: E402
 from asyncrl.training.batch import GradientStats  # noqa: E402
 from asyncrl.training.learner import Learner  # noqa: E402
 
@@ -151,7 +152,8 @@ class BareStep:
             r = self.rewards
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + self.algorithm.adv_eps)).view(-1, 1)
         with t("forward + logprobs"):
-            logits = self.model(input_ids=self.input_ids, attention_mask=self.attention, use_cache=False).logits
+            with precision.autocast(self.input_ids.device, precision.autocast_dtype(self.trainer.mixed_precision)):
+                logits = self.model(input_ids=self.input_ids, attention_mask=self.attention, use_cache=False).logits
             logits = logits[:, :-1].float()
             logp = logits.gather(-1, self.input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
         with t("policy loss + agg"):
@@ -362,6 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=60, help="timed calls per side (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--decoupled", action="store_true", help="algorithm.decoupled = true (proximal logprobs)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                   help="trainer.mixed_precision of both sides: bf16 runs the forward (and backward) under bf16 "
+                        "autocast, fp32 master weights (the bare side too)")
     p.add_argument("--compare", choices=sorted(LEVERS), default=None,
                    help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
     p.add_argument("--compile", action="store_true",
@@ -390,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     groups = build_groups(model, spec, samples, group_size, seed=1)
     algorithm = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean", clip_eps=0.2,
                                 decoupled=args.decoupled)
-    trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples)
+    trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples,
+                            mixed_precision=args.mixed_precision)
     learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
     bare = BareStep(model, groups, algorithm, trainer)
     collections = gc_counter()
@@ -398,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
     print(f"model {name}: {params:,} parameters, {samples} samples, {tokens / samples:.1f} tokens/sample, "
-          f"{args.threads} thread(s), decoupled={args.decoupled}, {repeats} timed calls per side")
+          f"{args.threads} thread(s), decoupled={args.decoupled}, mixed_precision={args.mixed_precision}, "
+          f"{repeats} timed calls per side")
 
     for _ in range(warmup):
         bare()

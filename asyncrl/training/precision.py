@@ -23,10 +23,14 @@ stay off, and the no-grad forwards (a step's preparation, evaluation on the shar
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import torch
+
+log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16}
 
@@ -59,11 +63,26 @@ def engine_dtype(model_dtype: str, rollout_dtype: str) -> str:
 
 
 def check_autocast(device: torch.device, dtype: torch.dtype | None) -> None:
-    """One clear line where the trainer's device cannot autocast to `dtype` (a GPU without bfloat16)."""
+    """One clear line where the trainer's device cannot autocast to `dtype` (a GPU without bfloat16); one warning
+    where it can only emulate it (a CPU without bfloat16 instructions: slower than float32, not faster)."""
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
         raise ValueError(f"trainer.mixed_precision: 'bf16' needs a GPU with bfloat16 support and {name} has "
                          "none — set it to 'no'")
+    if dtype is torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
+        _warn_once("trainer.mixed_precision = 'bf16' on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): "
+                   "its matrix products are emulated and slower than float32; 'no' (and rollout.dtype = 'float32') "
+                   "trains faster here")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX): where bf16 pays on a CPU."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:

@@ -92,6 +92,23 @@ def test_bf16_logprobs_stay_float32_and_close_to_the_float32_forward():
     assert not torch.equal(got[0, len(t.prompt_ids):], want)  # bf16 matmuls: close, not the same
 
 
+def test_bf16_on_a_cpu_that_only_emulates_it_warns_once(monkeypatch, caplog):
+    """bf16 pays on a CPU with AVX512-BF16 or AMX; elsewhere its products are emulated (slower than float32): one
+    warning naming the settings, not an error (the run is still correct)."""
+    precision._warn_once.cache_clear()
+    for native in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        caplog.clear()
+        for _ in range(2):
+            precision.check_autocast(torch.device("cpu"), torch.bfloat16)
+            precision.check_autocast(torch.device("cpu"), None)
+        warned = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+        assert len(warned) == (0 if native else 1), warned
+    assert "trainer.mixed_precision" in warned[0] and "rollout.dtype" in warned[0]
+    precision._warn_once.cache_clear()
+
+
 def test_mixed_precision_no_keeps_the_model_in_its_own_dtype():
     learner = _learner(_model().to(torch.bfloat16))
     assert all(p.dtype == torch.bfloat16 for p in learner.model.parameters())
