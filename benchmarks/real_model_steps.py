@@ -31,7 +31,8 @@ from asyncrl.training.learner import Learner
 from transports import CollectiveReceiver, CollectiveSender, create_store, join_group, plan_buckets
 
 TIMEOUT_S = 300.0
-# The example's trainer (examples/smollm_arith/config.toml) and algorithm (examples/base.toml).
+# The example's trainer (examples/smollm_arith/config.toml) and algorithm (examples/base.toml), in fp32 (the example
+# itself trains under bf16 autocast: benchmarks/train_step.py --model small --mixed-precision bf16 times that).
 TRAINER = dict(mini_batches=1, micro_batch_size=32, lr=3e-5, grad_clip=1.0)
 ALGORITHM = dict(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean", clip_eps=0.2)
 
