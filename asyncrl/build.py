@@ -116,6 +116,11 @@ def trained_dtype(cfg: Config) -> str:
     return precision.master_dtype(cfg.model.dtype, cfg.trainer.mixed_precision)
 
 
+def eval_model_dtype(cfg: Config) -> str:
+    """The dtype the trainer's evaluation generates in: the engines' (rollout.dtype, "auto" = model.dtype)."""
+    return precision.engine_dtype(cfg.model.dtype, cfg.rollout.dtype)
+
+
 def export_dtype(cfg: Config) -> str:
     """The dtype of the final HF folder (run.export_dtype): "auto" is model.dtype, the dtype the model is
     configured in, not the float32 master weights mixed precision trains."""
@@ -242,12 +247,15 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
     model = load_policy(cfg)
     tok, decode = tokenizer_fns(cfg.model.path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    # fsdp2 shards `model` in place: the evaluator gets an unsharded copy of its own (Trainer.eval_model)
+    # The evaluator gets a copy of its own (Trainer.eval_model, refreshed before each evaluation) where fsdp2 shards
+    # `model` in place, and where the engines hold another dtype than the trained weights (bf16 rollouts of float32
+    # master weights): it evaluates the policy as the generators run it, at their speed. Not with LoRA (the copy
+    # would be a peft model, the sync's names the base model's): it evaluates the trainer's own module.
     sharded = parallel is not None and parallel.mode == "fsdp2"
-    eval_model = copy.deepcopy(model) if cfg.trainer.eval_every > 0 and sharded else None
+    eval_dtype = eval_model_dtype(cfg)
+    copied = cfg.trainer.eval_every > 0 and (sharded or (eval_dtype != trained_dtype(cfg) and cfg.model.lora is None))
+    eval_model = copy.deepcopy(model).to(torch_dtype(eval_dtype)) if copied else None
     learner = build_learner(cfg, model, pad_id, parallel)
-    if eval_model is not None:  # the learner's dtype (float32 master weights under mixed precision)
-        eval_model.to(next(learner.model.parameters()).dtype)
     evaluator = None
     if cfg.trainer.eval_every > 0:
         from engines.hf import eos_token_ids

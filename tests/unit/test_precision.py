@@ -222,3 +222,29 @@ def test_generation_on_a_gradient_checkpointed_trainer_module_matches_the_plain_
     (got, got_lp), (want, want_lp) = asyncio.run(generate(ckpt)), asyncio.run(generate(plain))
     assert got == want and all(len(r) == 6 for r in got)
     assert torch.allclose(got_lp, want_lp, atol=1e-5)  # every step saw the whole context (its KV cache)
+
+
+def test_evaluation_runs_in_the_engines_dtype_on_a_copy_refreshed_from_the_master_weights(make_config):
+    """bf16 rollouts of float32 master weights: the trainer's evaluation generates with a bf16 copy of the policy
+    (the policy as the generators run it, at their speed), refreshed from the masters before each evaluation; with
+    one dtype on both sides, or with LoRA, it evaluates the trainer's own module."""
+    from asyncrl.build import build_buffer, build_trainer
+
+    cfg = make_config('trainer.mixed_precision="bf16"', 'rollout.dtype="bfloat16"')
+    trainer = build_trainer(cfg, build_buffer(cfg))
+    master = trainer.learner.model
+    assert trainer.eval_model is not None and trainer.evaluator is not None
+    assert {p.dtype for p in trainer.eval_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in master.parameters()} == {torch.float32}
+    assert trainer.evaluator.engine.model is trainer.eval_model
+    with torch.no_grad():
+        for p in master.parameters():
+            p.add_(0.25)  # what a train step would do: the copy must follow before the next evaluation
+    out = asyncio.run(trainer.evaluate())
+    assert "eval/greedy_reward" in out
+    for (name, a), b in zip(master.named_parameters(), trainer.eval_model.parameters(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b), name
+    for overrides in ((), ('trainer.mixed_precision="bf16"',), ('trainer.mixed_precision="bf16"',
+                                                                  'rollout.dtype="bfloat16"', "model.lora.rank=4")):
+        cfg = make_config(*overrides)
+        assert build_trainer(cfg, build_buffer(cfg)).eval_model is None, overrides
