@@ -116,11 +116,6 @@ def trained_dtype(cfg: Config) -> str:
     return precision.master_dtype(cfg.model.dtype, cfg.trainer.mixed_precision)
 
 
-def eval_model_dtype(cfg: Config) -> str:
-    """The dtype the trainer's evaluation generates in: the engines' (rollout.dtype, "auto" = model.dtype)."""
-    return precision.engine_dtype(cfg.model.dtype, cfg.rollout.dtype)
-
-
 def export_dtype(cfg: Config) -> str:
     """The dtype of the final HF folder (run.export_dtype): "auto" is model.dtype, the dtype the model is
     configured in, not the float32 master weights mixed precision trains."""
@@ -252,7 +247,7 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
     # master weights): it evaluates the policy as the generators run it, at their speed. Not with LoRA (the copy
     # would be a peft model, the sync's names the base model's): it evaluates the trainer's own module.
     sharded = parallel is not None and parallel.mode == "fsdp2"
-    eval_dtype = eval_model_dtype(cfg)
+    eval_dtype = engine_dtype(cfg)
     copied = cfg.trainer.eval_every > 0 and (sharded or (eval_dtype != trained_dtype(cfg) and cfg.model.lora is None))
     eval_model = copy.deepcopy(model).to(torch_dtype(eval_dtype)) if copied else None
     learner = build_learner(cfg, model, pad_id, parallel)

@@ -76,25 +76,20 @@ class Critic:
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
         self.dp: SingleProcess = SingleProcess()
-        self.train_model = self.forward_model = self.model  # forward_model: compiled by `compile_forward`
-        self._compiled = False
+        self.train_model = self.forward_model = self.model  # forward_model: compiled by `distribute(compile=True)`
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def distribute(self, dp: SingleProcess) -> None:
-        """Train as one rank of the trainer group, sharded like the policy (training/parallel.py); called by the
-        Learner before any step (the optimizer is rebuilt: FSDP2 replaces the parameters)."""
-        self.dp = dp
-        self.train_model = self.forward_model = dp.wrap(self.model)
-        if self._compiled:
-            self.forward_model = compiled(self.train_model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-
-    def compile_forward(self) -> None:
-        """trainer.compile: the gradient pass forwards through the torch.compile'd model (training/batch.py)."""
-        self._compiled = True
-        self.forward_model = compiled(self.train_model)
+    def distribute(self, dp: SingleProcess, *, compile: bool = False) -> None:
+        """Train as one rank of the trainer group, sharded like the policy (training/parallel.py; one process: as is),
+        through a torch.compile'd forward with `compile` (trainer.compile, training/batch.py); called by the Learner
+        before any step (the optimizer is rebuilt: FSDP2 replaces the parameters)."""
+        if dp.world_size > 1:
+            self.dp = dp
+            self.train_model = dp.wrap(self.model)
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(self._params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.forward_model = compiled(self.train_model) if compile else self.train_model
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                  model: torch.nn.Module | None = None) -> Tensor:

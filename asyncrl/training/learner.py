@@ -124,13 +124,10 @@ class Learner:
         # and so do the critic and the frozen reference (FSDP2 shards it; DDP keeps a replica)
         self.dp = parallel or SingleProcess()
         self.train_model = self.dp.wrap(self.model)
-        # what the gradient passes forward through: trainer.compile compiles it (the wrapper's parameters are the
-        # model's own, so the optimizer, the weight sync and the checkpoints see the same tensors and names)
+        # the gradient passes' module: compiled with trainer.compile (same parameters and names: batch.compiled)
         self.forward_model = compiled(self.train_model) if trainer.compile else self.train_model
-        if self.dp.world_size > 1 and critic is not None:
-            critic.distribute(self.dp)
-        if trainer.compile and critic is not None:
-            critic.compile_forward()
+        if critic is not None:
+            critic.distribute(self.dp, compile=trainer.compile)
         if self.dp.world_size > 1 and reference is not None:
             self.dp.wrap(reference.model, trainable=False)
         self.algorithm = a = algorithm
@@ -176,9 +173,8 @@ class Learner:
         *, entropy_grad: bool = False, model: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
-        net = self.model if model is None else model  # (not `model or`: a compiled module has no len())
-        return token_logprobs(net, input_ids, attention_mask, response_mask, temperature,
-                              entropy_grad=entropy_grad, autocast=self.autocast)
+        return token_logprobs(self.model if model is None else model, input_ids, attention_mask, response_mask,
+                              temperature, entropy_grad=entropy_grad, autocast=self.autocast)
 
     @torch.no_grad()
     def teacher_forced_logprobs(
