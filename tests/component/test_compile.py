@@ -24,8 +24,14 @@ from tests.component.test_data_parallel import CASES, WORLD, _learner, _spawn, _
 
 pytestmark = pytest.mark.slow  # compiling takes seconds to tens of seconds on 2 cores
 TOLERANCE = 3e-5  # (module doc)
+# Seen with torch 2.11 (CPU): the compiled backward of a float64 model fails in inductor's CPU attention kernel
+# ("expected scalar type Double but found Float"); float32 models compile and train there (benchmarks/train_step.py
+# --compile), and torch 2.13 runs these float64 cases. The CUDA cases take another attention kernel.
+FLOAT64_ON_CPU = pytest.mark.skipif(torch.__version__ < "2.13", reason="torch < 2.13: inductor's CPU attention "
+                                    "backward mixes float32 into a float64 graph")
 
 
+@FLOAT64_ON_CPU
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_learner_trains_the_weights_the_eager_one_trains(case: str) -> None:
     from torch._dynamo.utils import counters
@@ -89,6 +95,7 @@ def _compiled_rank_main(rank: int, port: int, mode: str, steps: list[Any], out: 
 
 
 # FSDP2 in the default run (hooks on every layer inside the compiled model); DDP with `pytest -m long` (~40 s more)
+@FLOAT64_ON_CPU
 @pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.long), "fsdp2"])
 def test_compiled_ranks_train_the_weights_one_process_trains(mode: str) -> None:
     """trainer.num_ranks = 2 with trainer.compile: the compiled DDP wrapper, or the compiled FSDP2-sharded model,
