@@ -22,8 +22,8 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/asyncrl-gpu-check/out}"
-WORK=/tmp/asyncrl-gpu-check
+WORK="${WORK:-/tmp/asyncrl-gpu-check}"
+OUT="${OUT:-$WORK/out}"
 PY="${PYTHON:-python3}"
 REHEARSE="${REHEARSE:-}"
 mkdir -p "$OUT" "$WORK"
