@@ -25,8 +25,9 @@ from tests.component.test_data_parallel import CASES, WORLD, _learner, _spawn, _
 pytestmark = pytest.mark.slow  # compiling takes seconds to tens of seconds on 2 cores
 TOLERANCE = 3e-5  # (module doc)
 # Seen with torch 2.11 (CPU): the compiled backward of a float64 model fails in inductor's CPU attention kernel
-# ("expected scalar type Double but found Float"); float32 models compile and train there (benchmarks/train_step.py
-# --compile), and torch 2.13 runs these float64 cases. The CUDA cases take another attention kernel.
+# ("expected scalar type Double but found Float", pytorch/pytorch#185539, closed); float32 models compile and train
+# there (benchmarks/train_step.py --compile), and torch 2.13 runs these float64 cases. On CUDA float64 attention takes
+# the math kernel, not that one.
 FLOAT64_ON_CPU = pytest.mark.skipif(torch.__version__ < "2.13", reason="torch < 2.13: inductor's CPU attention "
                                     "backward mixes float32 into a float64 graph")
 
