@@ -73,7 +73,7 @@ print(f"python {sys.version.split()[0]}; torch {torch.__version__}; CUDA {torch.
 print("ray installed:", importlib.util.find_spec("ray") is not None, "| vllm installed:",
       importlib.util.find_spec("vllm") is not None)
 if not torch.cuda.is_available():
-    if os.environ.get("REHEARSE") == "1":
+    if os.environ.get("REHEARSE"):  # set and not empty, as the sections below test it
         print("REHEARSE=1: no CUDA device; the sections run on the CPU")
         sys.exit(0)
     sys.exit("no CUDA device: nothing to check here (REHEARSE=1 tries the script on the CPU)")
