@@ -239,7 +239,7 @@ def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_ht
         err = open(tmp_path / "stderr.log", "w")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "asyncrl.cli", "serve", str(config), "--port", "0", "--chat-template",
-            str(template), "--set", "trainer.total_steps=1", "--set", "trainer.prompts_per_step=1",
+            str(template), "--set", "trainer.total_steps=1", "--set", "trainer.prompts_per_step=2",
             *(["--ray", "--set", "cluster.num_cpus=2"] if where == "ray" else []),
             cwd=root, stdout=asyncio.subprocess.PIPE, stderr=err)
         try:
@@ -247,10 +247,15 @@ def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_ht
             url = re.search(r" at (http://127\.0\.0\.1:\d+): ", line).group(1)
             async with httpx.AsyncClient(base_url=url, timeout=30) as http:
                 assert (await http.get("/status")).json() == {"version": 0, "training_done": False}
-                eps = [(await http.post("/episodes")).json() for _ in range(2)]
-                for ep in eps:
-                    client = openai.AsyncOpenAI(base_url=ep["base_url"], api_key="unused", max_retries=0)
-                    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+
+                async def play_group() -> list[dict]:  # two episodes, one chat turn each
+                    eps = [(await http.post("/episodes")).json() for _ in range(2)]
+                    for ep in eps:
+                        client = openai.AsyncOpenAI(base_url=ep["base_url"], api_key="unused", max_retries=0)
+                        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+                    return eps
+
+                eps = await play_group()
                 bad = await http.post("/groups", json={"episodes": [{"id": "nope", "reward": 1.0}]})
                 assert bad.status_code == 404 and "'nope' is not open" in bad.json()["error"]["message"]
                 bad = await http.post("/groups", json={"episodes": [{"id": eps[0]["id"]}]})
@@ -259,8 +264,13 @@ def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_ht
                                                                    for e, r in zip(eps, (1.0, 0.0))]})
                 assert ok.status_code == 200 and ok.json()["trajectories"] == 2
                 assert isinstance(ok.json()["group_id"], int)
+                # the step takes two groups (prompts_per_step = 2), so the server is still up: at one group a
+                # step, the run could end and the server close before this request
                 again = await http.post("/groups", json={"episodes": [{"id": eps[0]["id"], "reward": 1.0}]})
                 assert again.status_code == 404  # submitted episodes are closed
+                ok = await http.post("/groups", json={"episodes": [{"id": e["id"], "reward": r}
+                                                                   for e, r in zip(await play_group(), (0.0, 1.0))]})
+                assert ok.status_code == 200 and ok.json()["trajectories"] == 2  # the second group: the step
             out = (await asyncio.wait_for(proc.stdout.read(), 120)).decode()
             return await asyncio.wait_for(proc.wait(), 30), out
         finally:
