@@ -268,8 +268,9 @@ def test_asyncrl_serve_trains_on_an_agent_in_another_process_that_speaks_only_ht
                 # step, the run could end and the server close before this request
                 again = await http.post("/groups", json={"episodes": [{"id": eps[0]["id"], "reward": 1.0}]})
                 assert again.status_code == 404  # submitted episodes are closed
+                second = await play_group()
                 ok = await http.post("/groups", json={"episodes": [{"id": e["id"], "reward": r}
-                                                                   for e, r in zip(await play_group(), (0.0, 1.0))]})
+                                                                   for e, r in zip(second, (0.0, 1.0))]})
                 assert ok.status_code == 200 and ok.json()["trajectories"] == 2  # the second group: the step
             out = (await asyncio.wait_for(proc.stdout.read(), 120)).decode()
             return await asyncio.wait_for(proc.wait(), 30), out
