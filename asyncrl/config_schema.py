@@ -110,7 +110,10 @@ class DataConfig(Section):
     chat_template: Annotated[
         Literal["auto", "none"],
         _d("auto: render the prompt's messages with the tokenizer's chat template and its generation prompt when "
-           "it has one; none, or a tokenizer without one: the messages' contents joined by newlines"),
+           "it has one — except a string prompt that already holds the template's own special tokens (e.g. "
+           "<|im_start|>, <|start_header_id|>: rendered upstream by verl/OpenRLHF), which is used as it is, "
+           "templated once, without system_prompt (logged once); none, or a tokenizer without one: the "
+           "messages' contents joined by newlines"),
     ] = "auto"
     chat_template_kwargs: Annotated[
         dict[str, Any],

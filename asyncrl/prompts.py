@@ -14,13 +14,18 @@ A row becomes a prompt in four steps, each set in `[data]`:
    (unless the messages already start with one: the row's own wins).
 3. Text: with `chat_template = "auto"` and a tokenizer that has a chat template,
    `apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)`.
+   A string prompt that already holds one of the template's markers (the special tokens the template itself
+   writes around a probe conversation: `<|im_start|>`, `<|start_header_id|>`, `<|begin_of_text|>`) was
+   rendered upstream (verl, OpenRLHF) and is used as it is — templated once, not twice, and without
+   `system_prompt`; the log says so once. Chat messages are always rendered.
    Otherwise (`"none"`, or no template) the messages' contents joined by newlines, roles dropped — a string
    prompt without a system prompt is exactly itself.
 4. Ids, special tokens: the text is encoded without adding special tokens, then
-   - with a chat template: nothing is added — the template writes the BOS if the model wants one (as HF's
+   - with a chat template: the template writes the BOS if the model wants one (as HF's
      `apply_chat_template(tokenize=True)` and vLLM's chat API do), so a template that starts with
-     `{{ bos_token }}` gives exactly one BOS. A tokenizer that adds a BOS to plain text under a template that
-     does not write one is warned about once; the template still decides.
+     `{{ bos_token }}` gives exactly one BOS; a pre-rendered prompt without it gets that one BOS, as the
+     template would have written it. A tokenizer that adds a BOS to plain text under a template that does
+     not write one is warned about once; the template still decides.
    - without one: the BOS, if the tokenizer puts one before plain text (`encode(text)` with special tokens
      starts with `bos_token_id`: Llama-style `add_bos_token` or a TemplateProcessing post-processor), is
      prepended unless the text already begins with it. Only the BOS: a tokenizer that also appends an EOS
@@ -66,15 +71,28 @@ class PromptEncoder:
         self.tok = tokenizer
         self.cfg = data_cfg
         self.templated = data_cfg.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
-        self.bos = plain_text_bos(tokenizer)
-        self._template_checked = False
+        self.markers: tuple[str, ...] = ()  # the template's own special tokens: a string holding one is rendered
+        self.bos = plain_text_bos(tokenizer)  # the BOS every prompt begins with (None: none is added)
+        if self.templated:
+            self.markers, first = template_markers(tokenizer, data_cfg.chat_template_kwargs)
+            if self.bos is not None and first not in (None, self.bos):
+                log.warning("the chat template does not begin with the BOS token (id %d) the tokenizer puts "
+                            "before plain text; prompts follow the template (no BOS added)", self.bos)
+            if first != self.bos:
+                self.bos = None  # the template decides: it writes none
+        self._said_rendered = False
 
     # -- steps 1-3: row -> messages -> text ------------------------------------------------------------
-    def messages(self, row: Mapping[str, Any]) -> list[Message]:
+    def raw_prompt(self, row: Mapping[str, Any]) -> Any:
+        """The row's prompt as written: prompt_template formatted with the row, else its prompt_key field."""
         if self.cfg.prompt_template:
-            value: Any = format_row(self.cfg.prompt_template, row)
-        else:
-            value = field_at(row, self.cfg.prompt_key)
+            return format_row(self.cfg.prompt_template, row)
+        return field_at(row, self.cfg.prompt_key)
+
+    def messages(self, row: Mapping[str, Any]) -> list[Message]:
+        return self._messages(self.raw_prompt(row))
+
+    def _messages(self, value: Any) -> list[Message]:
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]
         elif is_messages(value):
@@ -87,8 +105,12 @@ class PromptEncoder:
         return messages
 
     def render(self, row: Mapping[str, Any]) -> tuple[str, str]:
-        """(model text, plain text): what is tokenized, and the prompt without template markup."""
-        messages = self.messages(row)
+        """(model text, plain text): what is tokenized, and the prompt without template markup (a pre-rendered
+        string prompt is both)."""
+        value = self.raw_prompt(row)
+        if isinstance(value, str) and self.rendered(value):
+            return value, value
+        messages = self._messages(value)
         plain = "\n".join(m["content"] for m in messages)
         if not self.templated:
             return plain, plain
@@ -107,17 +129,24 @@ class PromptEncoder:
     def token_ids(self, text: str) -> list[int]:
         return self._with_bos(self.tok.encode(text, add_special_tokens=False))
 
+    def rendered(self, text: str) -> bool:
+        """Whether a string prompt already carries the chat template (holds one of its markers); the first
+        one found is logged once."""
+        found = next((m for m in self.markers if m in text), None)
+        if found is not None and not self._said_rendered:
+            self._said_rendered = True
+            skipped = "; data.system_prompt is not added to them" if self.cfg.system_prompt else ""
+            log.warning("data.chat_template = 'auto': string prompts that already hold the chat template's "
+                        "special tokens (this one has %r) are used as they are, not templated again%s",
+                        found, skipped)
+        return found is not None
+
     def _with_bos(self, ids: list[int]) -> list[int]:
-        if self.bos is None:
+        # a template's rendering already begins with its BOS: only a pre-rendered prompt without it, or plain
+        # text (no template) for a tokenizer that puts one before it, gets one here
+        if self.bos is None or ids[:1] == [self.bos]:
             return ids
-        if self.templated:
-            if not self._template_checked:
-                self._template_checked = True
-                if ids[:1] != [self.bos]:
-                    log.warning("the chat template does not begin with the BOS token (id %d) the tokenizer puts "
-                                "before plain text; prompts follow the template (no BOS added)", self.bos)
-            return ids
-        return ids if ids[:1] == [self.bos] else [self.bos, *ids]
+        return [self.bos, *ids]
 
     # -- the prompt ------------------------------------------------------------------------------------
     def encode(self, row: Mapping[str, Any]) -> Prompt:
@@ -144,6 +173,34 @@ class PromptEncoder:
         keep_bos = self.bos is not None and ids[0] == self.bos and limit > 1
         kept = [ids[0], *ids[len(ids) - limit + 1:]] if keep_bos else ids[len(ids) - limit:]
         return Prompt(kept, plain, truncated=True)
+
+
+# Conversations the chat template is rendered on to learn its markers; the second for templates that
+# refuse a lone user message (and so that a template's system-turn tokens count too).
+PROBES = ([{"role": "user", "content": "hi"}],
+          [{"role": "system", "content": "hi"}, {"role": "user", "content": "hi"}])
+
+
+def template_markers(tokenizer: Any, kwargs: Mapping[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    """(markers, first id): the special tokens the chat template writes around the probe conversations
+    (`<|im_start|>`, `<|start_header_id|>`, `<|begin_of_text|>` ...: the tokenizer's special tokens and
+    added tokens marked special), and the first id of its rendering of the first probe it renders. ((), None)
+    when it renders neither (rows then fail with their own error)."""
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    found: dict[int, None] = {}  # ordered, for a stable log line
+    first: int | None = None
+    for messages in PROBES:
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception:  # jinja's own types; a template that refuses this probe may render the other
+            continue
+        if not isinstance(text, str) or not text:
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        first = ids[0] if first is None and ids else first
+        found.update((i, None) for i in ids if i in special)
+    return tuple(t for t in tokenizer.convert_ids_to_tokens(list(found)) if t), first
 
 
 def plain_text_bos(tokenizer: Any) -> int | None:

@@ -136,6 +136,7 @@ def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smol
     text = encoder.render(row)[0]  # what the model is prompted with: its own chat template, default system prompt
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{row['question']}<|im_end|>" in text
+    assert encoder.encode({"prompt": text}).ids == encoder.encode(row).ids  # pre-rendered upstream: templated once
     fields = {"answer": row["answer"], "metadata": row["metadata"]}
     expr = row["metadata"]["expression"]
     assert score(row["question"], row["answer"], **fields) == 1.0

@@ -1,15 +1,25 @@
 """Prompts: a row becomes token ids in one place — chat messages, chat templates, system prompt, prompt
-template, template kwargs, the BOS exactly once, and over-long prompts (error / filter / truncate_left)."""
+template, template kwargs, the BOS exactly once, a pre-rendered prompt templated once, and over-long prompts
+(error / filter / truncate_left)."""
 
 from __future__ import annotations
 
 import logging
+import string
 from typing import Any
 
 import pytest
 
 from asyncrl.config_schema import Config, DataConfig, ModelConfig
-from asyncrl.prompts import OverlongPrompt, Prompt, PromptEncoder, check_prompts, plain_text_bos, screen_rows
+from asyncrl.prompts import (
+    OverlongPrompt,
+    Prompt,
+    PromptEncoder,
+    check_prompts,
+    plain_text_bos,
+    screen_rows,
+    template_markers,
+)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 ?.:\n=+[]"
 BOS, EOS = 1, 2
@@ -108,8 +118,8 @@ def test_only_the_bos_of_a_tokenizer_that_also_appends_eos_is_added():
 
 def test_a_template_without_bos_is_followed_and_warned_about_once(caplog):
     tok = make_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    encoder = PromptEncoder(tok, DataConfig(path="x"))
     with caplog.at_level(logging.WARNING, logger="asyncrl.prompts"):
+        encoder = PromptEncoder(tok, DataConfig(path="x"))
         first, second = encoder.encode({"prompt": "ab"}), encoder.encode({"prompt": "cd"})
     assert first.ids == chars(tok, "ab") and second.ids == chars(tok, "cd")
     assert caplog.text.count("does not begin with the BOS") == 1
@@ -152,6 +162,117 @@ def test_tiny_char_tokenizer_prompts_are_exactly_their_characters(tiny_model_dir
     prompt = PromptEncoder(tok, DataConfig(path="x")).encode({"prompt": "5382="})
     assert prompt == Prompt(tok.encode("5382=", add_special_tokens=False), "5382=")
     assert len(prompt.ids) == 5
+
+
+# -- a prompt rendered upstream is templated once --------------------------------------------------------
+
+# The chat templates of SmolLM2-135M-Instruct (ChatML, with its default system prompt) and of
+# Llama-3-8B-Instruct, verbatim.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
+    "+ message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def chat_tokenizer(specials: list[str], template: str, *, bos: str, eos: str, bos_before_text: bool) -> Any:
+    """A char-level PreTrainedTokenizerFast over printable ASCII with a real model's special tokens and chat
+    template. `bos_before_text`: its post-processor puts the BOS before plain text (Llama 3's does, SmolLM2's
+    does not)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*specials, "<unk>"])}
+    for c in string.printable:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([*specials, "<unk>"])
+    if bos_before_text:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token="<unk>")
+    hf.chat_template = template
+    return hf
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return chat_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], SMOLLM2_TEMPLATE,
+                          bos="<|im_start|>", eos="<|im_end|>", bos_before_text=False)
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return chat_tokenizer(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                           "<|eot_id|>"], LLAMA3_TEMPLATE,
+                          bos="<|begin_of_text|>", eos="<|eot_id|>", bos_before_text=True)
+
+
+QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
+
+
+def rendered_once(tok: Any, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def test_the_markers_are_the_special_tokens_the_template_itself_writes(smollm2, llama3):
+    im_start = smollm2.convert_tokens_to_ids("<|im_start|>")
+    assert template_markers(smollm2, {}) == (("<|im_start|>", "<|im_end|>"), im_start)
+    markers, first = template_markers(llama3, {})
+    assert markers == ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    assert first == llama3.bos_token_id == plain_text_bos(llama3)
+    assert "<|endoftext|>" not in template_markers(smollm2, {})[0]  # special, but the template never writes it
+
+
+def test_a_pre_rendered_smollm2_prompt_is_used_as_it_is_and_said_once(smollm2, caplog):
+    text, ids = rendered_once(smollm2, QUESTION)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+        encoder = PromptEncoder(smollm2, DataConfig(path="x"))
+        prompts = [encoder.encode({"prompt": text}) for _ in range(3)]
+        lengths = encoder.lengths([{"prompt": text}] * 2)
+    assert [p.ids for p in prompts] == [ids] * 3 and lengths == [len(ids)] * 2
+    assert encoder.encode({"prompt": QUESTION}).ids == ids  # the same as rendering the messages once
+    assert prompts[0].text == text  # the reward function sees the row's string as it is
+    assert caplog.text.count("not templated again") == 1 and "'<|im_start|>'" in caplog.text
+    assert "system_prompt" not in caplog.text
+
+
+def test_a_plain_string_is_still_templated_and_nothing_is_said(smollm2, llama3, caplog):
+    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+        for tok in (smollm2, llama3):
+            prompt = PromptEncoder(tok, DataConfig(path="x")).encode({"prompt": "What is 17 + 25?"})
+            assert prompt.ids == rendered_once(tok, QUESTION)[1] and prompt.text == "What is 17 + 25?"
+    assert caplog.text == ""
+
+
+def test_a_pre_rendered_llama3_prompt_has_one_bos_with_or_without_its_own(llama3, caplog):
+    text, ids = rendered_once(llama3, QUESTION)
+    bos = llama3.bos_token_id
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user") and ids.count(bos) == 1
+    encoder = PromptEncoder(llama3, DataConfig(path="x", system_prompt="Be brief."))
+    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+        assert encoder.encode({"prompt": text}).ids == ids
+        stripped = text.removeprefix("<|begin_of_text|>")  # a pipeline that left the BOS to the tokenizer
+        assert encoder.encode({"prompt": stripped}).ids == ids
+    assert caplog.text.count("not templated again") == 1
+    assert "data.system_prompt is not added" in caplog.text  # the row's own rendering wins
+    with_system = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    assert encoder.encode({"prompt": "What is 17 + 25?"}).ids == rendered_once(llama3, with_system)[1]
+
+
+def test_chat_messages_are_rendered_even_when_they_hold_markers_and_none_keeps_a_string_as_it_is(llama3):
+    text, ids = rendered_once(llama3, QUESTION)
+    nested = PromptEncoder(llama3, DataConfig(path="x")).encode({"prompt": [{"role": "user", "content": text}]})
+    assert nested.ids.count(llama3.convert_tokens_to_ids("<|start_header_id|>")) == 4  # rendered around it
+    none = PromptEncoder(llama3, DataConfig(path="x", chat_template="none"))
+    assert none.encode({"prompt": text}).ids == ids  # exactly itself, its BOS not doubled
 
 
 # -- over-long prompts ----------------------------------------------------------------------------------
