@@ -110,7 +110,9 @@ def test_native_engine_greedy_equals_hf_generate_and_logprobs_equal_a_teacher_fo
         total += len(theirs)
         expected, _ = _teacher_forced(model, prompt, ours.response_ids, 0.0)
         torch.testing.assert_close(torch.tensor(ours.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
-    assert compared >= 0.9 * total and total >= 3 * NEW_TOKENS
+    # measured: 80 of 80 tokens compared, no near tie (8 + 24 + 24 + 24: the first answer ends at
+    # <|im_end|> after 8 tokens)
+    assert compared >= 64 and compared >= 0.9 * total
     assert "Paris" in tokenizer.decode(greedy[0][0].response_ids)  # a real model, converted correctly
     for prompt, group in zip(prompts, sampled):
         for c in group:

@@ -333,6 +333,7 @@ def test_greedy_equals_hf_and_logprobs_match_teacher_forcing(make_engine, tiny_m
     prompt = encode(tiny_model_dir, "12+34=")
     (c,), = generate(engine, [prompt], temperature=0.0, max_new_tokens=5)
     steps = len(c.response_ids)
+    assert steps >= 4  # tokens compared; measured: 5 (max_new_tokens, no eos)
     assert c.response_ids == hf_greedy(model, prompt, 5)
     assert c.logprobs == pytest.approx(teacher_forced(model, prompt, c.response_ids, 1.0), abs=1e-5)
     assert c.versions == [0] * steps and c.finish_reason in ("stop", "length")
@@ -344,6 +345,7 @@ def test_sampled_logprobs_are_post_temperature(make_engine, tiny_model_dir):
     prompt = encode(tiny_model_dir, "7+8=")
     (c,), = generate(engine, [prompt], temperature=0.6, max_new_tokens=6, seed=1)
     assert c.logprobs == pytest.approx(teacher_forced(model, prompt, c.response_ids, 0.6), abs=1e-5)
+    assert len(c.response_ids) >= 4  # tokens compared; measured: 6 (max_new_tokens, no eos)
 
 
 def test_finish_reasons_length_stop_token_and_stop_string(make_engine, tiny_model_dir):
@@ -482,6 +484,7 @@ def test_update_through_the_group_changes_outputs_version_and_flushes(make_engin
         assert engine.version == 2 and c.versions == [2] * len(c.response_ids)
         assert c.logprobs != b[0][0].logprobs
         assert c.response_ids == hf_greedy(reference, prompt, 4)
+        assert len(c.response_ids) >= 3  # tokens compared; measured: 4 (max_new_tokens, no eos)
         assert c.logprobs == pytest.approx(teacher_forced(reference, prompt, c.response_ids, 1.0), abs=1e-5)
         fake = engine._engine
         assert fake.flush_count == 2  # once after every update

@@ -119,15 +119,18 @@ def test_greedy_matches_hf_generate_token_for_token(engine, ref_model):
         torch.testing.assert_close(
             torch.tensor(c.logprobs), teacher_forced_logprobs(ref_model, prompt, c.response_ids, 0.0), atol=1e-5, rtol=0
         )
-    assert compared >= 0.8 * total and total >= 4 * 8  # the margin rule skipped few positions
+    # measured: 64 of 64 tokens compared (no eos, no near tie); a margin rule may stop a prompt early elsewhere
+    assert compared >= 48 and total == 4 * 16
 
 
 def test_batched_greedy_equals_one_by_one_greedy(engine, ref_model):
     batched = generate(engine, PROMPTS, n=2, temperature=0.0, max_new_tokens=12)
+    compared = 0
     for prompt, group in zip(PROMPTS, batched):
         (alone,) = generate(engine, [prompt], temperature=0.0, max_new_tokens=12)[0]
         for c in group:
-            agree_until_near_tie(ref_model, prompt, c.response_ids, alone.response_ids)
+            compared += agree_until_near_tie(ref_model, prompt, c.response_ids, alone.response_ids)
+    assert compared >= 72  # measured: 96 of 96 (4 prompts x 2 samples x 12 tokens)
 
 
 def test_one_forward_per_decode_step_for_the_whole_batch(ref_model):
@@ -377,8 +380,10 @@ def test_hf_fallback_greedy_equals_fast_path(model_dir, engine, ref_model):
     slow = TorchEngine(str(model_dir), fast=False)
     fast_out = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=10)
     slow_out = generate(slow, PROMPTS, temperature=0.0, max_new_tokens=10)
+    compared = 0
     for prompt, (a,), (b,) in zip(PROMPTS, fast_out, slow_out):
-        agree_until_near_tie(ref_model, prompt, a.response_ids, b.response_ids)
+        compared += agree_until_near_tie(ref_model, prompt, a.response_ids, b.response_ids)
+    assert compared >= 30  # measured: 40 of 40 (4 prompts x 10 tokens)
 
 
 def test_stop_string_ends_the_sequence_once_the_text_contains_it(model_dir, ref_model):

