@@ -1,8 +1,9 @@
 """Durable training checkpoints: atomic, verified folders of safetensors + msgpack, never unpickled.
 
-Place in the dataflow: the Controller asks every role for its state every `run.save_every` steps (the
-trainer's weights, optimizer, scheduler and RNG; the buffer's and gate's counters) and hands it to `save`,
-which writes `RUN_DIR/checkpoints/step_<N:08d>/`; `--resume` reads the newest valid one with
+Place in the dataflow: when a checkpoint is due (`run.save_every` steps, `run.save_every_s` seconds:
+asyncrl/checkpoint_policy.py) the Controller asks every role for its state (the trainer's weights, optimizer,
+scheduler and RNG; the buffer's and gate's counters) and hands it to `save`, which writes
+`RUN_DIR/checkpoints/step_<N:08d>/`; `--resume` reads the newest valid one with
 `latest_valid` + `load` and gives each role back its part. `export_hf` writes the separate, derived
 Hugging Face folder that inference tools load.
 
@@ -199,6 +200,26 @@ def latest_valid(root: str | Path) -> Path | None:
     return None
 
 
+def step_of(path: str | Path) -> int:
+    """The step of checkpoint folder `path` (`step_<N>`), from its name."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step_<N>)")
+    return int(match[1])
+
+
+def clear(root: str | Path) -> list[str]:
+    """Remove every checkpoint folder under `root` (valid or not) and the leftovers of interrupted saves;
+    returns the removed folders' names. Each folder is renamed away first (`_discard`), so none is ever
+    seen half-deleted under its own name."""
+    found = list_checkpoints(root)
+    for _, path in found:
+        _discard(path)
+    for leftover in Path(root).glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return [path.name for _, path in found]
+
+
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """Every `step_<N>` folder under `root` (valid or not) as (N, path), by increasing N."""
     root = Path(root)
@@ -218,11 +239,12 @@ def load(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, manifest=manifest, tensors=tensors, state=state)
 
 
-def read_state(path: str | Path) -> tuple[Manifest, dict[str, Any]]:
+def read_state(path: str | Path, *, verified: bool = False) -> tuple[Manifest, dict[str, Any]]:
     """Verify the checkpoint at `path` and read its manifest and state only (no tensors: what the
-    Controller needs to resume the buffer and its own totals)."""
+    Controller needs to resume the buffer and its own totals). `verified`: the caller verified it just now
+    (`latest_valid`), so every byte is not hashed again."""
     path = Path(path)
-    manifest = verify(path)
+    manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest) if verified else verify(path)
     state = msgspec.msgpack.decode((path / STATE).read_bytes()) if STATE in manifest.files else {}
     return manifest, state
 

@@ -126,12 +126,7 @@ def manifest_bytes(folder: str | Path) -> bytes | None:
 
 def clear_checkpoints(root: str | Path) -> list[str]:
     """Remove the checkpoint folders (and leftovers of interrupted saves) under `root`; -> their names."""
-    found = checkpoint.list_checkpoints(root)
-    for _, path in found:
-        checkpoint._discard(path)
-    for leftover in Path(root).glob(".tmp-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    return [path.name for _, path in found]
+    return checkpoint.clear(root)
 
 
 class NodeFiles:

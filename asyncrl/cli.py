@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--local", action="store_true", help="run every role in this process, without Ray")
     launch.add_argument("--address", help="join an existing Ray cluster (same as --set cluster.address=...)")
     launch.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its newest valid checkpoint (run.save_every)")
+                        help="continue the run in RUN_DIR from its newest valid checkpoint (run.save_every, "
+                             "run.save_every_s)")
     launch.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="console and RUN_DIR/run.log (default INFO)")
@@ -169,13 +170,14 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _calibration_run(config: str, steps: int) -> str:
-    """A short in-process run of `config` (no evaluation, no checkpoint) to calibrate the planner from."""
+    """A short in-process run of `config` (no evaluation, no checkpoint: not even the default's durable one)
+    to calibrate the planner from."""
     from asyncrl.local import run_local
 
     # On-policy (max_staleness = 0): the one setting where generation, scoring and training each run alone,
     # so their costs are measured without the others' contention (docs/observability.md, the planner).
     overrides = [f"trainer.total_steps={steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
-                 "logging.live=false", "staleness.max_staleness=0"]
+                 "run.save_every=0", "run.save_every_s=0", "logging.live=false", "staleness.max_staleness=0"]
     out = f"{load_config(config, overrides).run.output_dir}-calibration"
     cfg = load_config(config, [*overrides, f'run.output_dir="{out}"'])
     logging.getLogger("asyncrl").info("calibration run: %d steps of %s into %s", steps, config, out)
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
+    from asyncrl.checkpoint_policy import failure_line
     from asyncrl.controller import RunStopped
     from asyncrl.telemetry.runlog import RunLog, cause_chain
 
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in wrappers:
             print(f"  raised as: {line}", file=sys.stderr)
         print(f"  (tracebacks: {run_log.path})", file=sys.stderr)
+        # a valid checkpoint of this run: what failed, the last good checkpoint, the command that resumes
+        if (going_on := failure_line(cfg.run.output_dir, exc, resumed=bool(resume))) is not None:
+            print(going_on, file=sys.stderr)
         return 1
     finally:
         run_log.close()

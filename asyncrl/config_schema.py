@@ -442,9 +442,18 @@ class RunConfig(Section):
     save_every: Annotated[
         int,
         _d("write a durable checkpoint (weights, optimizer, RNG, the buffer's accepted groups, the gate) into "
-           "RUN_DIR/checkpoints every N train steps and after the last; 0 = off. `asyncrl launch --resume "
-           "RUN_DIR` continues from the newest valid one", ge=0),
+           "RUN_DIR/checkpoints every N train steps; 0 = off. Beside run.save_every_s: a checkpoint is written when "
+           "either is due, and after the last step when either is on. `asyncrl launch --resume RUN_DIR` continues "
+           "from the newest valid one (docs/checkpoints.md)", ge=0),
     ] = 0
+    save_every_s: Annotated[
+        float,
+        _d("write a durable checkpoint once this many seconds of wall time passed since the last one (or since the "
+           "run started or resumed) — after the step in progress then, or at most two steps later (the step pipeline "
+           "drains first) — and after the last step; 0 = off (with run.save_every = 0 too: no checkpoints at all, "
+           "so a dead trainer or a crash cannot be resumed). On by default: a run that dies after an hour loses about "
+           "the last 30 minutes at most", ge=0),
+    ] = 1800.0
     keep_last: Annotated[
         int, _d("durable checkpoints to keep (the newest valid ones); 0 = keep all", ge=0),
     ] = 2

@@ -42,11 +42,12 @@ from typing import IO, Any, Awaitable, Callable, Protocol
 import msgspec
 
 from asyncrl.aio import discard
-from asyncrl.checkpoint import CHECKPOINTS, latest_valid, read_state
+from asyncrl.checkpoint import CHECKPOINTS, clear, latest_valid, read_state
+from asyncrl.checkpoint_policy import SaveSchedule, note_failure
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
-from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death
+from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death, why_no_checkpoint
 from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu, RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
@@ -120,7 +121,11 @@ class Controller:
         self.first_step = 0  # the step this run starts from: a resume's checkpoint step, else 0
         self.ready = asyncio.Event()  # set once restored and every generator holds the weights to start from
         self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
-                                     save_every=cfg.run.save_every)
+                                     save_every=cfg.run.save_every, save_every_s=cfg.run.save_every_s)
+        # when durable checkpoints are written: run.save_every, run.save_every_s (asyncrl/checkpoint_policy.py)
+        self.saves = SaveSchedule(every=cfg.run.save_every, every_s=cfg.run.save_every_s,
+                                  total_steps=cfg.trainer.total_steps)
+        self._doing = ""  # what the run is doing ("training step 7"): a failure's note says it (note_failure)
         self._spans: list[Span] = []  # reported spans that end after the last window: they reach into the next
         self._roles: set[str] = set()  # every role that reported a span: each gets a busy share in every row
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
@@ -138,7 +143,7 @@ class Controller:
         self.steps = StepPipeline(trainer=deployment.trainer, generators=deployment.generators,
                                   buffer=deployment.buffer, total_steps=cfg.trainer.total_steps, watch=self._guard,
                                   pause_after=self._eval_due,
-                                  drain_after=lambda v: self._save_due(v) or bool(self._stopping),
+                                  drain_after=lambda v: self._save_wanted(v),
                                   recover=self.supervisor.recover if deployment.restartable else None,
                                   colocated=self.colocated, tolerated=self.supervisor.tolerated,
                                   # colocated, a generator's sleep ends after its receive: all asked after the wake
@@ -150,16 +155,18 @@ class Controller:
     async def run(self) -> list[dict[str, Any]]:
         cfg, d = self.cfg, self.d
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # always: `asyncrl report` and `asyncrl plan` read the run's settings from it
-        (self.run_dir / "config.toml").write_text(self.config_text if self.config_text is not None
-                                                  else config_to_toml(cfg))
         t_start = time.time()
+        self.saves.start()  # run.save_every_s counts from the run's start
         sinks: list[MetricSink] = []
         outcome = FAILED
         quiet = live_enabled(cfg.logging.live)  # the live view replaces the progress lines
         remove_handler = self._on_sigterm()
         try:
             first_step = self.first_step = await self._restore() if self.resume else self._fresh_run_dir()
+            # always: `asyncrl report` and `asyncrl plan` read the run's settings from it (written once RUN_DIR
+            # is this run's: a fresh run refused there leaves the earlier run's config to its --resume)
+            (self.run_dir / "config.toml").write_text(self._config_text())
+            self._doing = f"resuming from step {first_step}" if self.resume else "starting the run"
             sinks = build_sinks(cfg, self.run_dir)  # inside try: a missing logger package still shuts down
             self.rollouts.sinks = sinks
             if cfg.logging.trace:
@@ -180,17 +187,20 @@ class Controller:
             t_prev, self._cpu_mark, self._cpu = time.time(), time.thread_time(), ProcessCpu()
             self._calls_mark = ACTOR_CALLS.n
             for step in range(first_step, cfg.trainer.total_steps):
+                self._doing = f"training step {step + 1}"
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
                 self._keep_row(sinks, row)
-                if self._save_due(step + 1) or (self._stopping and self.steps.drained(step + 1)):
+                # a signal or run.save_every_s: a checkpoint once the pipeline is drained (asyncrl/checkpoint_policy.py)
+                wanted = bool(self._stopping) or self.saves.timed()
+                if self.saves.due(step + 1) or (wanted and self.steps.drained(step + 1)):
                     path = await self._save(step + 1)
                     if self._stopping:
                         raise RunStopped(f"stopped by {self._stopping} after step {step + 1} of "
                                          f"{cfg.trainer.total_steps}; checkpoint {path}; resume with: "
                                          f"asyncrl launch --resume {self.run_dir}")
                     self.steps.ask_next(step + 1)
-                elif self._stopping:  # that step prefetched the next one's groups: train it too, then stop
+                elif wanted:  # that step prefetched the next one's groups: train it too, then the checkpoint
                     self.steps.ask_next(step + 1)
                 if not quiet and ((step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.trainer.total_steps):
                     log.info(_progress_line(row, cfg.trainer.total_steps))
@@ -200,10 +210,13 @@ class Controller:
             summary = self._summary(t_start, rows)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.run.save_checkpoint:
+                self._doing = f"writing the final export into {self.run_dir / 'checkpoint'}"
                 await d.save_checkpoint(str(self.run_dir / "checkpoint"))
             return rows
         except BaseException as exc:  # the trackers record how the run ended
             outcome = STOPPED if isinstance(exc, (RunStopped, KeyboardInterrupt, asyncio.CancelledError)) else FAILED
+            if outcome == FAILED and self._doing:  # the last line of a failed run names it (checkpoint_policy)
+                note_failure(exc, self._doing)
             raise
         finally:
             remove_handler()
@@ -253,7 +266,7 @@ class Controller:
             row.update(evaluated)
             self.rollouts.write(version, row.pop(EVAL_SAMPLES_KEY, []))
         t_end, cpu, calls = time.time(), time.thread_time(), ACTOR_CALLS.n
-        if not (self._save_due(version) or self._stopping):  # (asked for once the checkpoint is written)
+        if not self._save_wanted(version):  # (asked for once the checkpoint is written)
             self.steps.ask_next(version)
         row.update(await self._role_metrics(t_prev, t_end, ask_trainer=eval_due))
         row["time/step_s"] = t_end - t_prev  # the step's window; consecutive windows tile the loop
@@ -288,9 +301,10 @@ class Controller:
         every = self.cfg.trainer.eval_every
         return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
 
-    def _save_due(self, version: int) -> bool:
-        every = self.cfg.run.save_every
-        return every > 0 and (version % every == 0 or version == self.cfg.trainer.total_steps)
+    def _save_wanted(self, version: int) -> bool:
+        """Whether a checkpoint may follow the step that publishes `version`: the pipeline drains before it
+        (a step interval or the last step, run.save_every_s passed, or a signal asked to stop)."""
+        return self.saves.due(version) or self.saves.timed() or bool(self._stopping)
 
     def _on_sigterm(self) -> Callable[[], None]:
         """SIGTERM (preemption) or SIGINT (Ctrl-C): the first finishes the step in progress, writes a
@@ -326,21 +340,37 @@ class Controller:
         weights, optimizer and RNG, the buffer's state (groups accepted and not trained, the gate) and the
         Controller's totals. The pipeline drained first: nothing is half-trained or prefetched."""
         t0 = time.time()
+        self._doing = f"writing checkpoint step {version} into {self.run_dir / CHECKPOINTS}"
         buffer_state = await self._guard(self.d.buffer.state())
+        # total_steps: a later fresh run in RUN_DIR tells a finished run (replaced) from one to resume (refused)
         extra = {"buffer": msgspec.to_builtins(buffer_state),
-                 "controller": {"totals": dict(self._reducer.totals)}}
+                 "controller": {"totals": dict(self._reducer.totals), "total_steps": self.cfg.trainer.total_steps}}
         path = await self._guard(self.d.trainer.save_state(
             str(self.run_dir / CHECKPOINTS), step=version, config_text=self._config_text(), extra=extra,
             keep_last=self.cfg.run.keep_last))
+        self.saves.saved()
         log.info("checkpoint of version %d: %s (%.1fs)", version, path, time.time() - t0)
         return path
 
     def _fresh_run_dir(self) -> int:
-        """A new run (no --resume) in RUN_DIR: its rows replace an earlier run's; an earlier run's
-        checkpoints are refused, not mixed with this run's (a later --resume would load the wrong one)."""
-        if latest_valid(self.run_dir / CHECKPOINTS) is not None:
-            raise RuntimeError(f"{self.run_dir / CHECKPOINTS} holds an earlier run's checkpoints: continue it with "
-                               f"asyncrl launch --resume {self.run_dir}, or choose another run.output_dir")
+        """A new run (no --resume) in RUN_DIR: its rows replace an earlier run's. An earlier run's checkpoints
+        are never mixed with this run's (a later --resume would load the wrong one): those of a run that
+        finished (its newest checkpoint is at its last step) are deleted, like its rows and its export; those
+        of a run that stopped before its end are refused — it is for --resume to continue."""
+        root = self.run_dir / CHECKPOINTS
+        found = latest_valid(root)
+        if found is not None:
+            manifest, state = read_state(found, verified=True)
+            planned = state.get("controller", {}).get("total_steps")
+            if planned is None or manifest.step < planned:
+                of = f" of {planned}" if planned is not None else ""
+                raise RuntimeError(f"{root} holds the checkpoints of an earlier run that stopped at step "
+                                   f"{manifest.step}{of}: continue it with asyncrl launch --resume {self.run_dir}, "
+                                   f"or choose another run.output_dir (or delete {root})")
+            log.warning("%s holds the checkpoints of an earlier run that finished (step %d of %d): this new run "
+                        "replaces them", root, manifest.step, planned)
+        if root.is_dir():  # a finished run's, or only partial or corrupted ones
+            clear(root)
         for name in ("metrics.jsonl", "ledger.jsonl", ROLLOUTS):
             (self.run_dir / name).unlink(missing_ok=True)
         return 0
@@ -351,7 +381,8 @@ class Controller:
         root = self.run_dir / CHECKPOINTS
         found = latest_valid(root)
         if found is None:
-            raise RuntimeError(f"--resume: no valid checkpoint in {root} (run.save_every writes them)")
+            why = why_no_checkpoint(self.cfg.run.save_every, self.cfg.run.save_every_s)
+            raise RuntimeError(f"--resume: no valid checkpoint in {root} ({why})")
         manifest, extra = read_state(found)
         step = manifest.step
         if step > self.cfg.trainer.total_steps:

@@ -25,8 +25,9 @@ waits while the gate has no room (backpressure) and drops the group (returns Non
 `buffer/submitted_dropped_stale`) when it is too old to fit. Deployments: in-process (`local=True`) or Ray
 actors (`local=False`).
 
-Checkpoints and resume: `run.save_every` writes durable checkpoints as for `asyncrl launch`;
-`Runtime(cfg, resume=True)` continues from the newest valid one in the run directory. `rt.version` starts
+Checkpoints and resume: durable checkpoints are written as for `asyncrl launch` (`run.save_every_s`, on by
+default, and `run.save_every`); `Runtime(cfg, resume=True)` continues from the newest valid one in the run
+directory. `rt.version` starts
 at the checkpoint's version, the groups accepted and not yet trained are trained, metrics.jsonl goes on.
 Groups your loop had submitted that were still being scored when the checkpoint was taken are not in it:
 submit them again (their places at the gate are kept for the next submissions).

@@ -71,14 +71,28 @@ def first_line(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-def death_message(role: str | None, exc: BaseException, run_dir: Path, save_every: int) -> str:
-    """One line: which role died and how to go on (the resume command, or that no checkpoint exists)."""
+def why_no_checkpoint(save_every: int, save_every_s: float) -> str:
+    """Why a run has no checkpoint yet, from its two intervals, and what to set (for a one-line error)."""
+    if save_every <= 0 and save_every_s <= 0:
+        return "run.save_every = 0 and run.save_every_s = 0: checkpoints are off; set either to write them"
+    due = []
+    if save_every > 0:
+        due.append(f"at step {save_every}")
+    if save_every_s > 0:
+        due.append(f"{save_every_s:g} s into the run")
+    return (f"run.save_every = {save_every}, run.save_every_s = {save_every_s:g}: the first is written "
+            f"{' or '.join(due)}, or after the last step; lower them to write one sooner")
+
+
+def death_message(role: str | None, exc: BaseException, run_dir: Path, save_every: int,
+                  save_every_s: float = 0.0) -> str:
+    """One line: which role died and how to go on (the resume command, or that no checkpoint exists and why)."""
     found = latest_valid(run_dir / CHECKPOINTS)
     if found is not None:
         then = f"resume from {found.name} with: asyncrl launch --resume {run_dir}"
     else:
-        then = (f"no checkpoint exists in {run_dir / CHECKPOINTS} to resume from (run.save_every = {save_every}; "
-                "set it to write them)")
+        then = (f"no checkpoint exists in {run_dir / CHECKPOINTS} to resume from "
+                f"({why_no_checkpoint(save_every, save_every_s)})")
     who = f"the {role} actor" if role else "an actor"
     return f"{who} died ({first_line(exc)}); {then}"
 
@@ -87,11 +101,13 @@ class Supervisor:
     """The role loops and their restarts (see the module docstring). `restarts` counts them for the metrics
     (`supervisor/restarts`)."""
 
-    def __init__(self, deployment: Any, *, max_restarts: int, run_dir: Path, save_every: int) -> None:
+    def __init__(self, deployment: Any, *, max_restarts: int, run_dir: Path, save_every: int,
+                 save_every_s: float = 0.0) -> None:
         self.d = deployment
         self.max_restarts = max_restarts
         self.run_dir = run_dir
-        self.save_every = save_every
+        self.save_every = save_every  # run.save_every and run.save_every_s: the death message says why no checkpoint
+        self.save_every_s = save_every_s
         self.restarts = 0
         self._loops: dict[asyncio.Future, str] = {}  # a role's run() -> its name ("generator/0")
         self._restarting: dict[asyncio.Future, str] = {}  # a restart in progress -> the role it restarts
@@ -271,7 +287,7 @@ class Supervisor:
     def death(self, role: str | None, exc: BaseException) -> RoleFailed:
         """The run's end when `role`'s actor died and is not restarted: one line with the resume command, and
         the checkpoint a resume would continue from (None when none exists)."""
-        return RoleFailed(death_message(role, exc, self.run_dir, self.save_every),
+        return RoleFailed(death_message(role, exc, self.run_dir, self.save_every, self.save_every_s),
                           checkpoint=latest_valid(self.run_dir / CHECKPOINTS))
 
     def tolerated(self, exc: BaseException) -> bool:

@@ -361,7 +361,7 @@ def bench_controller(args: argparse.Namespace) -> dict[str, float]:
 
     root = Path(tempfile.mkdtemp(prefix="hub-"))
     steps = 4 if args.quick else args.steps
-    sets = [f"trainer.total_steps={steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
+    sets = [f"trainer.total_steps={steps}", "trainer.eval_every=0", "run.save_checkpoint=false", "run.save_every_s=0",
             "logging.live=false", f'run.output_dir="{root / "run"}"', *args.set]
     if args.quick:
         sets += ["trainer.prompts_per_step=4", "rollout.group_size=4", "rollout.concurrency=4",

@@ -121,6 +121,7 @@ live = false
 [run]
 output_dir = "{run_dir}"
 save_checkpoint = false
+save_every_s = 0
 seed = 0
 """
 

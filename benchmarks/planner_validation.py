@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         axes = parse_axes([f"rollout.num_generators={args.generators}",
                            f"staleness.max_staleness={args.max_staleness}"])
         extra = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "run.save_checkpoint=false",
-                 *args.extra]
+                 "run.save_every_s=0", *args.extra]
         rounds = []
         for i, d in enumerate(dirs, 1):
             logging.info("round %d/%d into %s", i, len(dirs), d)

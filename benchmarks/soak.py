@@ -39,7 +39,8 @@ EXAMPLE = ROOT / "examples" / "first_digit" / "config.toml"
 # the learning example, with little training per step and generation allowed far ahead of it
 OVERRIDES = ("trainer.prompts_per_step=4", "rollout.group_size=4", "rollout.concurrency=8",
              "trainer.micro_batch_size=16", "trainer.eval_every=0", "staleness.max_staleness=4",
-             "logging.live=false", "logging.trace=false", "run.save_checkpoint=false", "cluster.torch_threads=1")
+             "logging.live=false", "logging.trace=false", "run.save_checkpoint=false", "run.save_every_s=0",
+             "cluster.torch_threads=1")
 
 
 KEYS = ("generator/rss_mb", "scorer/rss_mb", "trainer/rss_mb", "buffer/rss_mb", "controller/rss_mb")

@@ -231,7 +231,8 @@ def summarise(rewards: list[float], step_s: list[float], args: argparse.Namespac
 
 def launch_overrides(args: argparse.Namespace, model_dir: Path, seed: int) -> list[str]:
     return [f"model.path={json.dumps(str(model_dir))}", f"run.seed={seed}", f"trainer.total_steps={args.steps}",
-            f"trainer.eval_every={args.steps}", "run.save_checkpoint=false", "logging.live=false", *args.sets]
+            f"trainer.eval_every={args.steps}", "run.save_checkpoint=false", "run.save_every_s=0", "logging.live=false",
+            *args.sets]
 
 
 def run_launch(args: argparse.Namespace, root: Path, model_dir: Path, seed: int, local: bool) -> dict:
