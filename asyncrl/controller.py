@@ -48,6 +48,7 @@ from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
 from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death, why_no_checkpoint
+from asyncrl.telemetry.admissions import AdmissionLog
 from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu, RoleStats, WindowReducer, rss_mb
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY, RolloutLog
@@ -131,6 +132,9 @@ class Controller:
         self._reducer = WindowReducer()  # the roles' window reports -> row values (and running totals)
         self._trace: TraceWriter | None = None
         self._ledger: IO[str] | None = None  # RUN_DIR/ledger.jsonl, open from the first step's line to the end
+        # RUN_DIR/admissions.jsonl: every group id the gate handed out and what became of it, every attempt
+        self.admissions = AdmissionLog(self.run_dir)
+        self._step = 0  # the newest step this run trained (or started from): stamps the last group events
         self._window_end = 0.0
         # the event loop thread's CPU seconds at the window's end: `time/controller_s` is the next window's
         # increment (thread_time, not wall: awaiting the roles costs the driver nothing)
@@ -230,7 +234,10 @@ class Controller:
                 self._ledger.close()
                 self._ledger = None
             try:
-                await self._stop_loops()
+                try:
+                    await self._stop_loops()
+                finally:  # the gate's events since the last row (a dead attempt's too), while the buffer lives
+                    await self._last_group_events()
             finally:  # whatever stopping the loops raised (a dead actor, a cancellation), kill the actors
                 await d.shutdown()
 
@@ -255,6 +262,7 @@ class Controller:
             evaluated.update(await self._guard(self.d.trainer.evaluate()))
 
         metrics, sent = await self.steps.step(step, while_asleep=evaluate if eval_due and self.colocated else None)
+        self._step = version
         self._write_ledger(version, metrics.pop(LEDGER_KEY, []))
         self.rollouts.write(version, metrics.pop(ROLLOUTS_KEY, []))
         row: dict[str, Any] = {"step": version, "version": version, "time/elapsed_s": time.time() - t_start}
@@ -373,6 +381,7 @@ class Controller:
             clear(root)
         for name in ("metrics.jsonl", "ledger.jsonl", ROLLOUTS):
             (self.run_dir / name).unlink(missing_ok=True)
+        self.admissions.start(0)  # (replaces an earlier run's file)
         return 0
 
     async def _restore(self) -> int:
@@ -396,6 +405,8 @@ class Controller:
         self.rows_written = len(kept)
         _truncate_rows(self.run_dir / "ledger.jsonl", step)
         _truncate_rows(self.run_dir / ROLLOUTS, step)
+        self.admissions.start(step, extra["buffer"]["gate"])  # not cut back: the undone groups stay on record
+        self._step = step
         log.info("resuming from %s: version %d", found, step)
         return step
 
@@ -409,11 +420,11 @@ class Controller:
         publish: StepPipeline.take_reports) are used as they are; only the other roles are asked (`stats()`), and the
         trainer again after an evaluation (`ask_trainer`: its eval span ends after the send's report)."""
         d = self.d
-        came = self.steps.take_reports()
+        came = self._note_group_events(self.steps.take_reports())
         have = {role for role, _ in came} - ({"trainer"} if ask_trainer else set())  # its eval came after the send
         roles = [*[(f"generator/{i}", g) for i, g in enumerate(d.generators)],
                  *[(f"scorer/{i}", s) for i, s in enumerate(d.scorers)], ("trainer", d.trainer), ("buffer", d.buffer)]
-        asked = [r.stats() for name, r in roles if name not in have]
+        asked = [self._buffer_stats() if name == "buffer" else r.stats() for name, r in roles if name not in have]
         reports: list[RoleStats] = [report for _, report in came]
         if asked:
             reports += await self._guard(gather_alive(self.supervisor, asked))  # a dead one: no report
@@ -436,6 +447,31 @@ class Controller:
         # the driver's CPU, every thread (Ray's beside the event loop; in process, --local: every role's)
         out["controller/cpu_cores"] = (self._cpu.take() or 0.0) / max(t1 - t0, 1e-9)
         return out
+
+    def _note_group_events(self, reports: list[tuple[str, RoleStats]]) -> list[tuple[str, RoleStats]]:
+        """Append the buffer's group events among `reports` to admissions.jsonl (at once: a later failure in
+        the same step must not lose them); returns `reports`."""
+        for role, report in reports:
+            if role == "buffer":
+                self.admissions.write(self._step, report.groups)
+        return reports
+
+    async def _buffer_stats(self) -> RoleStats:
+        """The buffer's `stats()`, its group events written as soon as it answers."""
+        return self._note_group_events([("buffer", await self.d.buffer.stats())])[0][1]
+
+    async def _last_group_events(self) -> None:
+        """The group events no metrics row carried (the last window, a failed step's), once the loops stopped:
+        from the reports the step pipeline still holds, then from the buffer. A dead buffer's are lost."""
+        self._note_group_events(self.steps.take_reports())
+        try:
+            if self._stalled.startswith("buffer"):  # the watch's name for its process (RayDeployment.probes)
+                raise RuntimeError("its process is stalled")
+            self.admissions.write(self._step, await asyncio.wait_for(self.d.buffer.group_events(), 10))
+        except Exception as exc:
+            log.debug("the buffer's last group events are lost: %s", exc)
+        finally:
+            self.admissions.close()
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
         """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile and

@@ -29,6 +29,11 @@ Why every consumed group has 0 <= staleness = s - min_version <= k:
 Corollary used by the buffer: admitted groups that are not released and not yet consumed never exceed
 (k + 1) * P (at admission accepted + running <= (m + k + 1) * P and consumed = steps taken * P >= m * P).
 
+Group events. The gate hands out every group id, so it also records what became of each: admitted (a fresh
+id draws the prompt of that index from the prompt stream; a restored run's running groups are admitted
+again), accepted, or released with its reason and why (`take_events`, drained by the buffer's `stats()`:
+RUN_DIR/admissions.jsonl, which benchmarks/faults.py grades against the ledger).
+
 All methods run on one event loop; sync methods wake waiters through `Signal` (no lock needed).
 """
 
@@ -42,11 +47,13 @@ from typing import Callable
 
 import msgspec
 
+from asyncrl.telemetry.metrics import GroupEvents
 from buffers.queue import Signal, timed_wait
 
 log = logging.getLogger(__name__)
 
 RELEASE_REASONS = ("filtered", "failed")
+DETAIL_CHARS = 300  # of a release's `why` kept in its group event (an exception's message can be long)
 
 
 @dataclass(slots=True)
@@ -93,6 +100,7 @@ class AdmissionGate:
         self._consumed = 0
         self._released = {reason: 0 for reason in RELEASE_REASONS}
         self._regenerate: deque[int] = deque()  # running groups of a restored run, handed out again first
+        self._events = GroupEvents()  # since the last take_events(): admitted, accepted, released ids
         self.admit_wait_s = 0.0    # generators blocked on the capacity rule (summed)
         self.trainer_wait_s = 0.0  # trainer blocked in take_step: its idle time on the gate
 
@@ -173,6 +181,7 @@ class AdmissionGate:
         for gid in ids:
             self._live[gid] = _Live(version)
         self._running += n
+        self._events.admitted.extend(ids)
         return ids
 
     # -- scorers ------------------------------------------------------------------------------
@@ -183,6 +192,7 @@ class AdmissionGate:
         ids = [self._regenerate.popleft() for _ in range(min(max_groups, len(self._regenerate)))]
         for gid in ids:
             self._live[gid].version = version
+        self._events.admitted.extend(ids)
         return ids
 
     def state(self) -> GateState:
@@ -211,10 +221,12 @@ class AdmissionGate:
         self._live[group_id].accepted = True
         self._running -= 1
         self._accepted += 1
+        self._events.accepted.append(group_id)
         self._signal.notify_all()
 
-    def release(self, group_id: int, reason: str) -> None:
-        """A running group will not be trained ("filtered" or "failed"): its slot is returned."""
+    def release(self, group_id: int, reason: str, detail: str = "") -> None:
+        """A running group will not be trained ("filtered" or "failed"): its slot is returned. `detail` says why
+        (its group event keeps it)."""
         if reason not in RELEASE_REASONS:
             raise ValueError(f"release: reason must be one of {RELEASE_REASONS}, got {reason!r}")
         if not self.is_running(group_id):
@@ -222,6 +234,7 @@ class AdmissionGate:
         del self._live[group_id]
         self._running -= 1
         self._released[reason] += 1
+        self._events.released.append((group_id, reason, detail[:DETAIL_CHARS]))
         self._signal.notify_all()
 
     # -- trainer ------------------------------------------------------------------------------
@@ -292,6 +305,11 @@ class AdmissionGate:
         """Wake every waiter: admit and take_step return []; accept/release still account."""
         self._closed = True
         self._signal.notify_all()
+
+    def take_events(self) -> GroupEvents:
+        """The group events since the previous call (and forget them)."""
+        out, self._events = self._events, GroupEvents()
+        return out
 
     def stats(self) -> dict[str, float]:
         return {

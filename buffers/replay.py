@@ -31,7 +31,9 @@ Metrics. `stats()` reports the buffer's window (since its previous call): the ga
 and waits of the window as `Total`s (the Controller adds them up: `buffer/*` are counts since the start),
 the depths now, and the env episodes that reached the rollout queue in the window. The buffer holds the one
 count of failed groups (`buffer/failed`: released as failed by a generator or a scorer), of filtered
-groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) and of env episodes.
+groups (`buffer/filtered`, also `dapo/groups_filtered` under dynamic sampling) and of env episodes. The
+report also carries the gate's group events of the window (ids admitted, accepted, released and why:
+RUN_DIR/admissions.jsonl).
 
 Holders (supervision). Each running group is held by the roles that have a part of it: the generator that
 admitted it (`admit(..., holder=)`) until its rollouts are queued, then the queue, then every scorer that took
@@ -61,6 +63,7 @@ import msgspec
 from asyncrl.messages import Group, Trajectory, pack_groups, pack_trajectories, unpack_groups, unpack_trajectories
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
+    GroupEvents,
     Last,
     Max,
     Mean,
@@ -290,7 +293,7 @@ class ReplayBuffer:
         self.gate.nudge()
         ids = [gid for gid, held in self._holders.items() if holder in held and self.gate.is_running(gid)]
         for gid in ids:
-            self.gate.release(gid, "failed")
+            self.gate.release(gid, "failed", f"{holder} died")
             del self._holders[gid]
             self._abandoned.add(gid)
         self.abandoned["groups"] += len(ids)
@@ -353,10 +356,15 @@ class ReplayBuffer:
             if not self.gate.is_running(gid):
                 raise ValueError(f"release_groups: group {gid} is not running (unknown, accepted or released)")
         for gid in group_ids:
-            self.gate.release(gid, reason)
+            self.gate.release(gid, reason, detail)
             self._holders.pop(gid, None)
             self.dispatch.finished(gid, ok=False)  # a generator's failed group (a scorer's: no longer in flight)
         self.tracker.released(len(group_ids), reason, detail)
+
+    async def group_events(self) -> GroupEvents:
+        """The gate's group events not yet reported (`stats()` carries them each step): the Controller's last
+        call, once the roles' loops have stopped, so that RUN_DIR/admissions.jsonl misses none."""
+        return self.gate.take_events()
 
     async def progress(self) -> Progress:
         """Groups released in a row since the last accepted one, their last distinct reasons, and the
@@ -445,12 +453,13 @@ class ReplayBuffer:
             if seconds is not None:
                 metrics[f"{role}/group_s"] = Last(seconds)
         metrics.update(peak_memory_metrics("buffer", "buffer"))
+        groups = self.gate.take_events()
         if self.report_filtered:  # the window's filtered groups, each refilled with a fresh prompt by the gate
             metrics["dapo/groups_filtered"] = Sum(metrics["buffer/filtered"].value)
             metrics["dapo/groups_filtered_total"] = Total(metrics["buffer/filtered"].value)
         if self.env_counts["episodes"]:  # env metrics once env episodes flow (asyncrl/envs)
             metrics.update(self._env_metrics())
-        return RoleStats(metrics=metrics)
+        return RoleStats(metrics=metrics, groups=groups or None)
 
     def _env_metrics(self) -> dict[str, Sum | Mean | Total]:
         """Env episodes queued in the window (their turns, errors, truncations) and, as `Total`s, since the

@@ -140,6 +140,19 @@ def reduce_metrics(reports: Iterable[Mapping[str, Metric]], *, window_s: float |
     return out
 
 
+class GroupEvents(msgspec.Struct, kw_only=True):
+    """What the staleness gate did with group ids in a window (buffers/gate.py), in the order it happened: the
+    Controller appends it to RUN_DIR/admissions.jsonl (asyncrl/telemetry/admissions.py). A group id is the
+    index of its prompt in the prompt stream (`PromptStream.row`), so `admitted` lists the prompts drawn."""
+
+    admitted: list[int] = []  # handed to a generator (or `Runtime.submit`): fresh ids, or a resume's regenerated ones
+    accepted: list[int] = []  # scored and stored for training
+    released: list[tuple[int, str, str]] = []  # (id, "failed" | "filtered", why): will not be trained
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.accepted or self.released)
+
+
 class RoleStats(msgspec.Struct, kw_only=True):
     """What a role's `stats()` returns: its metrics and spans for its own window — everything since its
     previous `stats()` call (reading resets the window). Structs all the way down, so it crosses the actor
@@ -147,6 +160,7 @@ class RoleStats(msgspec.Struct, kw_only=True):
 
     metrics: dict[str, AnyMetric] = {}
     spans: list[Span] = []  # the role's SpanRecorder, drained: busy shares, overlap, the trace
+    groups: GroupEvents | None = None  # the buffer's only: its gate's group events (RUN_DIR/admissions.jsonl)
 
     def values(self) -> dict[str, float]:
         """Each metric's value as this one report carries it (unreduced: a `Total` is the window's

@@ -208,11 +208,15 @@ def test_the_faults_benchmark_loses_no_accepted_group_and_ends_with_its_json_lin
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
-    returned = module.main(["--quick"])
+    returned, graded = module.measure(["--quick"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == returned
     assert set(last) == {"benchmark", "value", "unit", "baseline", "ratio", "target"}
+    # value: the drawn prompts (admissions.jsonl, every attempt) neither trained once nor released with a cause
     assert last["benchmark"] == "faults" and last["value"] == 0 and last["target"] == 0 and last["ratio"] > 0
+    assert graded.value == 0 and graded.attempts == 2  # the trainer's kill: one resume
+    # the resume case occurred: groups the killed attempt accepted after its checkpoint were drawn again, trained once
+    assert graded.regenerated >= 1, graded
 
 
 @pytest.mark.timeout(300)

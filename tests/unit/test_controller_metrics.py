@@ -165,3 +165,28 @@ def test_a_role_with_two_reports_in_one_step_counts_both_windows(tmp_path):
                        ("buffer", buffer(1, 0))]
     row = asyncio.run(c._role_metrics(0.0, 1.0))
     assert row["generation/tokens_per_s"] == 40 and row["buffer/failed"] == 1
+
+
+def test_the_buffers_group_events_go_to_admissions_jsonl_as_they_come_and_the_last_ones_at_the_end(tmp_path):
+    from asyncrl.telemetry.admissions import read_attempts
+    from asyncrl.telemetry.metrics import GroupEvents
+
+    class Buffer(FakeRole):
+        async def group_events(self) -> GroupEvents:
+            return GroupEvents(released=[(3, "failed", "scorer/0#0 died")])
+
+    asked = RoleStats(groups=GroupEvents(admitted=[2, 3], accepted=[2]))
+    c = controller(tmp_path, [FakeRole(RoleStats(), RoleStats())], [], FakeRole(RoleStats()), Buffer(asked))
+    c.admissions.start(0)
+    c.steps.reports = [("buffer", RoleStats(groups=GroupEvents(admitted=[0, 1], accepted=[0, 1])))]
+    c._step = 1
+    asyncio.run(c._role_metrics(0.0, 1.0))  # the report that came with the publish
+    c._step = 2
+    c.steps.reports = [("trainer", RoleStats())]
+    asyncio.run(c._role_metrics(1.0, 2.0))  # the buffer asked
+    asyncio.run(c._last_group_events())
+    [attempt] = read_attempts(tmp_path / "admissions.jsonl")
+    assert (attempt.admitted, attempt.accepted, attempt.released) == ([0, 1, 2, 3], [0, 1, 2],
+                                                                      [(3, "failed", "scorer/0#0 died")])
+    steps = [line.split(",")[0] for line in (tmp_path / "admissions.jsonl").read_text().splitlines()]
+    assert steps == ['{"attempt": 0', '{"step": 1', '{"step": 2', '{"step": 2']

@@ -440,3 +440,37 @@ def test_restore_refuses_a_gate_that_was_already_used():
     run(gate.admit(1, 0))
     with pytest.raises(RuntimeError, match="already been used"):
         gate.restore(state)
+
+
+# -- group events (RUN_DIR/admissions.jsonl) ---------------------------------------------------------
+def test_the_gate_records_every_id_it_hands_out_and_how_each_ended_once_each_until_taken():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=2, max_staleness=0)
+        assert await gate.admit(2, 0) == [0, 1]
+        gate.accept(0)
+        gate.release(1, "failed", "generation: RuntimeError: " + "x" * 1000)
+        first = gate.take_events()
+        assert await gate.admit(1, 0) == [2]
+        gate.release(2, "filtered", "zero reward variance")
+        return first, gate.take_events(), gate.take_events()
+
+    first, second, third = run(main())
+    assert (first.admitted, first.accepted) == ([0, 1], [0])
+    [(gid, reason, why)] = first.released
+    assert (gid, reason) == (1, "failed") and why.startswith("generation: RuntimeError") and len(why) == 300
+    assert (second.admitted, second.accepted, second.released) == ([2], [], [(2, "filtered", "zero reward variance")])
+    assert not third  # taken: nothing is reported twice
+
+
+def test_a_restored_gate_records_its_regenerated_groups_as_admitted_again():
+    async def main():
+        gate = AdmissionGate(prompts_per_step=1, max_staleness=1)
+        await gate.admit(2, 0)
+        gate.accept(0)
+        state = gate.state()
+        restored = AdmissionGate(prompts_per_step=1, max_staleness=1)
+        restored.restore(state)
+        assert await restored.admit(2, 0) == [1]  # the running one, again
+        return restored.take_events()
+
+    assert run(main()).admitted == [1]

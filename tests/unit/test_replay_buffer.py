@@ -465,3 +465,20 @@ def test_a_scorer_in_another_process_gets_and_accepts_packed():
     blob, taken = run(main())
     assert isinstance(blob, bytes) and [g.group_id for g in taken] == [0, 1]
     assert [g.trajectories for g in taken] == [group(0, 0).trajectories, group(1, 0).trajectories]
+
+
+def test_the_buffers_report_carries_the_gates_group_events_with_each_releases_cause():
+    async def main():
+        buf = make_buffer()
+        ids = await buf.admit(3, 0, holder="generator/0#1")
+        await buf.release_groups([ids[0]], "failed", "generation: RuntimeError: boom")
+        await buf.release_holder("generator/0#1")
+        report = await buf.stats()
+        return ids, report, await buf.group_events()
+
+    ids, report, rest = run(main())
+    assert report.groups.admitted == ids and report.groups.accepted == []
+    died = "generator/0#1 died"
+    assert report.groups.released == [(ids[0], "failed", "generation: RuntimeError: boom"),
+                                       (ids[1], "failed", died), (ids[2], "failed", died)]
+    assert not rest and run(make_buffer().stats()).groups is None  # reported once; a quiet window carries none
