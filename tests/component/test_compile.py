@@ -95,9 +95,9 @@ def _compiled_rank_main(rank: int, port: int, mode: str, steps: list[Any], out: 
         dp.close()
 
 
-# FSDP2 in the default run (hooks on every layer inside the compiled model); DDP with `pytest -m long` (~40 s more)
+# FSDP2: hooks on every layer inside the compiled model; DDP: the compiled wrapper
 @FLOAT64_ON_CPU
-@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.long), "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_compiled_ranks_train_the_weights_one_process_trains(mode: str) -> None:
     """trainer.num_ranks = 2 with trainer.compile: the compiled DDP wrapper, or the compiled FSDP2-sharded model,
     trains the policy and the critic as one eager process does."""

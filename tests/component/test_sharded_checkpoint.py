@@ -252,7 +252,6 @@ def test_a_damaged_shard_file_fails_verify_and_latest_valid_skips_the_checkpoint
     assert checkpoint.latest_valid(root) is None  # never loaded by a resume
 
 
-@pytest.mark.long  # three more spawned ranks, twice: pytest -m long
 def test_a_two_rank_sharded_checkpoint_loads_into_three_fsdp2_ranks_and_into_three_ddp_ranks(two_ranks):
     tmp, result, _ = two_ranks
     path = result["gae-critic"]["checkpoint"]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.e2e.test_resume import _finish, _kill_after_checkpoint, _launch
 
 pytest.importorskip("peft")
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # three asyncrl launches: pytest -m long
+pytestmark = pytest.mark.slow  # three asyncrl launches
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "first_digit_lora" / "config.toml"
 

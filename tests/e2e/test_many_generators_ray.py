@@ -30,7 +30,6 @@ def _check_both_generators(rows: list[dict], steps: int, prompts: int, group_siz
 
 
 @pytest.mark.ray
-@pytest.mark.long  # the in-process test below checks the same in the default run: pytest -m long
 def test_two_generators_on_ray_both_generate_and_report_their_own_metrics(ray_cluster, make_config, tmp_path):
     from asyncrl.launch import run_with_ray
 

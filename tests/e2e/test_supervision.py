@@ -95,7 +95,6 @@ def test_a_scorer_killed_with_sigkill_is_restarted_and_its_groups_are_released(r
     _check_every_step_trained_distinct_groups(run_dir, cfg.trainer.prompts_per_step)
 
 
-@pytest.mark.long  # 74 s: the default run stays under its 15 minutes (pytest -m long)
 @pytest.mark.timeout(420)
 def test_a_generator_killed_again_while_it_restarts_is_restarted_again(ray_cluster, make_config, tmp_path):
     # The second kill lands on the new incarnation as it starts (or as the weight group is re-formed around
@@ -196,7 +195,6 @@ def test_run_with_ray_ends_with_the_resume_command_once_run_max_resumes_is_used(
         run_with_ray(cfg, beside=kill_the_trainer)
 
 
-@pytest.mark.long  # 48 s: the whole faults benchmark (pytest -m long)
 @pytest.mark.timeout(400)
 def test_the_faults_benchmark_loses_no_accepted_group_and_ends_with_its_json_line(ray_cluster, capsys,
                                                                                   monkeypatch):

@@ -160,7 +160,6 @@ def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_wei
     assert _same({k: exported[k] for k in rank0["tensors"]}, rank0["tensors"])
 
 
-@pytest.mark.long  # two launches on Ray (the default run checks the maths: tests/component/test_data_parallel.py)
 def test_lora_adapters_train_on_two_ddp_ranks_as_in_one_process_and_a_resumed_run_restores_both(
         ray_cluster, make_config, tmp_path):
     """[model.lora] with trainer.num_ranks = 2: both ranks train the adapters (DDP reduces their gradients), the
@@ -189,7 +188,7 @@ def test_lora_adapters_train_on_two_ddp_ranks_as_in_one_process_and_a_resumed_ru
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp2", marks=pytest.mark.long)])  # fsdp2: pytest -m long
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_resumes_on_both_ranks(
         ray_cluster, make_config, tmp_path, caplog, mode):
     import asyncio

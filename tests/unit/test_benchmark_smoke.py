@@ -83,7 +83,6 @@ def test_cpu_floor_is_every_processs_cpu_a_step_over_the_cores(monkeypatch):
     assert math.isnan(cpu_floor([first], 2))
 
 
-@pytest.mark.long
 @pytest.mark.slow
 def test_quick_vs_sync_loop_runs_both_sides_and_ends_with_the_result_json_line(capsys, monkeypatch, tmp_path):
     threads = torch.get_num_threads()
@@ -213,7 +212,6 @@ def test_hub_benchmark_share_is_the_controllers_seconds_over_the_step_windows_af
     assert percent == pytest.approx(1.0) and median_s == pytest.approx(0.02) and counted == 2
 
 
-@pytest.mark.long
 @pytest.mark.slow
 def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the_json_line(capsys, monkeypatch):
     returned = load_hub(monkeypatch).main(["--quick"])

@@ -15,7 +15,6 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow
-@pytest.mark.long  # three spawned processes timing 4 configurations: pytest -m long
 def test_quick_trainer_scaling_benchmark_ends_with_the_result_json_line(capsys, monkeypatch):
     # on sys.path (not loaded from a file spec): the spawned ranks import the module by name
     monkeypatch.syspath_prepend(str(BENCHMARKS))
