@@ -106,29 +106,10 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_trainer_ranks_train_every_step_to_the_weights_of_one_process(ray_cluster, make_config, tmp_path, mode):
-    cfg = make_config("trainer.num_ranks=2", f'trainer.parallel="{mode}"', "trainer.eval_every=0",
-                      "run.save_checkpoint=false", f'run.output_dir="{tmp_path / mode}"')
-    rows, captured = _run_capturing(cfg)
-
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["trainer/samples"] == 16 for r in rows), rows  # the whole step's metrics, not one rank's half
-    rank0, rank1 = captured["weights"]
-    assert rank0["version"] == rank1["version"] == 3  # both ranks trained every step
-    assert [sum(len(g.trajectories) for g in step) for step in captured["steps"]] == [16, 16, 16]
-    if mode == "ddp":  # replicas: the same gradients and the same AdamW steps, bit for bit
-        assert _same(rank1["tensors"], rank0["tensors"])
-    expected = _replay(cfg, captured["steps"])
-    assert expected.keys() == rank0["tensors"].keys()
-    worst = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items())
-    moved = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in _replay(cfg, []).items())
-    assert worst < 1e-5, worst
-    assert moved > 1e-3, moved  # the run trained: the tolerance is far below what it changed
-
-
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_weights(ray_cluster, make_config,
-                                                                                     tmp_path, mode):
+def test_two_ranks_train_every_step_to_the_weights_of_one_process_and_a_resumed_run_restores_every_rank(
+        ray_cluster, make_config, tmp_path, mode):
+    """Two ranks train every step to the weights one process trains from the same groups; the run, resumed from
+    its checkpoint, restores both ranks, evaluates and exports rank 0's weights."""
     import json
 
     from engines.hf import load_model
@@ -136,7 +117,20 @@ def test_a_resumed_run_restores_every_rank_and_evaluates_and_exports_rank_0s_wei
     run_dir = tmp_path / "resume"
     # the tiny config evaluates every 2 steps and at the end (on rank 0's weights) and exports rank 0's weights
     sets = ("trainer.num_ranks=2", f'trainer.parallel="{mode}"', "run.save_every=2", f'run.output_dir="{run_dir}"')
-    _run_capturing(make_config(*sets, "trainer.total_steps=2"))
+    rows, captured = _run_capturing(first := make_config(*sets, "trainer.total_steps=2"))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["trainer/samples"] == 16 for r in rows), rows  # the whole step's metrics, not one rank's half
+    rank0, rank1 = captured["weights"]
+    assert rank0["version"] == rank1["version"] == 2  # both ranks trained every step
+    assert [sum(len(g.trajectories) for g in step) for step in captured["steps"]] == [16, 16]
+    if mode == "ddp":  # replicas: the same gradients and the same AdamW steps, bit for bit
+        assert _same(rank1["tensors"], rank0["tensors"])
+    expected = _replay(first, captured["steps"])
+    assert expected.keys() == rank0["tensors"].keys()
+    worst = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in expected.items())
+    moved = max(float((rank0["tensors"][k] - v).abs().max()) for k, v in _replay(first, []).items())
+    assert worst < 1e-5, worst
+    assert moved > 1e-3, moved  # the run trained: the tolerance is far below what it changed
     saved = run_dir / "checkpoints" / "step_00000002"
     files = {p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file()}
     if mode == "fsdp2":  # each rank wrote its shards, rank 0 the rest
@@ -169,7 +163,7 @@ def test_lora_adapters_train_on_two_ddp_ranks_as_in_one_process_and_a_resumed_ru
     run_dir = tmp_path / "lora"
     sets = ("model.lora.rank=4", "trainer.num_ranks=2", 'trainer.parallel="ddp"', "trainer.eval_every=0",
             "run.save_checkpoint=false", "run.save_every=2", f'run.output_dir="{run_dir}"')
-    rows, captured = _run_capturing(make_config(*sets, "trainer.total_steps=2"))
+    rows, captured = _run_capturing(first := make_config(*sets, "trainer.total_steps=2"))
     assert [r["step"] for r in rows] == [1, 2] and all(r["trainer/samples"] == 16 for r in rows)
     rank0, rank1 = captured["weights"]
     assert rank0["version"] == rank1["version"] == 2 and _same(rank1["tensors"], rank0["tensors"])

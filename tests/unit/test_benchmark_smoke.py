@@ -213,12 +213,21 @@ def test_hub_benchmark_share_is_the_controllers_seconds_over_the_step_windows_af
 
 
 @pytest.mark.slow
-def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the_json_line(capsys, monkeypatch):
-    returned = load_hub(monkeypatch).main(["--quick"])
-    out = capsys.readouterr().out
+def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the_json_line():
+    # in a process of its own: the benchmark starts (and stops) Ray clusters of its own, which cannot share this
+    # process with the test session's (tests/conftest.py)
+    import os
+    import subprocess
+
+    root = HUB.parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(HUB), "--quick"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert "in-process" in out and "plain Ray" in out and "B. the Controller" in out
     last = json.loads(out.strip().splitlines()[-1])
-    assert last == returned and last["benchmark"] == "hub" and last["target"] == 1.0
+    assert last["benchmark"] == "hub" and last["target"] == 1.0
     assert last["value"] > 0 and last["ratio"] == pytest.approx(2.0 / last["value"], rel=0.01)
     assert last["hub_traj_per_s"] > 0 and last["plain_traj_per_s"] > 0
     # the driver's actor calls a step (the train step, the send, the receive, the publish at least) and what
