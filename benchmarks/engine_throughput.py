@@ -164,7 +164,7 @@ def _median_s(fn, repeats: int, inner: int) -> float:
     return statistics.median(rounds)
 
 
-def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, float]:
+def decode_floor(model, batch: int, width: int, repeats: int = 5, inner: int = 20) -> dict[str, float]:
     """Seconds of the matrix products of one decode step of `model` at `batch` rows attending over `width`
     cache positions, timed alone at their shapes with fresh weights in the model's dtype (no norms, rotary,
     cache writes, sampling or Python around them): per layer one q|k|v product (with the model's bias), the
@@ -173,7 +173,8 @@ def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, f
     product; then the LM head.
     `floor_s` runs them in the step's order (so weights and K/V compete for the caches as in the step);
     `linears_s` and `attention_s` time each kind alone (K/V then stay cache-resident: attention is cheaper
-    there than in any real step). The floor is what the step cannot go below without changing the arithmetic."""
+    there than in any real step). The floor is what the step cannot go below without changing the arithmetic.
+    Each figure is the median of `repeats` rounds of `inner` calls."""
     cfg = model.config
     hidden, heads, kvh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or hidden // heads
@@ -218,9 +219,9 @@ def decode_floor(model, batch: int, width: int, repeats: int = 5) -> dict[str, f
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.inference_mode():
-        floor = _median_s(lambda: (step(), sync()), repeats, 20)
-        lin = _median_s(lambda: (linears(), sync()), repeats, 20)
-        att = _median_s(lambda: (attention(), sync()), repeats, 20)
+        floor = _median_s(lambda: (step(), sync()), repeats, inner)
+        lin = _median_s(lambda: (linears(), sync()), repeats, inner)
+        att = _median_s(lambda: (attention(), sync()), repeats, inner)
     return {"linears_s": lin, "attention_s": att, "floor_s": floor}
 
 

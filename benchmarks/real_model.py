@@ -81,10 +81,15 @@ class Settings:
     train_samples: int         # ... and samples per prompt
     train_new_tokens: int      # B: response length of each sample
     repeats: int
+    floor_rounds: tuple[int, int]  # A: the decode floor's (rounds, calls a round)
+    vllm_sized: bool           # A: vLLM sized to the section's batches and lengths (else its defaults: 256 sequences,
+                               # prompt + 1024 tokens), which makes its start-up profile and warm-up pass small
 
 
-FULL = Settings(batches=(32, 64), new_tokens=64, train_prompts=8, train_samples=4, train_new_tokens=64, repeats=3)
-QUICK = Settings(batches=(2,), new_tokens=4, train_prompts=2, train_samples=2, train_new_tokens=4, repeats=1)
+FULL = Settings(batches=(32, 64), new_tokens=64, train_prompts=8, train_samples=4, train_new_tokens=64, repeats=3,
+                floor_rounds=(3, 20), vllm_sized=False)
+QUICK = Settings(batches=(2,), new_tokens=4, train_prompts=2, train_samples=2, train_new_tokens=4, repeats=1,
+                 floor_rounds=(1, 4), vllm_sized=True)
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
@@ -138,14 +143,16 @@ async def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> 
     return [len(c.response_ids) for group in groups for c in group]
 
 
-def start_vllm(path: Path, threads: int, max_prompt_len: int, dtype: str = "float32"):
-    """(VLLMEngine, start seconds) with its engine core on `threads` threads, or (None, one-line reason)."""
+def start_vllm(path: Path, threads: int, max_prompt_len: int, dtype: str = "float32", **sizes: int):
+    """(VLLMEngine, start seconds) with its engine core on `threads` threads, or (None, one-line reason); `sizes`:
+    max_model_len, max_num_seqs (VLLMEngine's defaults where not given)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by vLLM's engine-core process, which starts now
     t0 = time.perf_counter()
     try:
         from engines.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(str(path), dtype=dtype, max_prompt_len=max_prompt_len, seed=0, kv_cache_mb=VLLM_KV_MB)
+        engine = VLLMEngine(str(path), dtype=dtype, max_prompt_len=max_prompt_len, seed=0, kv_cache_mb=VLLM_KV_MB,
+                            **sizes)
     except Exception as exc:  # any failure to start is a figure of its own: the reason goes in the table
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     return engine, time.perf_counter() - t0
@@ -194,7 +201,8 @@ def generation(s: Settings, path: Path, threads: int, use_vllm: bool,
     prompts, source = chat_prompts(tokenizer, max(s.batches))
     max_prompt = max(len(p) for p in prompts)
     native = TorchEngine(str(path), dtype=dtype, max_prompt_len=max_prompt, seed=0)
-    vllm, vllm_note = start_vllm(path, threads, max_prompt, dtype) if use_vllm else (None, "not run (--no-vllm)")
+    sizes = dict(max_model_len=max_prompt + s.new_tokens, max_num_seqs=max(s.batches)) if s.vllm_sized else {}
+    vllm, vllm_note = start_vllm(path, threads, max_prompt, dtype, **sizes) if use_vllm else (None, "not run (--no-vllm)")
     print(f"\nA. generation at {threads} thread(s), {dtype}: {s.new_tokens} new tokens per sequence, prompts from "
           f"{source} "
           f"({min(len(p) for p in prompts)}-{max_prompt} tokens), median of {s.repeats}; vLLM: "
@@ -225,7 +233,8 @@ def generation(s: Settings, path: Path, threads: int, use_vllm: bool,
                         step_s += list(steps)[-k:] if k else []
             tps = {name: wanted / statistics.median(v) for name, v in times.items()}
             step = statistics.median(step_s) if step_s else float("nan")
-            floor = decode_floor(model, batch, max_prompt + s.new_tokens // 2, repeats=max(3, s.repeats))["floor_s"]
+            rounds, calls = s.floor_rounds
+            floor = decode_floor(model, batch, max_prompt + s.new_tokens // 2, repeats=rounds, inner=calls)["floor_s"]
             busy = {name: statistics.median(v) for name, v in cores.items() if v}
             results[batch] = {**tps, "step_s": step, "floor_s": floor, **{f"cores_{k}": v for k, v in busy.items()}}
             v = tps.get("vllm")
