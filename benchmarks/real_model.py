@@ -202,7 +202,8 @@ def generation(s: Settings, path: Path, threads: int, use_vllm: bool,
     max_prompt = max(len(p) for p in prompts)
     native = TorchEngine(str(path), dtype=dtype, max_prompt_len=max_prompt, seed=0)
     sizes = dict(max_model_len=max_prompt + s.new_tokens, max_num_seqs=max(s.batches)) if s.vllm_sized else {}
-    vllm, vllm_note = start_vllm(path, threads, max_prompt, dtype, **sizes) if use_vllm else (None, "not run (--no-vllm)")
+    vllm, vllm_note = (start_vllm(path, threads, max_prompt, dtype, **sizes) if use_vllm
+                       else (None, "not run (--no-vllm)"))
     print(f"\nA. generation at {threads} thread(s), {dtype}: {s.new_tokens} new tokens per sequence, prompts from "
           f"{source} "
           f"({min(len(p) for p in prompts)}-{max_prompt} tokens), median of {s.repeats}; vLLM: "
