@@ -92,6 +92,30 @@ def tokenizer_fns(model_path: str) -> tuple[Any, Any]:
     return tok, decode
 
 
+class LazyDecode:
+    """`tokenizer_fns`' decode with the tokenizer loaded at the first call. A scorer's trajectories arrive decoded
+    by the generator (Trajectory.response_text), so a scorer (and the buffer's process that hosts it) usually never
+    loads a tokenizer, nor imports transformers (seconds of each run's start); it decodes what arrives without
+    text: env episodes, trajectories recorded by the OpenAI endpoint or submitted to asyncrl.Runtime."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self._decode: Any = None
+
+    def _loaded(self) -> Any:
+        if self._decode is None:
+            self._decode = tokenizer_fns(self.model_path)[1]
+        return self._decode
+
+    def __call__(self, ids: list[int]) -> str:
+        return self._loaded()(ids)
+
+    def many(self, seqs: list[list[int]]) -> list[str]:
+        decode = self._loaded()
+        many = getattr(decode, "many", None)
+        return list(many(seqs)) if many is not None else [decode(ids) for ids in seqs]
+
+
 
 def training_sampling(cfg: Config) -> SamplingParams:
     r = cfg.rollout
@@ -169,7 +193,7 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model
                           concurrency=cfg.rollout.concurrency, weight_update=cfg.rollout.weight_update,
                           greedy_baseline=advantage_needs(cfg.algorithm.advantage).greedy_baseline,
                           group_seed=(lambda gid: derive_seed(cfg.run.seed, "group", gid))
-                          if cfg.rollout.seed_groups else None)
+                          if cfg.rollout.seed_groups else None, decode=decode)
     if cfg.env is not None:  # multi-turn environment episodes (asyncrl/envs)
         from asyncrl.envs.setup import episode_runner
 
@@ -185,7 +209,7 @@ def build_rewards(cfg: RewardConfig, *, with_cost: bool = True, device: str = "c
 
 
 def build_scorer(cfg: Config, scorer_id: int, buffer: Any) -> Scorer:
-    _, decode = tokenizer_fns(cfg.model.path)
+    decode = LazyDecode(cfg.model.path)
     reference = None
     device = "cpu" if scorers_in_buffer(cfg) else role_device(cfg, "scorer")
     if cfg.algorithm.kl_mode != "off" and cfg.reference.where == "scorer":

@@ -80,6 +80,8 @@ class Trajectory(Message):
     prompt_truncated: bool = False
     temperature: float = 1.0         # the trainer divides its logits by the same temperature
     prompt_text: str = ""            # what the reward function sees as the prompt
+    response_text: str | None = None  # the response as the reward function sees it (special tokens skipped),
+                                     # decoded by the generator that has the tokenizer; None: the scorer decodes
     row_json: bytes = b""            # the dataset row, JSON-encoded; user fields are schemaless, so only
                                      # the scorer decodes them (to call the reward function)
     kv_reused: bool = False          # KV computed under older weights was kept across an in-flight swap
@@ -93,6 +95,7 @@ class Trajectory(Message):
                                      # the scorer when [reference] where = "scorer"; [] = not computed
     cost: float = 0.0                # Safe-RLHF cost, filled by the scorer from reward.cost_fn
     baseline_response_ids: list[int] = []  # ReMax: the greedy completion of the same prompt (generator)
+    baseline_text: str | None = None       # ReMax: that completion's text (generator; None: the scorer decodes)
     baseline_reward: float | None = None   # ReMax: reward of that greedy completion (scorer; None = none)
     # -- environments (docs/envs.md) --
     env_reward: float | None = None  # an env episode's summed step rewards: the scorer uses it instead of

@@ -100,6 +100,7 @@ class Generator:
         group_seed: Callable[[int], int] | None = None,
         recorder: SpanRecorder | None = None,
         prompts_filtered: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         if weight_update not in ("in_flight", "between_requests"):
             raise ValueError(f"weight_update must be 'in_flight' or 'between_requests', got {weight_update!r}")
@@ -108,6 +109,9 @@ class Generator:
         self.buffer = buffer
         self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.PromptStream.row)
         self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode)
+        # token ids -> the text the reward function sees (asyncrl.build.tokenizer_fns): each completion leaves with
+        # its text, so the scorer needs no tokenizer of its own (None: the scorer decodes)
+        self.decode = decode
         self.sampling = sampling
         self.concurrency = concurrency
         self.weight_update = weight_update
@@ -466,6 +470,7 @@ class Generator:
             for j, c in enumerate(group):
                 trajs.append(self._trajectory(gid, j, prompt, row_json, c))
                 trajs[-1].baseline_response_ids = base
+        self._attach_texts(trajs)
         self.tokens_generated += sum(len(t.response_ids) for t in trajs)
         self.samples_generated += len(trajs)
         await self._put_rollouts(trajs, version)
@@ -543,6 +548,21 @@ class Generator:
         completions, greedy_out = await asyncio.gather(self.engine.generate(prompts, sampling),
                                                        self.engine.generate(prompts, greedy))
         return completions, [g[0].response_ids for g in greedy_out]
+
+    def _attach_texts(self, trajs: list[Trajectory]) -> None:
+        """Each trajectory's `response_text` (and a ReMax baseline's `baseline_text`, once a group), decoded here."""
+        if self.decode is None or not trajs:
+            return
+        many = getattr(self.decode, "many", None)
+        seqs = [t.response_ids for t in trajs]
+        for t, text in zip(trajs, list(many(seqs)) if many is not None else [self.decode(ids) for ids in seqs]):
+            t.response_text = text
+        baselines: dict[int, str] = {}
+        for t in trajs:
+            if t.baseline_response_ids:
+                if t.group_id not in baselines:
+                    baselines[t.group_id] = self.decode(t.baseline_response_ids)
+                t.baseline_text = baselines[t.group_id]
 
     def _trajectory(self, group_id: int, j: int, prompt: Prompt, row_json: bytes, c: Completion) -> Trajectory:
         n = self.sampling.n

@@ -159,7 +159,7 @@ class Scorer:
             scored.append(traj)
             if traj.row_json not in rows:
                 rows[traj.row_json] = json.loads(traj.row_json) if traj.row_json else {}
-        texts = self._decode_all([t.response_ids for t in scored])
+        texts = self._texts(scored)
         # (trajectory, completion, row); each sample its own copy of the row, as the reward function may change it
         todo = [(t, text, dict(rows[t.row_json])) for t, text in zip(scored, texts)]
         # an episode submitted to asyncrl.Runtime brings its reward: only its cost is ours
@@ -171,10 +171,17 @@ class Scorer:
         if self.rewards.has_cost:
             await self._call("cost", [(t, c, r) for t, c, r in todo if t.finish_reason != "error"])
 
-    def _decode_all(self, seqs: list[list[int]]) -> list[str]:
-        """The completions' text; in one call where the decode has `many` (asyncrl.build.tokenizer_fns)."""
-        many = getattr(self.decode, "many", None)
-        return list(many(seqs)) if many is not None and seqs else [self.decode(ids) for ids in seqs]
+    def _texts(self, trajs: list[Trajectory]) -> list[str]:
+        """The completions' text: the generator's (`response_text`), else decoded here, in one call where the decode
+        has `many` (asyncrl.build.tokenizer_fns)."""
+        texts = [t.response_text for t in trajs]
+        todo = [i for i, text in enumerate(texts) if text is None]
+        if todo:
+            seqs = [trajs[i].response_ids for i in todo]
+            many = getattr(self.decode, "many", None)
+            for i, text in zip(todo, list(many(seqs)) if many is not None else [self.decode(ids) for ids in seqs]):
+                texts[i] = text
+        return texts  # type: ignore[return-value]
 
     async def _call(self, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
         if not items:
@@ -202,7 +209,8 @@ class Scorer:
         """ReMax: reward of the group's greedy completion, once, into every member; a failure fails the group."""
         first = group.trajectories[0]
         row = json.loads(first.row_json) if first.row_json else {}
-        completion = self.decode(first.baseline_response_ids)
+        completion = (first.baseline_text if first.baseline_text is not None
+                      else self.decode(first.baseline_response_ids))
         # the greedy completion's finish reason is not known here: a function that names it gets no value for it
         call = Call(first.prompt_text, completion, row, None, len(first.baseline_response_ids))
         [value] = await self.rewards.score([call])

@@ -127,6 +127,52 @@ def test_scorer_gives_each_sample_its_own_row_and_decodes_the_batch_at_once():
     scorer.stop()
 
 
+def test_scorer_scores_the_generators_text_and_decodes_only_what_arrives_without_it():
+    seen = []
+
+    def reward(prompt: str, completion: str, **fields: Any) -> float:
+        seen.append(completion)
+        return 1.0 if completion == "a" else 0.0
+
+    decoded = []
+
+    def decode_many(seqs: list[list[int]]) -> list[str]:
+        decoded.append(len(seqs))
+        return [decode(ids) for ids in seqs]
+
+    def decode_one(ids: list[int]) -> str:
+        raise AssertionError("the batch is decoded with decode.many")
+
+    decode_one.many = decode_many
+    with_text = [traj(0, 0, "x"), traj(0, 1, "y")]
+    with_text[0].response_text, with_text[1].response_text = "a", "b"  # the generator's decode wins
+    buffer = FakeBuffer()
+    scorer = Scorer(scorer_id=0, buffer=buffer, rewards=ThreadRewards(reward, timeout_s=30.0), decode=decode_one)
+    run(scorer.score_batch([*with_text, traj(1, 0, "a"), traj(1, 1, "c")]))
+    assert seen == ["a", "b", "a", "c"] and decoded == [2]  # one decode call, for the two without text
+    decoded_again = [traj(2, 0, "x"), traj(2, 1, "y")]
+    for t in decoded_again:
+        t.response_text = "a"
+    run(scorer.score_batch(decoded_again))
+    assert decoded == [2] and seen[4:] == ["a", "a"]  # a batch that arrives decoded is not decoded here
+    scorer.stop()
+
+
+def test_the_scorers_lazy_decode_loads_no_tokenizer_until_a_completion_arrives_without_text(tiny_model_dir,
+                                                                                            monkeypatch):
+    from asyncrl import build
+
+    loads = []
+    real = build.tokenizer_fns
+    monkeypatch.setattr(build, "tokenizer_fns", lambda path: loads.append(path) or real(path))
+    lazy = build.LazyDecode(str(tiny_model_dir))
+    assert loads == []
+    tok, decode_ = real(str(tiny_model_dir))
+    ids = tok.encode("12+3=", add_special_tokens=False)
+    assert lazy(ids) == decode_(ids) and lazy.many([ids, ids[:2]]) == [decode_(ids), decode_(ids[:2])]
+    assert loads == [str(tiny_model_dir)]  # once
+
+
 def test_scorer_says_why_it_released_each_group():
     buffer = FakeBuffer()
     scorer = make_scorer(buffer, by_text, filter_zero_variance=True)
@@ -299,6 +345,22 @@ def make_generator(buffer: FakeBuffer, engine: FakeEngine, concurrency: int = 2,
                      encode=lambda row: Prompt([ord(c) for c in row["prompt"]], row["prompt"]),
                      sampling=SamplingParams(n=2, max_new_tokens=1),
                      concurrency=concurrency)
+
+
+def test_generator_sends_each_completion_with_its_text_decoded_once_a_batch():
+    calls = []
+
+    def decode_one(ids: list[int]) -> str:
+        return decode(ids)
+
+    decode_one.many = lambda seqs: calls.append(len(seqs)) or [f"t{ids[0]}" for ids in seqs]
+    buffer = FakeBuffer()
+    gen = make_generator(buffer, FakeEngine())
+    gen.decode = decode_one
+    run(_run_until(gen, lambda: len(buffer.rollouts) >= 4))
+    assert all(t.response_text == "t7" for t in buffer.rollouts)  # FakeEngine answers token 7
+    assert calls and all(n % 2 == 0 for n in calls)  # whole groups, one call each put
+    assert all(t.baseline_text is None for t in buffer.rollouts)  # no ReMax baseline here
 
 
 def test_fake_engine_satisfies_the_rollout_engine_protocol():
