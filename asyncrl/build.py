@@ -35,7 +35,7 @@ from asyncrl.training.learner import Learner
 from asyncrl.training.parallel import DataParallel
 from asyncrl.training.reference import ReferencePolicy
 from buffers.replay import ReplayBuffer
-from engines.base import create_engine
+from engines.base import create_engine, traits
 from engines.hf import load_model, load_tokenizer, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,8 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model
                                         max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                                         kv_on_update=cfg.rollout.kv_on_update)
     else:
-        # the torch engine on the generator's device (cluster.generator_gpus); vLLM / SGLang place their workers
-        where = {"device": role_device(cfg, "generator")} if cfg.rollout.engine == "torch" else {}
+        # an in-process engine on the generator's device (cluster.generator_gpus); vLLM / SGLang place their workers
+        where = {"device": role_device(cfg, "generator")} if traits(cfg.rollout.engine).in_process else {}
         engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=engine_dtype(cfg),
                                max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
                                kv_on_update=cfg.rollout.kv_on_update, **where)
@@ -257,7 +257,7 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
                    max_new_tokens=cfg.rollout.max_new_tokens, critic=critic, reference=reference, lagrange=lagrange,
                    device=device, gradient_checkpointing=cfg.model.gradient_checkpointing, parallel=parallel,
                    # LoRA: the torch engine takes a subset of the weights; vLLM and SGLang get every weight
-                   sync_all_weights=cfg.rollout.engine != "torch")
+                   sync_all_weights=not traits(cfg.rollout.engine).subset_weights)
 
 
 def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None) -> Trainer:

@@ -30,6 +30,7 @@ from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
 from asyncrl.telemetry.metrics import ACTOR_CALLS
 from asyncrl.watchdog import Heartbeat, Probe
+from engines.base import traits
 from engines.hf import ensure_model
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class RayDeployment:
         if self.cfg.cluster.max_restarts == 0:
             return ()
         kinds = ["scorer"] if self.scorer_actors else []  # scorers inside the buffer's actor die with it
-        if self.cfg.rollout.engine == "torch":  # vLLM / SGLang workers hold their own group membership
+        if traits(self.cfg.rollout.engine).in_process:  # vLLM / SGLang workers hold their own group membership
             kinds.append("generator")
         return tuple(kinds)
 

@@ -27,6 +27,7 @@ from asyncrl.build import (
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
 from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
+from engines.base import traits
 from engines.hf import ensure_model
 from transports.local import LocalWeightChannel
 
@@ -58,7 +59,7 @@ def shares_trainer_model(cfg: Config) -> bool:
     whole policy version."""
     from asyncrl.placement import role_device
 
-    return (cfg.cluster.placement == "colocated" and cfg.rollout.engine == "torch"
+    return (cfg.cluster.placement == "colocated" and traits(cfg.rollout.engine).wraps_module
             and engine_dtype(cfg) == trained_dtype(cfg)  # (mixed precision: float32 master weights, no sharing)
             and cfg.model.lora is None  # (LoRA: the engines hold the merged weights, the trainer base + adapters)
             and role_device(cfg, "generator") == role_device(cfg, "trainer"))

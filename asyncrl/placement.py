@@ -21,6 +21,7 @@ CUDA_VISIBLE_DEVICES), in process (`--local`) the first GPU. A role with none ne
 from __future__ import annotations
 
 from asyncrl.config_schema import Config
+from engines.base import traits
 
 GPU_FIELDS = {"trainer": "trainer_gpus", "generator": "generator_gpus", "scorer": "scorer_gpus"}
 
@@ -66,7 +67,7 @@ def weight_backend(cfg: Config) -> str:
     on_gpus = role_device(cfg, "trainer") == "cuda" and role_device(cfg, "generator") == "cuda"
     if not on_gpus:
         return "gloo"
-    if cfg.cluster.placement == "colocated" and cfg.rollout.engine == "torch":
+    if cfg.cluster.placement == "colocated" and traits(cfg.rollout.engine).ipc:
         return "ipc"
     return "nccl"
 

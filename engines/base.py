@@ -11,6 +11,7 @@ import paths, so importing this module never imports them; only `create_engine("
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
@@ -97,18 +98,45 @@ ENGINES.register_lazy("torch", "engines.torch_engine:TorchEngine")
 ENGINES.register_lazy("vllm", "engines.vllm_engine:VLLMEngine")
 ENGINES.register_lazy("sglang", "engines.sglang_engine:SGLangEngine")
 
-# The wire format each engine's receiving side speaks, by the name of the trainer's sender in
-# `transports.base.SENDERS` (kept here, not on the classes, so that choosing the sender imports no engine).
-WEIGHT_TRANSPORTS = {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
-# Engines that can take `weight_sync.backend = "ipc"` (transports/ipc.py): the generator's own process loads the
-# weights, so the receiver's copy goes straight to `load_weights`. vLLM / SGLang workers join groups of their own.
-IPC_ENGINES = frozenset({"torch"})
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the runtime asks of a rollout engine, by its registered name, without importing it: every question of
+    the kind "is the engine torch?" is one of these (kept here, not on the classes, so that asking imports none)."""
+
+    transport: str        # the wire format its receiving side speaks: a sender in `transports.base.SENDERS`
+    in_process: bool      # generates in the generator's own process, on the device it is given (`device=`), and
+                          # that process receives the weights (so a restarted generator re-forms the weight group);
+                          # False: it places workers of its own that hold their own group membership (vLLM, SGLang)
+    ipc: bool             # takes `weight_sync.backend = "ipc"` (transports/ipc.py: the receiver's copy goes straight
+                          # to `load_weights`; vLLM / SGLang workers join groups of their own)
+    sleeps: bool          # implements `SleepableEngine` (what cluster.placement = "colocated" needs); vLLM's sleep
+                          # mode is CUDA-only and SGLang's release_memory_occupation needs a GPU: neither is wired
+    subset_weights: bool  # loads a subset of the weights (under LoRA the ones the adapters change); False: every one
+    wraps_module: bool    # can wrap the trainer's module in place, without a copy (colocated in one process)
 
 
-# The engines that implement `SleepableEngine` (what colocated placement needs), by name, so that the config
-# check imports no engine. vLLM's sleep mode (LLM.sleep / wake_up) is CUDA-only and SGLang's
-# release_memory_occupation needs a GPU: neither is wired here, since neither can be tested on CPU.
-SLEEPING_ENGINES = frozenset({"torch"})
+ENGINE_TRAITS: dict[str, EngineTraits] = {
+    "torch": EngineTraits(transport="bucketed", in_process=True, ipc=True, sleeps=True, subset_weights=True,
+                          wraps_module=True),
+    "vllm": EngineTraits(transport="bucketed", in_process=False, ipc=False, sleeps=False, subset_weights=False,
+                         wraps_module=False),
+    "sglang": EngineTraits(transport="per_tensor", in_process=False, ipc=False, sleeps=False, subset_weights=False,
+                           wraps_module=False),
+}
+
+
+def traits(engine: str) -> EngineTraits:
+    """The traits of the engine registered as `engine`; KeyError naming the known ones."""
+    if engine not in ENGINE_TRAITS:
+        raise KeyError(f"rollout engine {engine!r} declares no traits (engines/base.py ENGINE_TRAITS); known: "
+                       f"{', '.join(sorted(ENGINE_TRAITS))}")
+    return ENGINE_TRAITS[engine]
+
+
+# views of the table, by name
+WEIGHT_TRANSPORTS = {name: t.transport for name, t in ENGINE_TRAITS.items()}
+IPC_ENGINES = frozenset(name for name, t in ENGINE_TRAITS.items() if t.ipc)
+SLEEPING_ENGINES = frozenset(name for name, t in ENGINE_TRAITS.items() if t.sleeps)
 
 
 def can_sleep(engine: str) -> bool:

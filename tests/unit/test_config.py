@@ -44,9 +44,12 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "data"))
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     monkeypatch.setattr(config_mod, "cuda_available", lambda: False)
+    from engines.base import traits  # the traits table (names only: it imports no engine)
+
     engines = types.ModuleType("engines.base")
     engines.available_engines = lambda: ["torch", "vllm", "sglang"]
     engines.sleeping_engines = lambda: ["torch"]
+    engines.traits = traits
     algos = types.ModuleType("asyncrl.algorithms.registry")
     algos.available_advantages = lambda: ["grpo", "rloo"]
     algos.available_policy_losses = lambda: ["ppo_clip"]

@@ -82,3 +82,28 @@ def test_the_layering_check_sees_imports_inside_functions_but_not_type_checking_
                    "def f():\n    import ray\n    from asyncrl.roles import trainer\n")
     names = _runtime_imports(src)
     assert "ray" in names and "asyncrl.roles" in names and "asyncrl.config" not in names
+
+
+def test_the_runtime_asks_an_engines_traits_and_never_compares_its_name():
+    """`rollout.engine == "torch"` and the like: the capability it stands for is a field of engines.base.EngineTraits,
+    so that a new engine declares it once instead of being looked for in every comparison."""
+    import re
+
+    comparison = re.compile(r"""(engine\s*[!=]=|[!=]=\s*["'](torch|vllm|sglang)["']|engine\s+(not\s+)?in\s*[(\[{])""")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for folder in ("asyncrl", "transports", "buffers") for path in sorted((ROOT / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line.split("#")[0])]
+    assert not found, "\n".join(found)
+
+
+def test_every_registered_engine_declares_its_traits_and_an_unknown_one_gets_one_line():
+    import pytest
+
+    from engines.base import ENGINE_TRAITS, IPC_ENGINES, SLEEPING_ENGINES, WEIGHT_TRANSPORTS, available_engines, traits
+
+    assert set(available_engines()) == set(ENGINE_TRAITS)
+    assert traits("torch").in_process and traits("torch").ipc and not traits("vllm").in_process
+    assert WEIGHT_TRANSPORTS == {"torch": "bucketed", "vllm": "bucketed", "sglang": "per_tensor"}
+    assert IPC_ENGINES == SLEEPING_ENGINES == {"torch"}
+    with pytest.raises(KeyError, match="rollout engine 'tgi' declares no traits.*known: sglang, torch, vllm"):
+        traits("tgi")
