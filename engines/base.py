@@ -49,17 +49,6 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
-class InterruptibleEngine(RolloutEngine, Protocol):
-    """An engine whose in-flight requests can be cut short (optional; check with isinstance)."""
-
-    async def interrupt(self) -> int:
-        """Make every in-flight generate() return now: unfinished sequences come back with
-        finish_reason "abort" and their partial tokens, logprobs and versions (resubmit prompt + partial
-        to carry them over). Returns how many sequences were aborted."""
-        ...
-
-
-@runtime_checkable
 class SleepableEngine(RolloutEngine, Protocol):
     """An engine that can give its device memory back between generations (optional; check with isinstance,
     or `can_sleep(name)` before one is built). With `cluster.placement = "colocated"` the Generator puts it to

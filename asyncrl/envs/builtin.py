@@ -141,9 +141,3 @@ def arith_rows(split: str = "train", seed: int = 0, *, op: str = "-") -> list[di
 
 
 _OPS = {"-": lambda a, b: a - b, "+": lambda a, b: a + b, "*": lambda a, b: a * b}
-
-
-def seed_rows(split: str = "train", seed: int = 0, *, size: int = 1000) -> list[dict]:
-    """Rows {"prompt": "", "seed": i} for environments that make their own initial state from a seed."""
-    base = 10**6 if split == "eval" else 0
-    return [{"prompt": "", "seed": base + seed * size + i} for i in range(size)]

@@ -47,7 +47,6 @@ from typing import Any, Callable, Sequence
 from asyncrl.aio import on_daemon_thread
 from asyncrl.registry import import_path
 from asyncrl.rewards.base import Call, Value
-from asyncrl.rewards.combine import RewardSet
 from asyncrl.rewards.rules import RULES, RewardFn
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -457,17 +456,6 @@ class FunctionComponent:
 
     def close(self) -> None:
         """Nothing to stop: a hung daemon thread holds only itself."""
-
-
-class ThreadRewards(RewardSet):
-    """One reward function (and a Safe-RLHF cost function) as `Rewards`, run in this process."""
-
-    def __init__(self, reward_fn: RewardFn, cost_fn: RewardFn | None = None, *, timeout_s: float = 30.0,
-                 max_concurrency: int = 32) -> None:
-        def part(fn: RewardFn) -> FunctionComponent:
-            return FunctionComponent(fn, timeout_s=timeout_s, max_concurrency=max_concurrency)
-
-        super().__init__([part(reward_fn)], part(cost_fn) if cost_fn is not None else None)
 
 
 def _adapt(spec: str, fn: Any) -> RewardFn:

@@ -15,12 +15,12 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.prompts import Prompt
-from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
 from engines.base import RolloutEngine
 from tests.component import score_fakes
+from tests.fakes import ThreadRewards
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.planner import calibrate
-from asyncrl.planner_fixture import prediction_error, write_fixture
+from tests.planner_fixture import prediction_error, write_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 SELF_TOLERANCE = 0.10

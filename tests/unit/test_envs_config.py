@@ -9,10 +9,10 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.messages import Trajectory
-from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import WindowReducer
 from buffers.replay import ReplayBuffer
+from tests.fakes import ThreadRewards
 
 
 def errors_of(make_config, *overrides: str) -> list[str]:

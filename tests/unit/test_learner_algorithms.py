@@ -18,11 +18,11 @@ from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
-from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.roles.scorer import Scorer
 from asyncrl.training.critic import Critic, load_value_model
 from asyncrl.training.learner import Learner
 from asyncrl.training.reference import ReferencePolicy
+from tests.fakes import ThreadRewards
 
 torch.set_num_threads(1)
 

@@ -31,8 +31,8 @@ import pytest
 
 from asyncrl.planner import Costs, Setting, measured_throughput, simulate
 from asyncrl.planner import calibrate as calibrate_run
-from asyncrl.planner_fixture import prediction_error
 from asyncrl.telemetry.trace import read_trace, spans_from_trace
+from tests.planner_fixture import prediction_error
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FIRST_DIGIT, OVERLAP = FIXTURES / "planner_first_digit", FIXTURES / "planner_overlap"

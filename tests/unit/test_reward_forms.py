@@ -11,7 +11,8 @@ import pytest
 
 from asyncrl.rewards import Call, Score, batched, call_reward, check_reward, resolve_reward
 from asyncrl.rewards.combine import RewardSet, combine, component_means
-from asyncrl.rewards.loader import FunctionComponent, ThreadRewards, is_async, is_batched
+from asyncrl.rewards.loader import FunctionComponent, is_async, is_batched
+from tests.fakes import ThreadRewards
 
 FIX = "asyncrl_unit_fixtures"
 

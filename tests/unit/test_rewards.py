@@ -175,7 +175,8 @@ def test_hung_reward_calls_are_bounded_and_counted_until_they_return():
     import threading
     import time
 
-    from asyncrl.rewards.loader import HungCalls, ThreadRewards, call_rewards_async
+    from asyncrl.rewards.loader import HungCalls, call_rewards_async
+    from tests.fakes import ThreadRewards
 
     release = threading.Event()
 

@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from asyncrl.rewards import call_reward, check_reward, resolve_reward
-from asyncrl.rewards.loader import ThreadRewards
 from asyncrl.rewards.verifiers import gsm8k_answer, last_boxed
+from tests.fakes import ThreadRewards
 
 
 def score(rule: str, completion: str, answer: object) -> float:
