@@ -48,15 +48,12 @@ from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
 from asyncrl.envs.tool_env import ToolTurn, ToolUse
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
+from asyncrl.errors import TrainingFinished  # raised here; user code imports it from here or from asyncrl.errors
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from buffers.dispatch import Loads
 from engines.hf import ensure_model, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class TrainingFinished(RuntimeError):
-    """The background training ended (all steps taken, or it failed: the cause is chained)."""
 
 
 class _IdleGenerator:

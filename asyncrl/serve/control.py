@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.errors import TrainingFinished
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +46,6 @@ def add_routes(app: Any, server: Any) -> None:
         return web.json_response({"version": server.rt.version, "training_done": server.rt.training_done})
 
     async def submit_group(request: Any) -> Any:
-        from asyncrl.runtime import TrainingFinished
-
         try:
             req = msgspec.json.decode(await request.read(), type=GroupRequest)
         except msgspec.MsgspecError as exc:

@@ -107,3 +107,81 @@ def test_every_registered_engine_declares_its_traits_and_an_unknown_one_gets_one
     assert IPC_ENGINES == SLEEPING_ENGINES == {"torch"}
     with pytest.raises(KeyError, match="rollout engine 'tgi' declares no traits.*known: sglang, torch, vllm"):
         traits("tgi")
+
+
+LIBRARY = ("asyncrl", *BELOW)  # the library's packages (benchmarks/, examples/ and tests/ are not)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the library modules it imports at run time (functions included, `if TYPE_CHECKING:` not); `from
+    pkg import name` counts as importing pkg.name where that is a module, else pkg."""
+    files = {}
+    for path in _files(*LIBRARY):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                               for a in node.names)
+        graph[module] = {t for t in map(owner, targets) if t is not None and t != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_of_the_library_imports_itself_back_through_others():
+    """No import cycle between the library's modules (a function-level import counts: it is a cycle the moment the
+    function runs; a type-only import under TYPE_CHECKING does not)."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
