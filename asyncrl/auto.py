@@ -63,7 +63,7 @@ def scorers_in_buffer(cfg: Config) -> bool:
 def split_cores(cores: int, trainer_busy: float = 1.0, generator_busy: float = 1.0) -> tuple[int, int]:
     """Cores for (the trainer, the generators) when they run at once: in proportion to their busy shares, each at
     least one (a single core: both get it). The shares are the fraction of a step each side computes
-    (asyncrl.planner_model's `trainer_busy` and `generator_busy`); equal by default."""
+    (asyncrl.planning.model's `trainer_busy` and `generator_busy`); equal by default."""
     if cores <= 1:
         return 1, 1
     total = trainer_busy + generator_busy

@@ -193,7 +193,7 @@ def _analysis(args: argparse.Namespace) -> int:
         print(write_report(args.run_dir, target_reward=args.target_reward))
         return 0
     if args.command == "plan":
-        from asyncrl.planner import calibrate, format_plan, plan
+        from asyncrl.planning.planner import calibrate, format_plan, plan
 
         generators = _ints(args.generators, "--generators")
         if 0 in generators:

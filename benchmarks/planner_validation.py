@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from asyncrl.planner import Setting, calibrate, measure_cpu_shares, plan, recommend
+from asyncrl.planning.planner import Setting, calibrate, measure_cpu_shares, plan, recommend
 from asyncrl.sweep import SweepPoint, load_sweep, parse_axes, run_sweep
 from asyncrl.telemetry.metrics import read_metrics
 from asyncrl.telemetry.summary import summarize_rows, train_rows
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reuse", default=None, help="a finished validation sweep directory: score it again")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra config override")
     ap.add_argument("--cpu-shares", action="store_true", help="count each phase by its measured process CPU "
-                    "share (experimental, see asyncrl.planner.calibrate)")
+                    "share (experimental, see asyncrl.planning.planner.calibrate)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.steps <= args.warmup:
         raise SystemExit("--rounds must be >= 1 and --steps greater than --warmup")

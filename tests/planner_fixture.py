@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from asyncrl.config import read_run_config
-from asyncrl.planner import Costs, Setting, calibrate, measured_throughput, steady_throughput
+from asyncrl.planning.planner import Costs, Setting, calibrate, measured_throughput, steady_throughput
 from asyncrl.telemetry.trace import read_trace
 
 WARMUP = 3  # first train steps of a measured run left out (first-call allocations: no term in the model)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.planner import calibrate
+from asyncrl.planning.planner import calibrate
 from tests.planner_fixture import prediction_error, write_fixture
 
 ROOT = Path(__file__).resolve().parents[2]

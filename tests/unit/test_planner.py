@@ -3,7 +3,7 @@ and the recommendation rule."""
 
 import pytest
 
-from asyncrl.planner import Costs, Prediction, Setting, calibrate, closed_form, plan, recommend, simulate
+from asyncrl.planning.planner import Costs, Prediction, Setting, calibrate, closed_form, plan, recommend, simulate
 from asyncrl.telemetry.metrics import MetricsWriter
 from asyncrl.telemetry.spans import Span
 from asyncrl.telemetry.trace import TraceWriter
@@ -119,7 +119,7 @@ def test_calibrate_names_the_missing_file(tmp_path):
 
 
 def test_contention_is_fitted_so_the_simulation_reproduces_the_calibration_run():
-    from asyncrl.planner import fit_contention, steady_throughput
+    from asyncrl.planning.planner import fit_contention, steady_throughput
 
     c = costs()
     # the throughput as a run's is measured: without its first 3 steps
@@ -130,7 +130,7 @@ def test_contention_is_fitted_so_the_simulation_reproduces_the_calibration_run()
 
 
 def test_mean_in_flight_integrates_the_running_count_over_each_span():
-    from asyncrl.planner import _mean_in_flight
+    from asyncrl.planning.planner import _mean_in_flight
 
     spans = [Span(role="generator/0", kind="generate", start=s, end=e) for s, e in ((0, 2), (1, 2), (3, 4))]
     assert _mean_in_flight(spans) == [1.5, 2.0, 1.0]
@@ -189,7 +189,7 @@ def test_the_shared_cores_cpu_a_step_is_a_floor_under_a_pinned_step():
 
 
 def test_calibrate_reads_each_processs_cpu_a_step_from_the_rows():
-    from asyncrl.planner import _cpu_per_step
+    from asyncrl.planning.planner import _cpu_per_step
 
     rows = [{"time/step_s": 0.1, "generator/cpu_cores": 0.5, "buffer/cpu_cores": 0.25, "controller/cpu_cores": 0.1}
             for _ in range(8)]
@@ -201,7 +201,7 @@ def test_calibrate_reads_each_processs_cpu_a_step_from_the_rows():
 def test_calibrate_reads_the_cores_the_generators_were_pinned_to(tmp_path):
     import json
 
-    from asyncrl.planner import _pinned_generator_cores
+    from asyncrl.planning.planner import _pinned_generator_cores
 
     def placement(rows=None, **cpus):
         run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -221,7 +221,7 @@ def test_calibrate_reads_the_cores_the_generators_were_pinned_to(tmp_path):
 
 
 def test_calibrate_marks_an_in_process_run_and_keeps_its_alone_costs(tmp_path):
-    from asyncrl.planner import measure_cpu_shares
+    from asyncrl.planning.planner import measure_cpu_shares
 
     write_run(tmp_path / "run")
     c = calibrate(tmp_path / "run", cores=2, shared_interpreter=True)
@@ -239,7 +239,7 @@ def test_calibrate_marks_an_in_process_run_and_keeps_its_alone_costs(tmp_path):
 
 
 def test_measured_throughput_leaves_out_the_warm_up_steps(tmp_path):
-    from asyncrl.planner import measured_throughput
+    from asyncrl.planning.planner import measured_throughput
 
     with MetricsWriter(tmp_path / "metrics.jsonl") as writer:
         writer.write({"step": 0, "eval/greedy_reward": 0.1})  # evaluation-only row: not a train step

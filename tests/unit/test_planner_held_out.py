@@ -29,8 +29,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl.planner import Costs, Setting, measured_throughput, simulate
-from asyncrl.planner import calibrate as calibrate_run
+from asyncrl.planning.planner import Costs, Setting, measured_throughput, simulate
+from asyncrl.planning.planner import calibrate as calibrate_run
 from asyncrl.telemetry.trace import read_trace, spans_from_trace
 from tests.planner_fixture import prediction_error
 

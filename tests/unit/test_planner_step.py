@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl.planner import Costs, Setting, calibrate, closed_form, measured_throughput, simulate
+from asyncrl.planning.planner import Costs, Setting, calibrate, closed_form, measured_throughput, simulate
 from asyncrl.telemetry.metrics import MetricsWriter
 from asyncrl.telemetry.spans import Span
 from asyncrl.telemetry.trace import TraceWriter

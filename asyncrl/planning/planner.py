@@ -73,7 +73,7 @@ import msgspec
 
 from asyncrl.auto import overlap_threads
 from asyncrl.config import read_run_config
-from asyncrl.planner_model import (  # noqa: F401 (re-exported: the planner's public names live here too)
+from asyncrl.planning.model import (  # noqa: F401 (re-exported: the planner's public names live here too)
     REPLICATES,
     Costs,
     Prediction,

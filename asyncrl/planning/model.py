@@ -1,9 +1,9 @@
 """The planner's model: the costs it is calibrated with, and the prediction it makes from them.
 
-Place in the dataflow: `asyncrl.planner.calibrate` (a finished run) ──► **`Costs`** ──► `simulate` (a
-discrete-event simulation of the runtime's protocol, asyncrl/planner.py's module docstring has the model in
+Place in the dataflow: `asyncrl.planning.planner.calibrate` (a finished run) ──► **`Costs`** ──► `simulate` (a
+discrete-event simulation of the runtime's protocol, asyncrl/planning/planner.py's module docstring has the model in
 one screen) and `closed_form` ──► `Prediction` ──► `asyncrl plan`'s table. Kept apart from the calibration
-so each file stays readable; asyncrl.planner re-exports every name here.
+so each file stays readable; asyncrl.planning.planner re-exports every name here.
 """
 
 from __future__ import annotations
