@@ -24,6 +24,7 @@ from asyncrl.placement import role_device
 from asyncrl.prompts import PromptEncoder, prompt_rows
 from asyncrl.rewards.base import Rewards
 from asyncrl.rewards.setup import rewards_from_config
+from asyncrl.roles.decoding import decode_many
 from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
@@ -111,9 +112,7 @@ class LazyDecode:
         return self._loaded()(ids)
 
     def many(self, seqs: list[list[int]]) -> list[str]:
-        decode = self._loaded()
-        many = getattr(decode, "many", None)
-        return list(many(seqs)) if many is not None else [decode(ids) for ids in seqs]
+        return decode_many(self._loaded(), seqs)
 
 
 

@@ -30,6 +30,7 @@ import torch
 from asyncrl.aio import Coalescer
 from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
 from asyncrl.prompts import Prompt
+from asyncrl.roles.decoding import decode_many
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
     REPORT_KEY,
@@ -553,9 +554,7 @@ class Generator:
         """Each trajectory's `response_text` (and a ReMax baseline's `baseline_text`, once a group), decoded here."""
         if self.decode is None or not trajs:
             return
-        many = getattr(self.decode, "many", None)
-        seqs = [t.response_ids for t in trajs]
-        for t, text in zip(trajs, list(many(seqs)) if many is not None else [self.decode(ids) for ids in seqs]):
+        for t, text in zip(trajs, decode_many(self.decode, [t.response_ids for t in trajs])):
             t.response_text = text
         baselines: dict[int, str] = {}
         for t in trajs:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory, crosses_processes, pack_groups, unpack_trajectories
 from asyncrl.rewards.base import Call, Rewards
+from asyncrl.roles.decoding import decode_many
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, ProcessCpu, Rate, RoleStats, Sum, Total, Window, process_cpu_metrics, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
@@ -176,11 +177,8 @@ class Scorer:
         has `many` (asyncrl.build.tokenizer_fns)."""
         texts = [t.response_text for t in trajs]
         todo = [i for i, text in enumerate(texts) if text is None]
-        if todo:
-            seqs = [trajs[i].response_ids for i in todo]
-            many = getattr(self.decode, "many", None)
-            for i, text in zip(todo, list(many(seqs)) if many is not None else [self.decode(ids) for ids in seqs]):
-                texts[i] = text
+        for i, text in zip(todo, decode_many(self.decode, [trajs[i].response_ids for i in todo])):
+            texts[i] = text
         return texts  # type: ignore[return-value]
 
     async def _call(self, what: str, items: list[tuple[Trajectory, str, dict[str, Any]]]) -> None:
