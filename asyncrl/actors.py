@@ -34,7 +34,7 @@ from asyncrl.build import (
     set_torch_threads,
     sync_dtype,
 )
-from asyncrl.ckpt_transfer import NodeFiles
+from asyncrl.checkpoints.transfer import NodeFiles
 from asyncrl.config_schema import Config
 from asyncrl.messages import WeightsMeta
 from asyncrl.placement import require_device
@@ -147,7 +147,7 @@ def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = N
 class RoleActor(NodeFiles):
     """Hosts one role ("buffer", "generator", "scorer" or "trainer") in its own process; the buffer's actor also
     hosts the scorers with `cluster.scorer_placement = "buffer"`. NodeFiles: the driver's file calls, which carry
-    checkpoints to and from a trainer on another node (asyncrl/ckpt_transfer.py)."""
+    checkpoints to and from a trainer on another node (asyncrl/checkpoints/transfer.py)."""
 
     def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
                  incarnation: int = 0, spread: list[int] | None = None) -> None:

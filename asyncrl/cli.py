@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
-    from asyncrl.checkpoint_policy import failure_line
+    from asyncrl.checkpoints.policy import failure_line
     from asyncrl.controller import RunStopped
     from asyncrl.telemetry.runlog import RunLog, cause_chain
 

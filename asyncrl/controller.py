@@ -42,8 +42,8 @@ from typing import IO, Any, Awaitable, Callable, Protocol
 import msgspec
 
 from asyncrl.aio import discard
-from asyncrl.checkpoint import CHECKPOINTS, clear, latest_valid, read_state
-from asyncrl.checkpoint_policy import SaveSchedule, note_failure
+from asyncrl.checkpoints.policy import SaveSchedule, note_failure
+from asyncrl.checkpoints.store import CHECKPOINTS, clear, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
@@ -123,7 +123,7 @@ class Controller:
         self.ready = asyncio.Event()  # set once restored and every generator holds the weights to start from
         self.supervisor = Supervisor(deployment, max_restarts=cfg.cluster.max_restarts, run_dir=self.run_dir,
                                      save_every=cfg.run.save_every, save_every_s=cfg.run.save_every_s)
-        # when durable checkpoints are written: run.save_every, run.save_every_s (asyncrl/checkpoint_policy.py)
+        # when durable checkpoints are written: run.save_every, run.save_every_s (asyncrl/checkpoints/policy.py)
         self.saves = SaveSchedule(every=cfg.run.save_every, every_s=cfg.run.save_every_s,
                                   total_steps=cfg.trainer.total_steps)
         self._doing = ""  # what the run is doing ("training step 7"): a failure's note says it (note_failure)
@@ -195,7 +195,8 @@ class Controller:
                 row = await self._one_step(step, t_start, t_prev)
                 t_prev = self._window_end
                 self._keep_row(sinks, row)
-                # a signal or run.save_every_s: a checkpoint once the pipeline is drained (asyncrl/checkpoint_policy.py)
+                # a signal or run.save_every_s: a checkpoint once the pipeline is drained
+                # (asyncrl/checkpoints/policy.py)
                 wanted = bool(self._stopping) or self.saves.timed()
                 if self.saves.due(step + 1) or (wanted and self.steps.drained(step + 1)):
                     path = await self._save(step + 1)
@@ -219,7 +220,7 @@ class Controller:
             return rows
         except BaseException as exc:  # the trackers record how the run ended
             outcome = STOPPED if isinstance(exc, (RunStopped, KeyboardInterrupt, asyncio.CancelledError)) else FAILED
-            if outcome == FAILED and self._doing:  # the last line of a failed run names it (checkpoint_policy)
+            if outcome == FAILED and self._doing:  # the last line of a failed run names it (checkpoints/policy.py)
                 note_failure(exc, self._doing)
             raise
         finally:
@@ -344,7 +345,7 @@ class Controller:
         return remove
 
     async def _save(self, version: int) -> str:
-        """A durable checkpoint of version `version` (asyncrl/checkpoint.py), written by the trainer: its
+        """A durable checkpoint of version `version` (asyncrl/checkpoints/store.py), written by the trainer: its
         weights, optimizer and RNG, the buffer's state (groups accepted and not trained, the gate) and the
         Controller's totals. The pipeline drained first: nothing is half-trained or prefetched."""
         t0 = time.time()

@@ -20,7 +20,7 @@ from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard, run_loop
 from asyncrl.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
 from asyncrl.build import pin_cpus
-from asyncrl.ckpt_transfer import CheckpointRelay, relay_for
+from asyncrl.checkpoints.transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
@@ -276,7 +276,7 @@ class RayDeployment:
 
     def relay_checkpoints(self, *, fresh: bool) -> None:
         """When a trainer rank does not see RUN_DIR, checkpoints and the final export travel through Ray from now
-        on: `trainer` becomes a CheckpointRelay (asyncrl/ckpt_transfer.py). `fresh`: a new run (no --resume)."""
+        on: `trainer` becomes a CheckpointRelay (asyncrl/checkpoints/transfer.py). `fresh`: a new run (no --resume)."""
         run = self.cfg.run
         self._relay = asyncio.run(relay_for(self.trainer, [self.trainer_actor, *self.rank_actors],
                                             run_dir=run.output_dir, trainer_dir=run.trainer_dir,

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Awaitable
 
 from asyncrl.aio import discard
-from asyncrl.checkpoint import CHECKPOINTS, latest_valid
+from asyncrl.checkpoints.store import CHECKPOINTS, latest_valid
 
 log = logging.getLogger(__name__)
 

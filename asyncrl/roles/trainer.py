@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from asyncrl import checkpoint
+from asyncrl.checkpoints import store as checkpoint
 from asyncrl.pipeline import LEDGER_KEY, StepSource, UpdatePipeline
 from asyncrl.rewards.combine import component_means
 from asyncrl.roles.evaluator import Evaluator
@@ -153,7 +153,7 @@ class Trainer:
 
     async def save_state(self, root: str, *, step: int, config_text: str, extra: dict[str, Any],
                          keep_last: int) -> str:
-        """A durable checkpoint of the current version under `root` (asyncrl/checkpoint.py): the learner's
+        """A durable checkpoint of the current version under `root` (asyncrl/checkpoints/store.py): the learner's
         state, this process's RNG and the caller's `extra` state (the buffer's, the Controller's). Called
         between steps, when no update runs; written off the event loop. Sharded: every rank writes its shards
         into the checkpoint's folder before this rank seals it (training/sharded.py)."""

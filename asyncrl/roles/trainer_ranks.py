@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from asyncrl import checkpoint
+from asyncrl.checkpoints import store as checkpoint
 from asyncrl.messages import Group
 from asyncrl.telemetry.spans import SpanRecorder
 from asyncrl.training import sharded

@@ -206,7 +206,7 @@ def export_lora(model: torch.nn.Module, out_dir: str | Path, *, tokenizer: Any =
                 dtype: str | None = None) -> Path:
     """RUN_DIR/checkpoint for a LoRA policy: the merged model as an HF folder in `dtype` (None: as trained) with
     the adapter folder `adapter/` inside it; `model` itself is not changed (a copy is merged: one model's memory)."""
-    from asyncrl.checkpoint import export_hf
+    from asyncrl.checkpoints.store import export_hf
 
     merged = copy.deepcopy(model).merge_and_unload()
     out = export_hf(merged, out_dir, tokenizer=tokenizer, dtype=dtype, copy_model=False)

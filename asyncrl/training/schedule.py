@@ -4,7 +4,7 @@ Place in the dataflow: the Learner builds one scheduler over its AdamW optimizer
 optimizer step of a train step (`mini_batches x epochs` of them), skipped ones included, so that the schedule
 always spans exactly `total_optimizer_steps` steps and a run's learning rate depends on its step count alone.
 The step's metrics carry `trainer/lr`, the rate of its last optimizer step; the scheduler's state goes into
-every resumable checkpoint (asyncrl/checkpoint.py `scheduler_state`), so a resumed run continues the schedule
+every resumable checkpoint (asyncrl/checkpoints/store.py `scheduler_state`), so a resumed run continues the schedule
 where it stopped. The schedules are `transformers.get_scheduler`'s (LambdaLR over plain functions: their state
 encodes with msgspec). The critic keeps its constant `critic.lr`.
 """

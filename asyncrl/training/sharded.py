@@ -10,7 +10,7 @@ gathers the full weights (`full_copy`, a collective) and rank 0 alone writes one
 Format: torch.distributed.checkpoint (DCP) over its Hugging Face safetensors storage. Every rank writes one
 file, `shards/shard-<rank + 1>-model-00001-of-00001.safetensors`, holding its own pieces of every tensor, each
 with its offset in the full tensor (JSON in the safetensors header); a replicated tensor (AdamW's `step`) is
-written once. There is no pickled metadata file, so asyncrl/checkpoint.py's "never unpickled" holds.
+written once. There is no pickled metadata file, so asyncrl/checkpoints/store.py's "never unpickled" holds.
 Keys: `policy/<fqn>`, `optimizer/<fqn>/<exp_avg|exp_avg_sq|step>`, and `critic/...`, `critic_optimizer/...`
 for PPO's value model. The optimizers' settings (lr, betas, ... of each param group) are not tensors: they go
 into state.msgpack under `sharded` (`save` returns them), with the writers' count.
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncrl.checkpoint import CheckpointError
+from asyncrl.checkpoints.store import CheckpointError
 
 if TYPE_CHECKING:
     from asyncrl.training.learner import Learner
@@ -56,7 +56,7 @@ def _parts(learner: Learner) -> list[tuple[str, torch.nn.Module, torch.optim.Opt
 
 
 def _opt_key(name: str) -> str:
-    """The optimizer's key of part `name` (asyncrl/checkpoint.py's tensor groups name them so too)."""
+    """The optimizer's key of part `name` (asyncrl/checkpoints/store.py's tensor groups name them so too)."""
     return "optimizer" if name == "policy" else f"{name}_optimizer"
 
 
@@ -183,8 +183,9 @@ def _check_keys(folder: Path, saved: dict[str, Any], flat: dict[str, Tensor]) ->
 
 
 def load_full(learner: Learner, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
-    """Each rank: load a checkpoint of whole tensors (written by one process or DDP rank 0: asyncrl/checkpoint.py's
-    `policy`, `optimizer`, ... groups) into this rank's slices of a sharded learner. No collective."""
+    """Each rank: load a checkpoint of whole tensors (written by one process or DDP rank 0:
+    asyncrl/checkpoints/store.py's `policy`, `optimizer`, ... groups) into this rank's slices of a sharded learner.
+    No collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     options = StateDictOptions(full_state_dict=True)

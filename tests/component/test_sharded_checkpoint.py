@@ -1,7 +1,7 @@
 """Sharded checkpoints and the HF export of 2 FSDP2 trainer ranks (asyncrl/training/sharded.py), no Ray.
 
 Two spawned gloo ranks train the steps of tests/component/test_data_parallel.py with FSDP2. After 2 steps rank 0
-writes a checkpoint with asyncrl/checkpoint.py's `save`, whose `write` has every rank write its shards into the
+writes a checkpoint with asyncrl/checkpoints/store.py's `save`, whose `write` has every rank write its shards into the
 temporary folder (rank 1 learns the folder through the store, as rank 0's actor call tells it in a run). Fresh
 learners on both ranks load it and train step 3; the uninterrupted learners train step 3 too: the weights agree
 within 1e-6 (float64). The same ranks also load a 1-process checkpoint of whole tensors (resharded into their
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 
-from asyncrl import checkpoint
+from asyncrl.checkpoints import store as checkpoint
 from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.roles.trainer_ranks import full_copies
 from asyncrl.training import sharded

@@ -21,7 +21,7 @@ def _ledger_steps(run_dir: Path) -> list[int]:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    from asyncrl.checkpoint import list_checkpoints
+    from asyncrl.checkpoints.store import list_checkpoints
 
     return [step for step, _ in list_checkpoints(run_dir / "checkpoints")]
 
@@ -34,7 +34,7 @@ def _launch(*args: str) -> int:
 
 def test_the_time_interval_writes_drained_checkpoints_at_most_two_steps_after_it_passes(make_config, tmp_path):
     from asyncrl.aio import run_loop
-    from asyncrl.checkpoint import read_state
+    from asyncrl.checkpoints.store import read_state
     from asyncrl.controller import Controller
     from asyncrl.local import LocalDeployment
 
@@ -69,7 +69,7 @@ def test_a_checkpoint_that_fails_on_a_full_disk_ends_with_the_last_good_one_and_
         tiny_config_file, tmp_path, monkeypatch, capsys):
     import safetensors.torch
 
-    from asyncrl import checkpoint
+    from asyncrl.checkpoints import store as checkpoint
 
     run_dir = tmp_path / "full"
     sets = ["--set", f'run.output_dir="{run_dir}"', "--set", "trainer.total_steps=6", "--set", "run.save_every=2"]

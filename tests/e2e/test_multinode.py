@@ -3,7 +3,7 @@ custom resource of its own): `asyncrl launch --address` against that cluster wit
 trainer to one node and the generator and scorer to the other (the driver's); the run trains every step, placement.json
 shows the roles on their nodes, and every step's weight broadcast crossed between them (gloo over the nodes' address).
 
-Checkpoints come back from the trainer on the other node (asyncrl/ckpt_transfer.py): it writes into
+Checkpoints come back from the trainer on the other node (asyncrl/checkpoints/transfer.py): it writes into
 `run.trainer_dir`, a folder the driver's RUN_DIR is not (one machine shares one filesystem, so a node
 without shared storage is stood for by a folder of its own; the relay decides by whether the trainer sees the
 driver's marker file, not by node ids).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import checkpoint
+from asyncrl.checkpoints import store as checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

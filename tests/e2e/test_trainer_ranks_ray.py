@@ -56,8 +56,8 @@ def _replay(cfg: Any, steps: list[list[Any]], start: Any = None) -> dict[str, An
     """One process trains `steps` from the model folder, or from checkpoint folder `start` (a sharded one too)."""
     import torch
 
-    from asyncrl import checkpoint
     from asyncrl.build import build_learner, derive_seed, load_policy, tokenizer_fns
+    from asyncrl.checkpoints import store as checkpoint
     from asyncrl.training.sharded import SHARDS
 
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))

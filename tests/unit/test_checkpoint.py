@@ -1,4 +1,4 @@
-"""asyncrl.checkpoint: atomic saves, verification (a flipped byte anywhere is detected), keep_last, no
+"""asyncrl.checkpoints.store: atomic saves, verification (a flipped byte anywhere is detected), keep_last, no
 pickle, and bit-exact round trips of optimizer, scheduler and RNG state."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl import checkpoint as ck
-from asyncrl.checkpoint import CheckpointError
+from asyncrl.checkpoints import store as ck
+from asyncrl.checkpoints.store import CheckpointError
 
 CONFIG = '[trainer]\nlr = 0.01\n'
 
@@ -222,7 +222,7 @@ def test_latest_valid_skips_newer_corrupt_and_partial_checkpoints_and_says_why(t
         save(tmp_path, s)
     flip_byte(tmp_path / "step_00000003" / "model.safetensors", random.Random(0))
     (tmp_path / "step_00000004").mkdir()  # partial: no manifest
-    with caplog.at_level(logging.WARNING, logger="asyncrl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.checkpoints.store"):
         assert ck.latest_valid(tmp_path) == tmp_path / "step_00000002"
     assert "step_00000004" in caplog.text and "cannot read the manifest" in caplog.text
     assert "step_00000003" in caplog.text and "model.safetensors" in caplog.text

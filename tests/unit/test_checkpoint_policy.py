@@ -1,4 +1,4 @@
-"""asyncrl.checkpoint_policy: when a checkpoint is due (run.save_every, run.save_every_s, the last step) with an
+"""asyncrl.checkpoints.policy: when a checkpoint is due (run.save_every, run.save_every_s, the last step) with an
 injected clock (no real waiting), and the one line a failed run ends with when it has a checkpoint to resume."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import checkpoint
-from asyncrl.checkpoint_policy import SaveSchedule, failed_while, failure_line, note_failure
+from asyncrl.checkpoints import store as checkpoint
+from asyncrl.checkpoints.policy import SaveSchedule, failed_while, failure_line, note_failure
 from asyncrl.config_schema import RunConfig
 from asyncrl.supervisor import death_message
 

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("peft")
 
-from asyncrl import checkpoint  # noqa: E402
 from asyncrl.build import export_dtype  # noqa: E402
+from asyncrl.checkpoints import store as checkpoint  # noqa: E402
 from asyncrl.config import ConfigError, config_from_dict  # noqa: E402
 from asyncrl.config_schema import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
 from asyncrl.messages import Group, SamplingParams, Trajectory  # noqa: E402

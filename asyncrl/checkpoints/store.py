@@ -1,7 +1,7 @@
 """Durable training checkpoints: atomic, verified folders of safetensors + msgpack, never unpickled.
 
 Place in the dataflow: when a checkpoint is due (`run.save_every` steps, `run.save_every_s` seconds:
-asyncrl/checkpoint_policy.py) the Controller asks every role for its state (the trainer's weights, optimizer,
+asyncrl/checkpoints/policy.py) the Controller asks every role for its state (the trainer's weights, optimizer,
 scheduler and RNG; the buffer's and gate's counters) and hands it to `save`, which writes
 `RUN_DIR/checkpoints/step_<N:08d>/`; `--resume` reads the newest valid one with
 `latest_valid` + `load` and gives each role back its part. `export_hf` writes the separate, derived

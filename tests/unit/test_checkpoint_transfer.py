@@ -1,9 +1,9 @@
-"""asyncrl/ckpt_transfer.py without Ray: folders moved in chunks between two folders standing for two nodes, through
-NodeFiles' methods called as an actor's would be (`Node`). A fetched checkpoint verifies and equals the trainer's;
-a chunk changed on the way, or a file that changes while copied, leaves nothing under the final name; the relay
-fetches each save into RUN_DIR/checkpoints and prunes it to keep_last, ships a checkpoint only to a node without a
-valid copy of it, and fetches the final export over an older one; it stands in only when a trainer rank does not
-see the driver's marker file; `--local` refuses run.trainer_dir."""
+"""asyncrl/checkpoints/transfer.py without Ray: folders moved in chunks between two folders standing for two nodes,
+through NodeFiles' methods called as an actor's would be (`Node`). A fetched checkpoint verifies and equals the
+trainer's; a chunk changed on the way, or a file that changes while copied, leaves nothing under the final name;
+the relay fetches each save into RUN_DIR/checkpoints and prunes it to keep_last, ships a checkpoint only to a node
+without a valid copy of it, and fetches the final export over an older one; it stands in only when a trainer rank
+does not see the driver's marker file; `--local` refuses run.trainer_dir."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl import checkpoint, ckpt_transfer
-from asyncrl.ckpt_transfer import CheckpointRelay, NodeFiles
+from asyncrl.checkpoints import store as checkpoint
+from asyncrl.checkpoints import transfer
+from asyncrl.checkpoints.transfer import CheckpointRelay, NodeFiles
 
 
 class Node:
@@ -51,7 +52,7 @@ def _save(root: Path, step: int, nbytes: int = 5000) -> Path:
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(ckpt_transfer, "CHUNK_BYTES", 1000)  # every file spans several chunks
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 1000)  # every file spans several chunks
 
 
 def _same_files(a: Path, b: Path) -> bool:
@@ -63,7 +64,7 @@ def _same_files(a: Path, b: Path) -> bool:
 def test_a_fetched_checkpoint_verifies_and_holds_the_trainers_bytes(tmp_path):
     there = _save(tmp_path / "trainer" / "checkpoints", 3)
     here = tmp_path / "run" / "checkpoints" / there.name
-    asyncio.run(ckpt_transfer.fetch(Node(), str(there), here, hashes=False))
+    asyncio.run(transfer.fetch(Node(), str(there), here, hashes=False))
     assert checkpoint.verify(here).step == 3
     assert _same_files(there, here)
     assert [p.name for p in here.parent.iterdir()] == [there.name]  # no .tmp- folder left
@@ -73,26 +74,26 @@ def test_a_chunk_changed_on_the_way_leaves_no_checkpoint_under_its_name(tmp_path
     there = _save(tmp_path / "trainer" / "checkpoints", 3)
     here = tmp_path / "run" / "checkpoints" / there.name
     with pytest.raises(checkpoint.CheckpointError):
-        asyncio.run(ckpt_transfer.fetch(Node(corrupt=True), str(there), here, hashes=False))
+        asyncio.run(transfer.fetch(Node(corrupt=True), str(there), here, hashes=False))
     assert list(here.parent.iterdir()) == []
 
 
 def test_a_file_that_changes_size_while_copied_is_refused(tmp_path, monkeypatch):
     there = _save(tmp_path / "trainer" / "checkpoints", 3)
-    files = ckpt_transfer.list_files(there, hashes=False)
+    files = transfer.list_files(there, hashes=False)
     grown = [(rel, size + 10 if rel.endswith(".safetensors") else size, sha) for rel, size, sha in files]
-    monkeypatch.setattr(ckpt_transfer, "list_files", lambda *a, **k: grown)
+    monkeypatch.setattr(transfer, "list_files", lambda *a, **k: grown)
     here = tmp_path / "run" / "step"
     with pytest.raises(checkpoint.CheckpointError, match="changed while copied"):
-        asyncio.run(ckpt_transfer.fetch(Node(), str(there), here, hashes=False))
+        asyncio.run(transfer.fetch(Node(), str(there), here, hashes=False))
     assert not here.exists()
 
 
 def test_file_names_that_leave_the_folder_are_refused(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="outside the folder"):
-        ckpt_transfer.write_chunk(tmp_path, "../escape", 0, b"x")
+        transfer.write_chunk(tmp_path, "../escape", 0, b"x")
     with pytest.raises(checkpoint.CheckpointError, match="outside the folder"):
-        ckpt_transfer.read_chunk(tmp_path, "/etc/passwd", 0, 10)
+        transfer.read_chunk(tmp_path, "/etc/passwd", 0, 10)
 
 
 class Trainer:
@@ -167,17 +168,17 @@ def test_the_final_export_is_fetched_over_an_older_one(tmp_path):
 
 def test_the_relay_stands_in_only_when_a_trainer_rank_does_not_see_the_run_directory(tmp_path):
     run, folder = tmp_path / "run", tmp_path / "trainer"
-    same = asyncio.run(ckpt_transfer.relay_for(Trainer(), [Node(), Node()], run_dir=str(run), trainer_dir="",
+    same = asyncio.run(transfer.relay_for(Trainer(), [Node(), Node()], run_dir=str(run), trainer_dir="",
                                                keep_last=2, fresh=True))
     assert same is None  # both ranks found the driver's marker: shared storage, nothing travels
     old = _save(folder / "checkpoints", 7)  # an earlier run's, in the trainer's own folder
-    kept = asyncio.run(ckpt_transfer.relay_for(Trainer(), [Node()], run_dir=str(run), trainer_dir=str(folder),
+    kept = asyncio.run(transfer.relay_for(Trainer(), [Node()], run_dir=str(run), trainer_dir=str(folder),
                                                keep_last=2, fresh=False))
     assert isinstance(kept, CheckpointRelay) and old.exists()  # a resume keeps the trainer's copies
-    fresh = asyncio.run(ckpt_transfer.relay_for(Trainer(), [Node()], run_dir=str(run), trainer_dir=str(folder),
+    fresh = asyncio.run(transfer.relay_for(Trainer(), [Node()], run_dir=str(run), trainer_dir=str(folder),
                                                 keep_last=2, fresh=True))
     assert isinstance(fresh, CheckpointRelay) and not old.exists()  # a new run may save step 7 there again
-    assert not [p for p in run.iterdir() if p.name.startswith(ckpt_transfer.MARKER_PREFIX)]
+    assert not [p for p in run.iterdir() if p.name.startswith(transfer.MARKER_PREFIX)]
 
 
 def test_an_in_process_run_refuses_a_trainer_dir_in_one_line(make_config, tmp_path):

@@ -7,7 +7,7 @@ Place in the dataflow (Ray runs only):
                                                     ◄── fetch: the written folder, in chunks ──┘ (NodeFiles)
                                                     ── push: the checkpoint to resume from ───►
 
-The trainer writes checkpoints (asyncrl/checkpoint.py) and the final export on its own node, under
+The trainer writes checkpoints (asyncrl/checkpoints/store.py) and the final export on its own node, under
 `run.trainer_dir` (empty: `run.output_dir`, the same path as the driver's). Whether the driver sees what the
 trainer writes is decided once per deployment, not assumed from the node ids: the driver writes a marker file with a
 random token into RUN_DIR and each trainer rank looks for it under its folder (`relay_for`). Seen: the storage is
@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from asyncrl import checkpoint
+from asyncrl.checkpoints import store as checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ async def relay_for(proxy: Any, ranks: list[Any], *, run_dir: str, trainer_dir: 
         marker.unlink(missing_ok=True)
     if all(seen):
         return None
-    log.info("trainer rank(s) %s do not see %s in %s: checkpoints travel through Ray (asyncrl/ckpt_transfer.py)",
+    log.info("trainer rank(s) %s do not see %s in %s: checkpoints travel through Ray (asyncrl/checkpoints/transfer.py)",
              [r for r, s in enumerate(seen) if not s], run_dir, folder)
     root = str(PurePosixPath(folder) / checkpoint.CHECKPOINTS)
     if fresh:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from asyncrl.checkpoint import CHECKPOINTS, latest_valid, step_of
+from asyncrl.checkpoints.store import CHECKPOINTS, latest_valid, step_of
 from asyncrl.telemetry.runlog import cause_chain
 
 __all__ = ["SaveSchedule", "failed_while", "failure_line", "note_failure"]
