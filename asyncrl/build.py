@@ -18,10 +18,10 @@ from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.auto import scorers_in_buffer
 from asyncrl.config_schema import Config, RewardConfig
-from asyncrl.data import PromptStream
+from asyncrl.data.prompts import PromptEncoder, prompt_rows
+from asyncrl.data.rows import PromptStream
 from asyncrl.messages import SamplingParams
 from asyncrl.placement import role_device
-from asyncrl.prompts import PromptEncoder, prompt_rows
 from asyncrl.rewards.base import Rewards
 from asyncrl.rewards.setup import rewards_from_config
 from asyncrl.roles.decoding import decode_many
@@ -79,7 +79,7 @@ def set_torch_threads(n: int) -> None:
 
 def tokenizer_fns(model_path: str) -> tuple[Any, Any]:
     """The tokenizer and its decode (responses, special tokens skipped). Prompts are encoded by
-    `asyncrl.prompts.PromptEncoder`."""
+    `asyncrl.data.prompts.PromptEncoder`."""
     tok = load_tokenizer(model_path)
 
     def decode(ids: list[int]) -> str:

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return _config_errors(err)
     if args.command == "validate":
-        from asyncrl.prompts import check_prompts
+        from asyncrl.data.prompts import check_prompts
 
         problems = check_prompts(cfg)  # with the model's tokenizer: prompts render and fit (data.overlong)
         if problems:

@@ -254,7 +254,7 @@ def _unknown(path: str, what: str, name: str, known: list[str]) -> list[str]:
 
 
 def _check_data(cfg: Config) -> list[str]:
-    from asyncrl.data import check_data
+    from asyncrl.data.rows import check_data
 
     return check_data(cfg.data)
 

@@ -24,9 +24,9 @@ from asyncrl.checkpoints.transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
 from asyncrl.controller import Controller
+from asyncrl.data.prompts import check_prompts
 from asyncrl.local import run_local  # noqa: F401 - its home is asyncrl/local.py (no Ray); kept importable here
 from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
-from asyncrl.prompts import check_prompts
 from asyncrl.supervisor import RoleFailed
 from asyncrl.telemetry.metrics import ACTOR_CALLS
 from asyncrl.watchdog import Heartbeat, Probe

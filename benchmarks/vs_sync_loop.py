@@ -107,7 +107,7 @@ class SyncLoop:
     def __init__(self, cfg, seed: int, threads: list[int]) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from asyncrl.data import load_rows
+        from asyncrl.data.rows import load_rows
         from asyncrl.rewards import call_reward
         from asyncrl.rewards.rules import RULES
 
@@ -288,7 +288,7 @@ def role_threads(cfg) -> tuple[int, int]:
 def measure_floor(cfg, reps: int) -> dict[str, float]:
     """G_alone, T_alone: asyncrl's engine and Learner on one step's batch, each alone at its role's threads."""
     from asyncrl.build import build_learner, derive_seed, set_torch_threads, training_sampling
-    from asyncrl.data import load_rows
+    from asyncrl.data.rows import load_rows
     from asyncrl.messages import Group, Trajectory
     from asyncrl.rewards import call_reward
     from asyncrl.rewards.rules import RULES

@@ -8,7 +8,7 @@ decode→encode does not round-trip cannot change a trained token.
 
 Formats (`[env] chat_template`):
 * "none"   — plain: prompt = encode_prompt(initial observation) (with the model's BOS when its tokenizer
-             puts one before plain text, as `asyncrl.prompts` does for dataset prompts); each observation =
+             puts one before plain text, as `asyncrl.data.prompts` does for dataset prompts); each observation =
              encode(text). The tiny char-level tokenizer has no chat template and uses this.
 * "strict" — the tokenizer's chat template, applied append-only: for every turn k the rendering of
              messages[:k+1] must start with the rendering of messages[:k] (text and tokens); the tokens
@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncrl.prompts import plain_text_bos
+from asyncrl.data.prompts import plain_text_bos
 
 log = logging.getLogger(__name__)
 

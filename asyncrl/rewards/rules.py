@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from asyncrl.data import MissingField, field_at
+from asyncrl.data.rows import MissingField, field_at
 from asyncrl.registry import Registry
 
 RewardFn = Callable[..., float]

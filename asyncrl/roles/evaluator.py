@@ -1,6 +1,6 @@
 """Held-out evaluation: fixed prompts, greedy and sampled, scored with the run's reward function.
 
-Prompts are encoded exactly as the generators encode them (`asyncrl.prompts.PromptEncoder`). Runs inside
+Prompts are encoded exactly as the generators encode them (`asyncrl.data.prompts.PromptEncoder`). Runs inside
 the trainer process on the trainer's own weights (through the native engine's
 `from_model`, which shares the parameters), so the reported numbers belong to an exact policy version.
 This is what "the run learns" is judged on.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from asyncrl.data.prompts import Prompt
 from asyncrl.messages import SamplingParams
-from asyncrl.prompts import Prompt
 from asyncrl.rewards.base import Call, Rewards
 from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY
 from engines.base import RolloutEngine
@@ -37,7 +37,7 @@ class Evaluator:
         self.samples = samples  # return the completions with the metrics (rollouts.jsonl)
         self.engine = engine
         self.rows = rows
-        self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode), as the generators do
+        self.encode = encode  # row -> its Prompt (asyncrl.data.prompts.PromptEncoder.encode), as the generators do
         self.decode = decode
         self.rewards = rewards  # the run's reward function, as the scorers call it (reward.isolation)
         self.max_new_tokens = max_new_tokens

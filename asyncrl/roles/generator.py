@@ -28,8 +28,8 @@ import msgspec
 import torch
 
 from asyncrl.aio import Coalescer
+from asyncrl.data.prompts import Prompt
 from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
-from asyncrl.prompts import Prompt
 from asyncrl.roles.decoding import decode_many
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
@@ -108,8 +108,8 @@ class Generator:
         self.generator_id = generator_id
         self.engine = engine
         self.buffer = buffer
-        self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.PromptStream.row)
-        self.encode = encode  # row -> its Prompt (asyncrl.prompts.PromptEncoder.encode)
+        self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.rows.PromptStream.row)
+        self.encode = encode  # row -> its Prompt (asyncrl.data.prompts.PromptEncoder.encode)
         # token ids -> the text the reward function sees (asyncrl.build.tokenizer_fns): each completion leaves with
         # its text, so the scorer needs no tokenizer of its own (None: the scorer decodes)
         self.decode = decode

@@ -11,8 +11,8 @@ from typing import Mapping
 
 import torch
 
+from asyncrl.data.prompts import Prompt
 from asyncrl.messages import Completion, SamplingParams
-from asyncrl.prompts import Prompt
 from asyncrl.roles.generator import Generator
 from asyncrl.telemetry.metrics import Rate
 from buffers.grouping import GroupAssembler

@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping
 import pytest
 import torch
 
+from asyncrl.data.prompts import Prompt
 from asyncrl.messages import Completion, SamplingParams, Trajectory
-from asyncrl.prompts import Prompt
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
 from asyncrl.telemetry.metrics import Rate, Share, Sum, Total

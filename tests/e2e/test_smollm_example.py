@@ -121,7 +121,7 @@ def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smol
     from transformers import AutoTokenizer
 
     from asyncrl.config_schema import DataConfig
-    from asyncrl.prompts import PromptEncoder
+    from asyncrl.data.prompts import PromptEncoder
     from examples.smollm_arith.reward import score
 
     train, held_out = prepare.write_data(smollm_dir, tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config_schema import DataConfig
-from asyncrl.data import PromptStream, check_data, load_rows
+from asyncrl.data.rows import PromptStream, check_data, load_rows
 
 FIX = "asyncrl_unit_fixtures"
 
@@ -78,7 +78,7 @@ def test_eval_split_reads_eval_path_when_set(tmp_path):
 
 def test_eval_split_without_eval_file_falls_back_to_train_rows_with_warning(tmp_path, caplog):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    with caplog.at_level(logging.WARNING, logger="asyncrl.data"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.rows"):
         rows = load_rows(DataConfig(path=str(train)), "eval", seed=0)
     assert rows == ROWS
     assert "no data.eval_path" in caplog.text
@@ -193,7 +193,7 @@ def test_prompt_stream_rejects_no_rows():
 
 
 def test_prompt_rows_are_a_function_of_the_group_id_alone():
-    from asyncrl.data import PromptStream
+    from asyncrl.data.rows import PromptStream
 
     rows = [{"prompt": str(i)} for i in range(5)]
     a, b = PromptStream(rows, seed=3), PromptStream(rows, seed=3)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config_schema import DataConfig
-from asyncrl.data import MissingField, check_data, field_at, format_row, load_rows
+from asyncrl.data.rows import MissingField, check_data, field_at, format_row, load_rows
 from asyncrl.rewards.rules import RULES
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."

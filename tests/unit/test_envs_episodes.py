@@ -354,7 +354,7 @@ class _ClosingBuffer:
 
 
 def _generator(buffer: _ClosingBuffer, env: bool):
-    from asyncrl.prompts import Prompt
+    from asyncrl.data.prompts import Prompt
     from asyncrl.roles.generator import Generator
 
     codec = MergeCodec()

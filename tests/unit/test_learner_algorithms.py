@@ -391,8 +391,8 @@ def test_every_example_config_validates():
 # -- Generator: ReMax greedy baseline --------------------------------------------------------------
 
 def test_generator_attaches_the_greedy_completion_of_each_prompt_to_its_group():
+    from asyncrl.data.prompts import Prompt
     from asyncrl.messages import SamplingParams
-    from asyncrl.prompts import Prompt
     from asyncrl.roles.generator import Generator
     from engines.torch_engine import TorchEngine
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from asyncrl.config_schema import Config, DataConfig, ModelConfig
-from asyncrl.prompts import (
+from asyncrl.data.prompts import (
     OverlongPrompt,
     Prompt,
     PromptEncoder,
@@ -118,7 +118,7 @@ def test_only_the_bos_of_a_tokenizer_that_also_appends_eos_is_added():
 
 def test_a_template_without_bos_is_followed_and_warned_about_once(caplog):
     tok = make_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    with caplog.at_level(logging.WARNING, logger="asyncrl.prompts"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.prompts"):
         encoder = PromptEncoder(tok, DataConfig(path="x"))
         first, second = encoder.encode({"prompt": "ab"}), encoder.encode({"prompt": "cd"})
     assert first.ids == chars(tok, "ab") and second.ids == chars(tok, "cd")
@@ -233,7 +233,7 @@ def test_the_markers_are_the_special_tokens_the_template_itself_writes(smollm2, 
 def test_a_pre_rendered_smollm2_prompt_is_used_as_it_is_and_said_once(smollm2, caplog):
     text, ids = rendered_once(smollm2, QUESTION)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.data.prompts"):
         encoder = PromptEncoder(smollm2, DataConfig(path="x"))
         prompts = [encoder.encode({"prompt": text}) for _ in range(3)]
         lengths = encoder.lengths([{"prompt": text}] * 2)
@@ -245,7 +245,7 @@ def test_a_pre_rendered_smollm2_prompt_is_used_as_it_is_and_said_once(smollm2, c
 
 
 def test_a_plain_string_is_still_templated_and_nothing_is_said(smollm2, llama3, caplog):
-    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.data.prompts"):
         for tok in (smollm2, llama3):
             prompt = PromptEncoder(tok, DataConfig(path="x")).encode({"prompt": "What is 17 + 25?"})
             assert prompt.ids == rendered_once(tok, QUESTION)[1] and prompt.text == "What is 17 + 25?"
@@ -257,7 +257,7 @@ def test_a_pre_rendered_llama3_prompt_has_one_bos_with_or_without_its_own(llama3
     bos = llama3.bos_token_id
     assert text.startswith("<|begin_of_text|><|start_header_id|>user") and ids.count(bos) == 1
     encoder = PromptEncoder(llama3, DataConfig(path="x", system_prompt="Be brief."))
-    with caplog.at_level(logging.INFO, logger="asyncrl.prompts"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.data.prompts"):
         assert encoder.encode({"prompt": text}).ids == ids
         stripped = text.removeprefix("<|begin_of_text|>")  # a pipeline that left the BOS to the tokenizer
         assert encoder.encode({"prompt": stripped}).ids == ids
@@ -295,7 +295,7 @@ def test_overlong_error_names_the_rows_and_their_lengths(plain_llama):
 
 def test_overlong_filter_leaves_the_rows_out_and_counts_them(plain_llama, caplog):
     encoder = PromptEncoder(plain_llama, DataConfig(path="x", max_prompt_len=8, overlong="filter"))
-    with caplog.at_level(logging.WARNING, logger="asyncrl.prompts"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.prompts"):
         kept, dropped = screen_rows(ROWS, encoder)
     assert kept == [ROWS[0], ROWS[2]] and dropped == 2
     assert "left out 2 of 4 train rows" in caplog.text

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl.config_schema import Config, DataConfig
-from asyncrl.data import Split, field_at, format_row, is_messages, load_rows
+from asyncrl.data.rows import Split, field_at, format_row, is_messages, load_rows
 
 log = logging.getLogger(__name__)
 

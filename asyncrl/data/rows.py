@@ -1,14 +1,14 @@
 """Prompt sources: load dataset rows and hand them out as an endless, reshuffled stream.
 
 Place in the dataflow: the generators and the trainer's evaluator call `load_rows(cfg.data, split, seed)`
-once (asyncrl/build.py) and `asyncrl.prompts` turns each row into the prompt's tokens; a `PromptStream` hands
+once (asyncrl/build.py) and `asyncrl.data.prompts` turns each row into the prompt's tokens; a `PromptStream` hands
 the rows to the generators by group id. Each row is a dict; its prompt is the `data.prompt_key` field (a
 string, or a list of chat messages `[{"role", "content"}]` as in TRL's conversational format and verl's
 parquet rows) or `data.prompt_template` formatted with its fields. The whole row travels with the
 trajectory to the reward function. `asyncrl validate` calls `check_data`.
 
 Sources (exactly one of `data.path` / `data.source`):
-- `data.path`: a file or folder, read by `asyncrl.data_files` (.jsonl, .json, .parquet built in; .csv,
+- `data.path`: a file or folder, read by `asyncrl.data.files` (.jsonl, .json, .parquet built in; .csv,
   .arrow and folders — `save_to_disk`, or data files named by split — through the `datasets` extra).
   `data.split` picks the split of a folder that holds several.
 - `source = 'pkg.module:function'`: called as `fn(split="train"|"eval", seed=seed)`, returning an
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Literal
 
 from asyncrl.config_schema import DataConfig
-from asyncrl.data_files import check_path, disk_splits, is_single_split, read_path
+from asyncrl.data.files import check_path, disk_splits, is_single_split, read_path
 from asyncrl.registry import import_path
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Dataset files on disk: the readers behind `data.path` / `data.eval_path`.
 
-Place in the dataflow: `asyncrl.data.load_rows` asks `read_path` for the (label, row) pairs of one split and
+Place in the dataflow: `asyncrl.data.rows.load_rows` asks `read_path` for the (label, row) pairs of one split and
 `check_path` for `asyncrl validate`'s error lines; nothing else reads dataset files.
 
 What a path may be (chosen by its suffix, or a folder):
