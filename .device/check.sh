@@ -87,7 +87,7 @@ EOF
     else
         echo "no .whl/ carried: relying on the image's packages"
     fi
-    "$PY" -c "import msgspec, tomli_w, asyncrl.cli, asyncrl.local, engines.torch_engine, transports; \
+    "$PY" -c "import msgspec, tomli_w, asyncrl.cli, asyncrl.deploy.local, engines.torch_engine, transports; \
 print('asyncrl imports without Ray; msgspec', msgspec.__version__)"
 }
 

@@ -1,5 +1,5 @@
 """Small asyncio helpers shared by the Controller and the roles, and the event loop every run starts on
-(`run_loop`: `asyncrl.local.run_local` in process, `asyncrl.launch.run_with_ray` on Ray)."""
+(`run_loop`: `asyncrl.deploy.local.run_local` in process, `asyncrl.deploy.launch.run_with_ray` on Ray)."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def _calibration_run(config: str, steps: int) -> str:
     """A short in-process run of `config` (no evaluation, no checkpoint: not even the default's durable one)
     to calibrate the planner from."""
-    from asyncrl.local import run_local
+    from asyncrl.deploy.local import run_local
 
     # On-policy (max_staleness = 0): the one setting where generation, scoring and training each run alone,
     # so their costs are measured without the others' contention (docs/observability.md, the planner).
@@ -288,13 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
     from asyncrl.checkpoints.policy import failure_line
-    from asyncrl.controller import RunStopped
+    from asyncrl.control.controller import RunStopped
     from asyncrl.telemetry.runlog import RunLog, cause_chain
 
-    if args.local:  # asyncrl.launch imports Ray; the in-process path does not (machines without Ray)
-        from asyncrl.local import run_local as runner
+    if args.local:  # asyncrl.deploy.launch imports Ray; the in-process path does not (machines without Ray)
+        from asyncrl.deploy.local import run_local as runner
     else:
-        from asyncrl.launch import run_with_ray as runner
+        from asyncrl.deploy.launch import run_with_ray as runner
     logging.getLogger().setLevel(args.log_level)
     run_log = RunLog(cfg.run.output_dir, level=args.log_level)
     if own_process:  # this process drives one run: its imports are never walked by a full collection again

@@ -52,7 +52,7 @@ class ActorPlan(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     count: int
     cpus: float  # per actor
-    gpus: float = 0.0  # per actor (asyncrl/placement.py)
+    gpus: float = 0.0  # per actor (asyncrl/deploy/placement.py)
     device: str = "cpu"
     resources: dict[str, float] = {}  # custom Ray resources per actor (cluster.resources.<role>)
 
@@ -133,8 +133,8 @@ def config_to_toml(cfg: Config) -> str:
 
 def plan_resources(cfg: Config) -> list[ActorPlan]:
     """The actors a run starts, with the logical CPUs each asks for (cluster.*_cpus)."""
-    from asyncrl.auto import scorers_in_buffer
-    from asyncrl.placement import role_device, role_gpus
+    from asyncrl.deploy.auto import scorers_in_buffer
+    from asyncrl.deploy.placement import role_device, role_gpus
 
     c = cfg.cluster
 
@@ -144,7 +144,7 @@ def plan_resources(cfg: Config) -> list[ActorPlan]:
 
     return [
         plan("generator", cfg.rollout.num_generators, c.generator_cpus),
-        # scorers in the buffer actor's process (scorer_placement, asyncrl/auto.py) ask for nothing
+        # scorers in the buffer actor's process (scorer_placement, asyncrl/deploy/auto.py) ask for nothing
         plan("scorer", 0 if scorers_in_buffer(cfg) else cfg.reward.num_scorers, c.scorer_cpus),
         plan("trainer", cfg.trainer.num_ranks, c.trainer_cpus),  # rank 0 and the other trainer ranks
         plan("buffer", 1, c.buffer_cpus),
@@ -156,7 +156,7 @@ def derived(cfg: Config) -> dict[str, object]:
     sps = cfg.samples_per_step
     mini = sps // cfg.trainer.mini_batches
     in_flight = (cfg.staleness.max_staleness + 1) * cfg.trainer.prompts_per_step
-    from asyncrl.placement import weight_backend
+    from asyncrl.deploy.placement import weight_backend
 
     plans = plan_resources(cfg)
     return {
@@ -407,8 +407,8 @@ def _check_backend(cfg: Config) -> list[str]:
 
 
 def _check_devices(cfg: Config) -> list[str]:
-    """cluster.placement and *_gpus against the weight backend and this machine (asyncrl/placement.py)."""
-    from asyncrl.placement import check_placement, uses_gpus
+    """cluster.placement and *_gpus against the weight backend and this machine (asyncrl/deploy/placement.py)."""
+    from asyncrl.deploy.placement import check_placement, uses_gpus
 
     cuda = cuda_available() if uses_gpus(cfg) or cfg.weight_sync.backend == "nccl" else False
     errors = check_placement(cfg, cuda=cuda, gpus_here=gpu_count() if cuda else 0)

@@ -13,7 +13,7 @@ had no step over 50 ms.
 
 Only for processes that host one run and end with it: a process that runs many (the test suite, a notebook)
 would keep every object alive at each call forever. So the library's own run functions do not call it; the
-Ray actors (`asyncrl.actors.RoleActor`) and the `asyncrl launch` and `asyncrl serve` commands do.
+Ray actors (`asyncrl.deploy.actors.RoleActor`) and the `asyncrl launch` and `asyncrl serve` commands do.
 """
 
 from __future__ import annotations

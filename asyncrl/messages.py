@@ -122,7 +122,7 @@ _GROUPS_DECODER = msgspec.msgpack.Decoder(list[Group])
 
 
 def crosses_processes(peer: object) -> bool:
-    """Whether what is passed to `peer`'s methods is serialized (asyncrl.actors.RayProxy says so): then the
+    """Whether what is passed to `peer`'s methods is serialized (asyncrl.deploy.actors.RayProxy says so): then the
     roles send it trajectories and groups packed."""
     return bool(getattr(peer, "crosses_processes", False))
 

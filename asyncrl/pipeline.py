@@ -133,7 +133,7 @@ class StepSource(Protocol):
     """The train store (ReplayBuffer), as far as the pipeline uses it."""
 
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
-    # a source in another process (`crosses_processes = True`, asyncrl.actors.RayProxy) is asked with
+    # a source in another process (`crosses_processes = True`, asyncrl.deploy.actors.RayProxy) is asked with
     # packed=True and answers with a `pack_groups` blob
 
 
@@ -380,7 +380,7 @@ class StepPipeline:
 
     `watch` wraps every await (the Controller's: it fails fast when a role loop died meanwhile).
 
-    Supervision (`recover`, asyncrl/supervisor.py): a weight sync (one claimed send, one receive per
+    Supervision (`recover`, asyncrl/control/supervisor.py): a weight sync (one claimed send, one receive per
     generator) runs under `sync_lock`, and the supervisor re-forms the group under the same lock, so the two
     never interleave on a group. Receives carry the name of the group they were made for (`group`); the
     generator refuses a receive made for another group, so no receive ever counts a broadcast of a group it

@@ -45,7 +45,7 @@ from asyncrl.aio import discard
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
 from asyncrl.config_schema import Config
-from asyncrl.controller import Controller
+from asyncrl.control.controller import Controller
 from asyncrl.envs.tool_env import ToolTurn, ToolUse
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format
 from asyncrl.errors import TrainingFinished  # raised here; user code imports it from here or from asyncrl.errors
@@ -220,11 +220,11 @@ class Runtime:
         self.stop_ids = frozenset([*eos_token_ids(cfg.model.path), *cfg.rollout.stop_token_ids])
         try:
             if self.local:
-                from asyncrl.local import LocalDeployment
+                from asyncrl.deploy.local import LocalDeployment
 
                 self._inner = await asyncio.to_thread(LocalDeployment, cfg)
             else:
-                from asyncrl.launch import RayDeployment, start_ray
+                from asyncrl.deploy.launch import RayDeployment, start_ray
 
                 self._started_ray = start_ray(cfg)
                 self._inner = RayDeployment(cfg)
@@ -275,7 +275,7 @@ class Runtime:
                 await inner.shutdown()
         finally:
             if self._started_ray:
-                from asyncrl.launch import stop_ray
+                from asyncrl.deploy.launch import stop_ray
 
                 self._started_ray = False
                 stop_ray()

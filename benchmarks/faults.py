@@ -111,7 +111,7 @@ class Faults:
 
 def run(cfg, kills: list[tuple[int, str]]) -> tuple[list[dict], float, Faults]:
     """Run `cfg` on Ray, killing the scheduled actors; returns (metrics rows, wall seconds, the faults)."""
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     faults = Faults(kills)
     t0 = time.time()
@@ -252,7 +252,7 @@ def measure(argv: list[str] | None = None) -> tuple[dict, Grade]:
     import ray
 
     from asyncrl.config import load_config
-    from asyncrl.launch import start_ray
+    from asyncrl.deploy.launch import start_ray
 
     root = Path(tempfile.mkdtemp(prefix="faults-"))
     sets = ["trainer.eval_every=0", "run.save_checkpoint=false", "logging.live=false",

@@ -22,11 +22,11 @@ B. train step, colocated: `Learner.update` over the B completions of A (GRPO, PP
    batch (timed: after a sleep, that call allocates the cache and captures the graphs again; compare it with
    A's figure). Median of R cycles after a warm-up step.
    (An in-process run whose engine has the trainer's device and dtype wraps the trainer's module instead,
-   asyncrl/local.py: no hand-over at all; the engine here owns a copy, as with mixed precision or another dtype.)
+   asyncrl/deploy/local.py: no hand-over at all; the engine here owns a copy, as with mixed precision or another dtype.)
 C. train step, trainer alone: the same steps once the engine is closed and its memory freed (the
    disaggregated case: the trainer has the GPU to itself). Median of R steps.
 
-The learner is built as asyncrl/build.py `build_learner` builds it for GRPO (no critic, no reference):
+The learner is built as asyncrl/deploy/build.py `build_learner` builds it for GRPO (no critic, no reference):
 `Learner(model, algorithm, trainer, pad_token_id, max_new_tokens, device)` over the model loaded in bfloat16
 (parameters and AdamW state in bfloat16); `--mixed-precision` loads it in float32 instead and trains with
 `trainer.mixed_precision = "bf16"` (float32 master weights and AdamW state, forwards under bfloat16 autocast).
@@ -187,7 +187,7 @@ def train_groups(completions: list[Completion], group_size: int, seed: int) -> l
 
 def build_learner(path: str, device: torch.device, dtype: str, micro_batch: int, new_tokens: int,
                   mixed_precision: bool) -> Learner:
-    """As asyncrl/build.py builds the policy learner for GRPO (no critic, reference or multiplier); with
+    """As asyncrl/deploy/build.py builds the policy learner for GRPO (no critic, reference or multiplier); with
     `mixed_precision` the model loads in float32 (master weights) and trains under bfloat16 autocast."""
     model = hf.load_model(path, dtype="float32" if mixed_precision else dtype, device=device)
     trainer = TrainerConfig(lr=1e-6, micro_batch_size=micro_batch, grad_clip=1.0,

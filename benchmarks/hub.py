@@ -11,8 +11,8 @@ A. Hub throughput. The same loop runs through three hubs, in this order, per pay
     of the hub's own logic (gate, queues, holders) with no process boundary;
   - `plain Ray`: a plain Ray actor holding two bounded asyncio queues (rollouts, then scored groups) and no
     logic: the cost of the actor calls and of reading and writing the payload's blobs alone (the baseline);
-  - `hub`: the buffer actor exactly as `asyncrl launch` builds it (asyncrl.actors.RemoteRoleActor "buffer"
-    with the options of asyncrl.launch.actor_options, called through asyncrl.actors.RayProxy).
+  - `hub`: the buffer actor exactly as `asyncrl launch` builds it (asyncrl.deploy.actors.RemoteRoleActor "buffer"
+    with the options of asyncrl.deploy.launch.actor_options, called through asyncrl.deploy.actors.RayProxy).
 Producers (`--producers` Ray actors, like generators) admit groups at their version (`admit(free, version,
 holder=)`), build each group's trajectories from a template of the payload size and put each group
 (`put_rollouts`); `--scorers` scorer actors take whole groups (`get_rollouts(batch, holder=)`), assemble and
@@ -28,7 +28,7 @@ are over the consumer's steps after `--warmup` untimed steps; P = 16 prompts x G
 staleness 1, the buffer's default capacities.
 
 B. The Controller's share of wall. `examples/first_digit/config.toml` through `asyncrl launch`'s own path
-(`asyncrl.launch.run_with_ray`, its own local Ray cluster), `--steps` steps, evaluation and checkpoint off.
+(`asyncrl.deploy.launch.run_with_ray`, its own local Ray cluster), `--steps` steps, evaluation and checkpoint off.
 Every metrics row carries `time/controller_s`: CPU seconds of the driver's event-loop thread in the step's
 window (the Controller, the step pipeline, supervision, the watch and the Ray calls they make). Its share of
 wall is sum(time/controller_s) / sum(time/step_s) over the steps after the first; the median per step is
@@ -246,7 +246,7 @@ def hub_config(producers: int, scorers: int, quick: bool):
 def run_in_process(cfg, payload: tuple[int, int], producers: int, scorers: int, steps: int,
                    warmup: int) -> tuple[int, float]:
     """The ReplayBuffer object itself, every role a coroutine of one event loop."""
-    from asyncrl.build import build_buffer
+    from asyncrl.deploy.build import build_buffer
 
     async def main() -> tuple[int, float]:
         hub = build_buffer(cfg)
@@ -271,9 +271,9 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
     """The hub actor as `asyncrl launch` builds it (gated), or the plain actor; the roles as Ray actors."""
     import ray
 
-    from asyncrl.actors import RayProxy, RemoteRoleActor
     from asyncrl.config import plan_resources
-    from asyncrl.launch import actor_options
+    from asyncrl.deploy.actors import RayProxy, RemoteRoleActor
+    from asyncrl.deploy.launch import actor_options
 
     opts = {"num_cpus": 0, "max_concurrency": 1000}
     if gated:
@@ -357,7 +357,7 @@ def controller_share(rows: list[dict]) -> tuple[float, float, int]:
 
 def bench_controller(args: argparse.Namespace) -> dict[str, float]:
     from asyncrl.config import load_config
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     root = Path(tempfile.mkdtemp(prefix="hub-"))
     steps = 4 if args.quick else args.steps

@@ -48,7 +48,7 @@ Equal work in every run: responses ignore the model's eos (`rollout.ignore_eos`)
 vs 29 tokens in one pair of runs), and G and T of one run would not describe the other's work.
 
 --defaults: every run leaves [cluster] at its defaults (scorer_placement, torch_threads and auto_affinity
-decide by themselves: asyncrl/auto.py) and starts its own local cluster, as `asyncrl launch` does; the async run
+decide by themselves: asyncrl/deploy/auto.py) and starts its own local cluster, as `asyncrl launch` does; the async run
 takes the config's max_staleness and weight_update unless --staleness / --weight-update say otherwise. The sync
 runs set cluster.torch_threads to --sync-threads (1: what the async run's roles get on 2 cores) so that G and
 T describe the threads the async run has; sync-2t is then the untouched defaults at max_staleness 0 (every
@@ -171,7 +171,7 @@ def cluster_toml(args: argparse.Namespace) -> str:
 
 
 def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
-    from asyncrl.launch import run_local, run_with_ray
+    from asyncrl.deploy.launch import run_local, run_with_ray
 
     text = CONFIG.format(cluster=cluster_toml(args), model_dir=root / "model", run_dir=root / name,
                          hidden=args.hidden, layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts,
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Ray starts its workers at niceness 15 by default; with other jobs on the machine they would
         # lose the cores to them while the driver (the Controller) does not. Same priority for all.
         if args.pin:  # the driver (Controller) and the cluster it starts: see PINNED
-            from asyncrl.build import pin_cpus
+            from asyncrl.deploy.build import pin_cpus
 
             pin_cpus(PINNED["controller"], "controller")
         ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",

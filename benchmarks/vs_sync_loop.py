@@ -32,7 +32,7 @@ that reach it; the sync loop's held-out greedy reward (the first `trainer.eval_p
 
 The floor (printed per run): G_alone = one step's generation (16 prompts x 8) by asyncrl's own engine
 (`TorchEngine`) alone in this process, T_alone = asyncrl's `Learner.update` of one step's groups alone, each
-at its role's torch threads (`cluster.torch_threads`; "auto" as asyncrl/auto.py decides it), each the median
+at its role's torch threads (`cluster.torch_threads`; "auto" as asyncrl/deploy/auto.py decides it), each the median
 of --floor-reps timed calls after a warm-up. An asynchronous step cannot be shorter than max(G_alone, T_alone);
 the run's median step time as a multiple of it (target <= 1.1) says how much per-step overhead the runtime adds.
 Beside it, for asyncrl's runs, the CPU floor (`cpu_floor`): the CPU seconds every process of the run spent in a
@@ -254,7 +254,7 @@ def run_launch(args: argparse.Namespace, root: Path, model_dir: Path, seed: int,
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     out = summarise([r["reward/mean"] for r in steps], [r["time/step_s"] for r in steps], args)
-    from asyncrl.auto import available_cpus
+    from asyncrl.deploy.auto import available_cpus
 
     out["cpu_floor"] = cpu_floor(steps, len(available_cpus()))
     evals = [r["eval/greedy_reward"] for r in rows if "eval/greedy_reward" in r]
@@ -277,8 +277,8 @@ def cpu_floor(rows: list[dict], cores: int) -> float:
 
 def role_threads(cfg) -> tuple[int, int]:
     """The generator's and the trainer's torch threads in a Ray run of `cfg` on this machine (cluster.torch_threads;
-    "auto": asyncrl/auto.py, on the CPUs the automatic affinity gives each role)."""
-    from asyncrl.auto import available_cpus, decide_threads, resolve_ray
+    "auto": asyncrl/deploy/auto.py, on the CPUs the automatic affinity gives each role)."""
+    from asyncrl.deploy.auto import available_cpus, decide_threads, resolve_ray
 
     placed = resolve_ray(cfg)
     return tuple(decide_threads(placed, len(getattr(placed.cluster.affinity, role)) or len(available_cpus()), role)
@@ -287,8 +287,8 @@ def role_threads(cfg) -> tuple[int, int]:
 
 def measure_floor(cfg, reps: int) -> dict[str, float]:
     """G_alone, T_alone: asyncrl's engine and Learner on one step's batch, each alone at its role's threads."""
-    from asyncrl.build import build_learner, derive_seed, set_torch_threads, training_sampling
     from asyncrl.data.rows import load_rows
+    from asyncrl.deploy.build import build_learner, derive_seed, set_torch_threads, training_sampling
     from asyncrl.messages import Group, Trajectory
     from asyncrl.rewards import call_reward
     from asyncrl.rewards.rules import RULES

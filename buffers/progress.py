@@ -2,7 +2,7 @@
 
 Place in the dataflow: the ReplayBuffer notes every group a scorer accepts, every group a generator or
 scorer releases (with a short reason: the reward's error, "rewards all 0"), and every step the trainer
-takes. The Controller's watch (`asyncrl/watchdog.py`) reads `report()` and ends a run that makes no
+takes. The Controller's watch (`asyncrl/control/watchdog.py`) reads `report()` and ends a run that makes no
 progress — every group failing or filtered, e.g. a reward that always raises — with one error naming the
 last distinct reasons, instead of refilling and failing groups forever.
 """

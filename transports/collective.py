@@ -2,7 +2,7 @@
 
 Place in the dataflow: Trainer --(`CollectiveSender.send`)--> Generators (`CollectiveReceiver.receive`).
 A Ray deployment forms the group once, before training (`RayDeployment.setup_weight_sync` in
-asyncrl/launch.py: the trainer's actor starts the store with `create_store`, then every member calls
+asyncrl/deploy/launch.py: the trainer's actor starts the store with `create_store`, then every member calls
 `join_group` at once) and each actor hands its sender or receiver to its role. In-process runs use
 `LocalWeightChannel` (local.py) instead.
 

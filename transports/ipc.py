@@ -4,8 +4,8 @@ every member maps, with no broadcast.
 Place in the dataflow: Trainer --(`IpcSender.send`)--> Generators (`IpcReceiver.receive`): the edge of
 `collective.py`, with its interface and semantics (versions, `sync_stats`, armed receives, `close()`, groups
 re-formed under a fresh name), chosen by `weight_sync.backend = "ipc"`. A Ray deployment forms the group like
-the collective one (`RayDeployment.setup_weight_sync` in asyncrl/launch.py; each member in
-`RoleActor.join_weight_group`, asyncrl/actors.py) on the trainer's rendezvous store (`collective.create_store`).
+the collective one (`RayDeployment.setup_weight_sync` in asyncrl/deploy/launch.py; each member in
+`RoleActor.join_weight_group`, asyncrl/deploy/actors.py) on the trainer's rendezvous store (`collective.create_store`).
 Only generators whose own process loads the weights (the torch engine) can take part: vLLM and SGLang workers
 receive through their own groups, which the config check says (asyncrl/config.py).
 

@@ -9,7 +9,7 @@ with if/elif.
 
 An advantage estimator also declares what it needs from the rest of the run (`AlgorithmNeeds`: a critic, a
 greedy baseline, groups of at least n samples). Config validation (asyncrl/config.py), the builders
-(asyncrl/build.py: critic, generator's greedy completion), the Learner and the embedding API
+(asyncrl/deploy/build.py: critic, generator's greedy completion), the Learner and the embedding API
 (asyncrl/runtime.py) ask `advantage_needs(name)` instead of comparing estimator names:
 
     @register_advantage("gae", needs=AlgorithmNeeds(critic=True))

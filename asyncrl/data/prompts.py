@@ -1,6 +1,6 @@
 """Prompts: where a dataset row becomes the token ids the model is prompted with — the one place.
 
-Place in the dataflow: `asyncrl/build.py` gives every generator and the trainer's evaluator a
+Place in the dataflow: `asyncrl/deploy/build.py` gives every generator and the trainer's evaluator a
 `PromptEncoder` (row -> `Prompt`) and screens their rows with `screen_rows` (`data.overlong`) before a
 `PromptStream` hands them out; `asyncrl validate` and the Ray launch call `check_prompts`, so an over-long
 prompt is one line before any actor starts. (Environment episodes render their own observations:

@@ -1,11 +1,11 @@
 """Prompt sources: load dataset rows and hand them out as an endless, reshuffled stream.
 
-Place in the dataflow: the generators and the trainer's evaluator call `load_rows(cfg.data, split, seed)`
-once (asyncrl/build.py) and `asyncrl.data.prompts` turns each row into the prompt's tokens; a `PromptStream` hands
-the rows to the generators by group id. Each row is a dict; its prompt is the `data.prompt_key` field (a
-string, or a list of chat messages `[{"role", "content"}]` as in TRL's conversational format and verl's
-parquet rows) or `data.prompt_template` formatted with its fields. The whole row travels with the
-trajectory to the reward function. `asyncrl validate` calls `check_data`.
+Place in the dataflow: the generators and the trainer's evaluator call `load_rows(cfg.data, split, seed)` once
+(asyncrl/deploy/build.py) and `asyncrl.data.prompts` turns each row into the prompt's tokens; a `PromptStream` hands the
+rows to the generators by group id. Each row is a dict; its prompt is the `data.prompt_key` field (a string, or a list
+of chat messages `[{"role", "content"}]` as in TRL's conversational format and verl's parquet rows) or
+`data.prompt_template` formatted with its fields. The whole row travels with the trajectory to the reward function.
+`asyncrl validate` calls `check_data`.
 
 Sources (exactly one of `data.path` / `data.source`):
 - `data.path`: a file or folder, read by `asyncrl.data.files` (.jsonl, .json, .parquet built in; .csv,

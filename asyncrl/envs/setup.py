@@ -1,7 +1,7 @@
 """Builds the env pieces of a run from its Config: the generators' EpisodeRunner and the trainer's
 held-out `EnvEvaluator` (greedy and sampled episodes on the trainer's own weights).
 
-Place in the dataflow: `asyncrl/build.py` calls `episode_runner` for each generator and `env_evaluator`
+Place in the dataflow: `asyncrl/deploy/build.py` calls `episode_runner` for each generator and `env_evaluator`
 for the trainer when `[env]` is set.
 """
 

@@ -71,8 +71,8 @@ from pathlib import Path
 
 import msgspec
 
-from asyncrl.auto import overlap_threads
 from asyncrl.config import read_run_config
+from asyncrl.deploy.auto import overlap_threads
 from asyncrl.planning.model import (  # noqa: F401 (re-exported: the planner's public names live here too)
     REPLICATES,
     Costs,
@@ -279,7 +279,7 @@ def _pinned_generator_cores(run_dir: Path, rows: list[dict] | None = None) -> fl
     """The cores the run's generators were pinned to apart from the trainer's (RUN_DIR/placement.json, written
     by a Ray run: each role's `cpus`); 0 when they were not pinned, shared cores with the trainer, the run
     has no placement.json (in process, or an older run), or the trainer ended on more CPUs than it started
-    pinned to (`trainer/cpus` of the last row in `rows`: its tuner kept every core, asyncrl/thread_tuner.py)."""
+    pinned to (`trainer/cpus` of the last row in `rows`: its tuner kept every core, asyncrl/deploy/thread_tuner.py)."""
     try:
         where = json.loads((run_dir / "placement.json").read_text())
     except (OSError, ValueError):

@@ -1,7 +1,7 @@
 """How a role calls the run's reward (and Safe-RLHF cost): the `Rewards` protocol and what crosses it.
 
 Place in the dataflow: building a run makes one `Rewards` per Scorer, and one for the trainer's Evaluator
-(`build_rewards` in asyncrl/build.py, from the [reward] section: asyncrl/rewards/setup.py); the role hands it
+(`build_rewards` in asyncrl/deploy/build.py, from the [reward] section: asyncrl/rewards/setup.py); the role hands it
 batches of `Call`s and gets back, per call, its `Score` or the exception that failed it.
 
 A `Rewards` is a `RewardSet` (combine.py) of weighted, named *components*, each a `Component`:

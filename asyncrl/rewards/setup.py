@@ -1,6 +1,6 @@
 """The [reward] section -> the `Rewards` a role holds, and its checks for `asyncrl validate`.
 
-Place in the dataflow: `build_rewards` (asyncrl/build.py) calls `rewards_from_config` once per Scorer and once
+Place in the dataflow: `build_rewards` (asyncrl/deploy/build.py) calls `rewards_from_config` once per Scorer and once
 for the trainer's Evaluator; `asyncrl validate` calls `check_rewards`.
 
 The reward of a sample is the weighted sum of its components (combine.py):

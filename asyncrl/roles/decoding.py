@@ -1,6 +1,6 @@
 """Token ids to the text a reward function sees, many sequences at once: the decode's own batch call (`decode.many`,
-asyncrl.build.tokenizer_fns: the Rust tokenizer's batch decode where it gives the same text) where it has one, else
-one call per sequence. The generator decodes what it sampled; the scorer what arrives without text."""
+asyncrl.deploy.build.tokenizer_fns: the Rust tokenizer's batch decode where it gives the same text) where it has one,
+else one call per sequence. The generator decodes what it sampled; the scorer what arrives without text."""
 
 from __future__ import annotations
 

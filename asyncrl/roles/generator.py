@@ -12,7 +12,7 @@ finish (groups admitted meanwhile, e.g. by an admit that was waiting, hold their
 `wake`: nothing admitted is dropped), then the engine releases its K/V cache (`SleepableEngine`). While asleep
 no group and no `generate` call reaches the engine; weights still arrive and land in it.
 
-A plain async class: no Ray here. The Ray actor in `asyncrl/actors.py` only adds lifecycle.
+A plain async class: no Ray here. The Ray actor in `asyncrl/deploy/actors.py` only adds lifecycle.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class Generator:
         self.buffer = buffer
         self.prompt_row = prompt_row  # group id -> its dataset row (asyncrl.data.rows.PromptStream.row)
         self.encode = encode  # row -> its Prompt (asyncrl.data.prompts.PromptEncoder.encode)
-        # token ids -> the text the reward function sees (asyncrl.build.tokenizer_fns): each completion leaves with
-        # its text, so the scorer needs no tokenizer of its own (None: the scorer decodes)
+        # token ids -> the text the reward function sees (asyncrl.deploy.build.tokenizer_fns): each completion leaves
+        # with its text, so the scorer needs no tokenizer of its own (None: the scorer decodes)
         self.decode = decode
         self.sampling = sampling
         self.concurrency = concurrency
@@ -145,7 +145,8 @@ class Generator:
         self._asleep_since = 0.0
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
-        # a buffer in another process (`crosses_processes`: asyncrl.actors.RayProxy) gets them as one msgpack blob
+        # a buffer in another process (`crosses_processes`: asyncrl.deploy.actors.RayProxy) gets them as one
+        # msgpack blob
         pack = pack_trajectories if crosses_processes(buffer) else (lambda trajs: trajs)
         self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(pack(trajs)))
         # groups whose sampling is not over: `concurrency` bounds these (a group waiting for its put holds no

@@ -54,7 +54,7 @@ class ScoreSink(Protocol):
         names this scorer: if it dies, the groups it took are released (supervision)."""
         ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
-    # a sink in another process (`crosses_processes = True`, asyncrl.actors.RayProxy) is asked with packed=True
+    # a sink in another process (`crosses_processes = True`, asyncrl.deploy.actors.RayProxy) is asked with packed=True
     # and takes the accepted groups as one `pack_groups` blob
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
@@ -79,7 +79,7 @@ class Scorer:
     ) -> None:
         self.scorer_id = scorer_id
         self.buffer = buffer
-        # a buffer in another process (`crosses_processes`: asyncrl.actors.RayProxy): trajectories and groups
+        # a buffer in another process (`crosses_processes`: asyncrl.deploy.actors.RayProxy): trajectories and groups
         # travel as one msgpack blob each (asyncrl.messages.pack_trajectories)
         self._packed = crosses_processes(buffer)
         self.rewards = rewards  # the reward (and cost) function; closed when `run` ends
@@ -174,7 +174,7 @@ class Scorer:
 
     def _texts(self, trajs: list[Trajectory]) -> list[str]:
         """The completions' text: the generator's (`response_text`), else decoded here, in one call where the decode
-        has `many` (asyncrl.build.tokenizer_fns)."""
+        has `many` (asyncrl.deploy.build.tokenizer_fns)."""
         texts = [t.response_text for t in trajs]
         todo = [i for i, text in enumerate(texts) if text is None]
         for i, text in zip(todo, decode_many(self.decode, [trajs[i].response_ids for i in todo])):

@@ -183,7 +183,7 @@ class Trainer:
 
     def save_checkpoint(self, path: str, tokenizer: Any = None, dtype: str | None = None) -> str:
         """Write an HF-loadable folder (config + safetensors [+ tokenizer]) of the current weights, cast to
-        `dtype` (asyncrl.build.export_dtype; None = as trained), with the critic and the Safe-RLHF multiplier.
+        `dtype` (asyncrl.deploy.build.export_dtype; None = as trained), with the critic and the Safe-RLHF multiplier.
         LoRA: the merged weights, and the adapter alone in `adapter/` (training/lora.py `export_lora`). Sharded:
         every rank joins the gather of the full weights, and this rank writes the one folder. On a worker thread."""
         if self.sharded and self.ranks is not None:

@@ -213,7 +213,7 @@ def rss_mb() -> float:
 
 
 class CallCount:
-    """Actor calls this process submitted (`asyncrl.actors.RayProxy`'s calls and the watch's heartbeats count
+    """Actor calls this process submitted (`asyncrl.deploy.actors.RayProxy`'s calls and the watch's heartbeats count
     themselves in `ACTOR_CALLS`): the Controller's rows carry the driver's calls a step (`controller/actor_calls`),
     each of which costs its event loop a Ray round trip (benchmarks/hub.py)."""
 

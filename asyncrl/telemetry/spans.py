@@ -6,7 +6,7 @@ its window (`telemetry.metrics.RoleStats`; Spans are msgspec Structs, so they cr
 and the controller computes from them the metrics defined in docs/metrics.md: `<role>/busy_share`,
 `<role>/idle_share` and `overlap_ratio`. Spans can also be exported as Chrome/Perfetto trace events.
 A role marks the start of each span with `rec.begin(kind)`: the activity it began last, which the run's
-watch (asyncrl/watchdog.py) quotes when the role's event loop stalls.
+watch (asyncrl/control/watchdog.py) quotes when the role's event loop stalls.
 
 Roles run in different processes on the same machine, so times are `time.time()` wall-clock seconds:
 the only clock that is comparable across processes. Everything below the recorder is pure interval
@@ -55,7 +55,7 @@ class Span(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class Activity(msgspec.Struct, kw_only=True, frozen=True):
-    """What a role began last: the watch (asyncrl/watchdog.py) quotes it when the role's loop stalls."""
+    """What a role began last: the watch (asyncrl/control/watchdog.py) quotes it when the role's loop stalls."""
 
     kind: str           # a span kind ("score", "generate", "wait_queue", ...)
     detail: str = ""    # a few words more, e.g. "reward fn"

@@ -1,6 +1,6 @@
 """LoRA through `peft` (`[model.lora]`): the policy trains low-rank adapters, the generators get merged weights.
 
-Place in the dataflow: `asyncrl.build` wraps the trainer's freshly loaded policy with `apply_lora` (a peft
+Place in the dataflow: `asyncrl.deploy.build` wraps the trainer's freshly loaded policy with `apply_lora` (a peft
 `PeftModel`: every base weight frozen, an adapter B·A on each targeted linear layer) before the Learner takes it,
 so the Learner's optimizer, gradient clipping and resumable checkpoints see the adapter parameters alone. From
 there on:

@@ -1,6 +1,6 @@
 """Numerics of the trainer's models: mixed precision, gradient checkpointing, and the dtype of each copy.
 
-Place in the dataflow: `asyncrl.build` loads the trained models (policy, critic) in `master_dtype`, the frozen
+Place in the dataflow: `asyncrl.deploy.build` loads the trained models (policy, critic) in `master_dtype`, the frozen
 reference in `reference_dtype` and the generators' engines in `engine_dtype`; the Learner, the Critic and the
 ReferencePolicy run every forward inside `autocast(...)`; the Learner and the Critic wrap their gradient passes
 in `checkpointing(model)`. The weight broadcast converts the master weights to the engines' dtype bucket by

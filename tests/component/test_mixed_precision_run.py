@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.controller import Controller
-from asyncrl.launch import run_loop
-from asyncrl.local import LocalDeployment
+from asyncrl.control.controller import Controller
+from asyncrl.deploy.launch import run_loop
+from asyncrl.deploy.local import LocalDeployment
 from engines.hf import ensure_model, load_model
 
 

@@ -136,7 +136,7 @@ def test_trainer_takes_packed_groups_from_a_buffer_in_another_process_also_when_
     from asyncrl.roles.trainer import Trainer
 
     class RemoteStepBuffer(StepBuffer):
-        crosses_processes = True  # as asyncrl.actors.RayProxy: asked with packed=True
+        crosses_processes = True  # as asyncrl.deploy.actors.RayProxy: asked with packed=True
 
         async def take_step(self, step: int, timeout: float | None = None, *, packed: bool = False) -> Any:
             assert packed

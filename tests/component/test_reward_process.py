@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.build import build_rewards
 from asyncrl.config_schema import RewardConfig
+from asyncrl.deploy.build import build_rewards
 from asyncrl.messages import Trajectory
 from asyncrl.rewards.base import Score
 from asyncrl.rewards.process import ProcessRewards, RewardError, RewardWorkerDied

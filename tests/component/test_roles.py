@@ -648,7 +648,7 @@ def test_generator_sends_a_buffer_in_another_process_one_packed_blob_per_put():
     from asyncrl.messages import unpack_trajectories
 
     class RemoteBuffer(FakeBuffer):
-        crosses_processes = True  # as asyncrl.actors.RayProxy: what it is given is serialized
+        crosses_processes = True  # as asyncrl.deploy.actors.RayProxy: what it is given is serialized
         blobs = 0
 
         async def put_rollouts(self, trajs) -> None:
@@ -667,7 +667,7 @@ def test_scorer_gets_and_accepts_packed_with_a_buffer_in_another_process():
     from asyncrl.messages import pack_trajectories, unpack_groups
 
     class RemoteScoreBuffer(FakeBuffer):
-        crosses_processes = True  # as asyncrl.actors.RayProxy
+        crosses_processes = True  # as asyncrl.deploy.actors.RayProxy
 
         async def get_rollouts(self, max_items, timeout=None, holder=None, *, packed=False):
             assert packed

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_broadcast_to_two_generator_actors_makes_engines_match_trainer(ray_cluster, make_config):
-    from asyncrl.launch import RayDeployment
+    from asyncrl.deploy.launch import RayDeployment
 
     cfg = make_config("rollout.num_generators=2", "trainer.lr=0.05", "trainer.weight_decay=0.5",
                       "staleness.max_staleness=0", "weight_sync.bucket_mb=0.01")

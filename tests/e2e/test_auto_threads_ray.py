@@ -1,7 +1,7 @@
-"""`asyncrl launch` with the [cluster] defaults on a local cluster it starts (asyncrl/auto.py): each role's process
-really runs on the CPUs and with the torch threads the rules decide (placement.json is what the actors report),
-the scorer is hosted by the buffer actor, and with max_staleness = 0 the trainer measures 1 thread against all
-cores on its first updates and then keeps one count (`trainer/torch_threads` is what its update thread had)."""
+"""`asyncrl launch` with the [cluster] defaults on a local cluster it starts (asyncrl/deploy/auto.py): each role's
+process really runs on the CPUs and with the torch threads the rules decide (placement.json is what the actors
+report), the scorer is hosted by the buffer actor, and with max_staleness = 0 the trainer measures 1 thread against
+all cores on its first updates and then keeps one count (`trainer/torch_threads` is what its update thread had)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from asyncrl.auto import auto_affinity, available_cpus, decide_threads, thread_candidates
+from asyncrl.deploy.auto import auto_affinity, available_cpus, decide_threads, thread_candidates
 from asyncrl.telemetry.metrics import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -35,8 +35,8 @@ def _launch(*args: str) -> int:
 def test_the_time_interval_writes_drained_checkpoints_at_most_two_steps_after_it_passes(make_config, tmp_path):
     from asyncrl.aio import run_loop
     from asyncrl.checkpoints.store import read_state
-    from asyncrl.controller import Controller
-    from asyncrl.local import LocalDeployment
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.local import LocalDeployment
 
     run_dir = tmp_path / "timed"
     cfg = make_config("trainer.total_steps=9", "trainer.eval_every=0", "run.save_every_s=250", "run.keep_last=0",

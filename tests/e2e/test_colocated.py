@@ -48,7 +48,7 @@ def check_colocated_run(cfg, run_dir, steps: int) -> None:
 
 
 def test_colocated_in_process_run_never_generates_while_it_trains_or_evaluates(make_config, tmp_path):
-    from asyncrl.launch import run_local
+    from asyncrl.deploy.launch import run_local
 
     run_dir = tmp_path / "colocated"
     cfg = make_config('cluster.placement="colocated"', "trainer.total_steps=4", "rollout.num_generators=2",
@@ -57,7 +57,7 @@ def test_colocated_in_process_run_never_generates_while_it_trains_or_evaluates(m
     check_colocated_run(cfg, run_dir, steps=4)
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/greedy_reward" in r]
     assert [r["step"] for r in evals] == [0, 2, 4]  # eval_every = 2: each while the generators slept
-    # the engines wrapped the trainer's module (asyncrl/local.py): each sample's version names the weights that
+    # the engines wrapped the trainer's module (asyncrl/deploy/local.py): each sample's version names the weights that
     # sampled it, so the trainer's logprobs of its on-policy tokens equal the engine's (a sample labelled one
     # version behind the weights it came from would differ by a whole optimizer step)
     gaps = [(r["trainer/logprob_gap"], r["trainer/logprob_gap_tokens"]) for r in _train_rows(run_dir)]
@@ -69,7 +69,7 @@ def test_colocated_engines_in_process_wrap_the_trainers_module_and_a_sync_copies
 
     import torch
 
-    from asyncrl.local import LocalDeployment
+    from asyncrl.deploy.local import LocalDeployment
 
     cfg = make_config('cluster.placement="colocated"', "rollout.num_generators=2", "trainer.eval_every=0",
                       f'run.output_dir="{tmp_path}"')
@@ -95,7 +95,7 @@ def test_colocated_engines_in_process_wrap_the_trainers_module_and_a_sync_copies
 
 @pytest.mark.ray
 def test_colocated_ray_run_sleeps_the_generator_actors_around_every_train_step(ray_cluster, make_config, tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     run_dir = tmp_path / "colocated-ray"
     cfg = make_config('cluster.placement="colocated"', "trainer.total_steps=3", "trainer.eval_every=0",

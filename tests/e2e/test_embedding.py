@@ -157,7 +157,7 @@ def test_runtime_refuses_what_it_cannot_train_with_one_line_before_starting(tmp_
 
 def test_runtime_that_fails_to_start_shuts_down_what_it_started(tmp_path, monkeypatch):
     import asyncrl.runtime
-    from asyncrl.local import LocalDeployment
+    from asyncrl.deploy.local import LocalDeployment
 
     closed = []
     real_shutdown = LocalDeployment.shutdown

@@ -44,7 +44,7 @@ def _train_rows(rows):
 @pytest.mark.timeout(180)  # a hang fails the test instead of the suite
 def test_raising_reward_is_contained_and_every_admitted_group_is_accounted_for(make_config, tmp_path,
                                                                                monkeypatch):
-    from asyncrl.launch import run_local
+    from asyncrl.deploy.launch import run_local
 
     (tmp_path / "flaky_reward_mod.py").write_text(FLAKY_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -89,8 +89,8 @@ def rows_with_a_set(split="train", seed=0):
 ])
 def test_a_run_whose_every_group_fails_ends_with_one_error_naming_the_reason(make_config, tmp_path, monkeypatch,
                                                                              cause, overrides, reason):
-    from asyncrl.launch import run_local
-    from asyncrl.watchdog import RunStalled
+    from asyncrl.control.watchdog import RunStalled
+    from asyncrl.deploy.launch import run_local
 
     (tmp_path / "no_progress_mod.py").write_text(NO_PROGRESS_MOD)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -118,8 +118,8 @@ def test_an_env_step_that_blocks_the_event_loop_ends_the_in_process_run_with_whe
                                                                                               tmp_path):
     # In process every role shares one event loop: the block (3 s, once) stops them all. The watch reads the
     # stall once the loop runs again; without it, the run would just go on after the block.
-    from asyncrl.launch import run_local
-    from asyncrl.watchdog import RunStalled
+    from asyncrl.control.watchdog import RunStalled
+    from asyncrl.deploy.launch import run_local
 
     cfg = make_config(*BLOCKING_ENV, "env.kwargs.seconds=3.0", "run.role_timeout_s=1.0", "trainer.total_steps=50",
                       f'run.output_dir="{tmp_path / "blocked"}"')
@@ -153,8 +153,8 @@ def test_killed_generator_actor_without_restarts_fails_the_run_fast_and_shuts_do
                                                                                  tmp_path):
     import ray
 
-    from asyncrl.controller import Controller, RoleFailed
-    from asyncrl.launch import RayDeployment
+    from asyncrl.control.controller import Controller, RoleFailed
+    from asyncrl.deploy.launch import RayDeployment
 
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
                       "cluster.max_restarts=0", f'run.output_dir="{tmp_path / "dead"}"')
@@ -252,9 +252,9 @@ def test_a_stalled_role_actor_ends_the_run_with_one_error_naming_it(ray_cluster,
     # Under Ray each role has its own process: the Controller's watch asks each actor for a heartbeat, answered
     # from the actor's "watch" thread while the role's loop is blocked; a process in which nothing runs (the
     # interpreter lock held) does not answer at all. Both blocks last for good: only the watch ends the run.
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment, run_loop
-    from asyncrl.watchdog import RunStalled
+    from asyncrl.control.controller import Controller
+    from asyncrl.control.watchdog import RunStalled
+    from asyncrl.deploy.launch import RayDeployment, run_loop
 
     if case == "env_step_blocks_the_generator_loop":
         overrides = [*BLOCKING_ENV, "env.kwargs.seconds=600.0"]

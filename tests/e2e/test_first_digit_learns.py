@@ -81,7 +81,7 @@ def test_the_first_digit_example_learns_on_ray_with_two_fsdp2_trainer_ranks(ray_
     computes (tests/component/test_data_parallel.py, tests/e2e/test_trainer_ranks_ray.py), so its learning is the
     one-rank run's."""
     from asyncrl.config import load_config
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     cfg = load_config(EXAMPLE, [f'model.path="{first_digit_model}"', f'run.output_dir="{tmp_path / "run"}"',
                                 "trainer.num_ranks=2", 'trainer.parallel="fsdp2"', "logging.live=false"])

@@ -31,7 +31,7 @@ def _train_rows(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_a_ray_run_with_ipc_weight_sync_trains_every_step(ray_cluster, make_config, tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     steps = 4
     cfg = make_config('weight_sync.backend="ipc"', f"trainer.total_steps={steps}", "trainer.eval_every=0",
@@ -55,7 +55,7 @@ def test_a_ray_run_with_ipc_weight_sync_trains_every_step(ray_cluster, make_conf
 @pytest.mark.timeout(420)
 def test_a_generator_killed_under_ipc_is_restarted_into_a_re_formed_ipc_group(ray_cluster, make_config, tmp_path,
                                                                             caplog):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     steps = 6
     cfg = make_config('weight_sync.backend="ipc"', f"trainer.total_steps={steps}", "trainer.eval_every=0",
@@ -67,7 +67,7 @@ def test_a_generator_killed_under_ipc_is_restarted_into_a_re_formed_ipc_group(ra
             await asyncio.sleep(0.05)
         os.kill(await deployment.generator_actors[0].pid.remote(), signal.SIGKILL)
 
-    with caplog.at_level(logging.INFO, logger="asyncrl.supervisor"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.control.supervisor"):
         train = _train_rows(run_with_ray(cfg, beside=kill))
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert train[-1]["supervisor/restarts"] == 1

@@ -28,7 +28,7 @@ def test_a_local_cluster_requires_ray_token_authentication(ray_cluster):
 
 
 def test_slow_trainer_reaches_but_never_exceeds_staleness_2(ray_cluster, make_config, tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     # 12 epochs over each step's samples makes the trainer slow next to generation, so generators
     # run as far ahead as the bound allows.
@@ -43,8 +43,8 @@ def test_slow_trainer_reaches_but_never_exceeds_staleness_2(ray_cluster, make_co
 def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make_config, tmp_path):
     """cluster.scorer_placement = "buffer": no scorer actors; the buffer's actor runs both scorers, which
     score every sample the trainer trains on."""
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment, run_loop
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.launch import RayDeployment, run_loop
 
     cfg = make_config('cluster.scorer_placement="buffer"', "reward.num_scorers=2", "trainer.total_steps=3",
                       "trainer.eval_every=0", "run.save_checkpoint=false", f'run.output_dir="{tmp_path / "buffer"}"')
@@ -67,7 +67,7 @@ def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make
 
 
 def test_on_policy_k0_trains_only_on_data_of_the_current_version(make_config, tmp_path):
-    from asyncrl.launch import run_local
+    from asyncrl.deploy.launch import run_local
 
     cfg = make_config("staleness.max_staleness=0", "trainer.total_steps=4", "trainer.eval_every=0",
                       "rollout.num_generators=2", f'run.output_dir="{tmp_path / "k0"}"')
@@ -83,7 +83,7 @@ def test_in_flight_updates_yield_trajectories_that_span_versions_within_the_boun
     mid-sequence when a swap lands: trained trajectories carry tokens of two versions — and staleness
     (from min_version) still never exceeds k. (That a swap lands exactly between two decode steps with
     exact per-token stamps is tested deterministically at the engine level.)"""
-    from asyncrl.launch import run_local
+    from asyncrl.deploy.launch import run_local
 
     cfg = make_config("staleness.max_staleness=2", "rollout.concurrency=2", "rollout.max_new_tokens=24",
                       "trainer.total_steps=6", "trainer.eval_every=0", "rollout.weight_update=\"in_flight\"",
@@ -96,7 +96,7 @@ def test_in_flight_updates_yield_trajectories_that_span_versions_within_the_boun
 
 
 def test_between_requests_updates_never_mix_versions_in_a_trajectory(make_config, tmp_path):
-    from asyncrl.launch import run_local
+    from asyncrl.deploy.launch import run_local
 
     cfg = make_config("staleness.max_staleness=1", "rollout.max_new_tokens=24", "trainer.total_steps=4",
                       "trainer.eval_every=0", "rollout.weight_update=\"between_requests\"",

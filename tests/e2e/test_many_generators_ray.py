@@ -31,7 +31,7 @@ def _check_both_generators(rows: list[dict], steps: int, prompts: int, group_siz
 
 @pytest.mark.ray
 def test_two_generators_on_ray_both_generate_and_report_their_own_metrics(ray_cluster, make_config, tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     cfg = make_config("rollout.num_generators=2", "trainer.total_steps=4", "trainer.eval_every=0",
                       "run.save_checkpoint=false", "logging.live=false", f'run.output_dir="{tmp_path / "ray"}"')
@@ -39,7 +39,7 @@ def test_two_generators_on_ray_both_generate_and_report_their_own_metrics(ray_cl
 
 
 def test_two_generators_in_process_both_generate_and_report_their_own_metrics(make_config, tmp_path):
-    from asyncrl.local import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = make_config("rollout.num_generators=2", "trainer.total_steps=4", "trainer.eval_every=0",
                       "run.save_checkpoint=false", "logging.live=false", f'run.output_dir="{tmp_path / "local"}"')

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_a_mixed_precision_run_on_ray_broadcasts_bf16(ray_cluster, make_config, tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
     from engines.hf import load_model
 
     cfg = make_config('trainer.mixed_precision="bf16"', 'rollout.dtype="bfloat16"', "trainer.total_steps=3",

@@ -1,7 +1,7 @@
-"""Placement on Ray without GPUs (asyncrl/placement.py, asyncrl/launch.py): the session's cluster has two logical
-GPUs, so Ray assigns GPU ids and sets CUDA_VISIBLE_DEVICES as it would on a GPU machine. What each actor is given
-(whole GPUs each, or one shared GPU in the colocation bundle), that roles with no GPUs never initialise CUDA, and
-that a role given a GPU its process cannot see fails with one line naming the config key."""
+"""Placement on Ray without GPUs (asyncrl/deploy/placement.py, asyncrl/deploy/launch.py): the session's cluster has
+two logical GPUs, so Ray assigns GPU ids and sets CUDA_VISIBLE_DEVICES as it would on a GPU machine. What each actor
+is given (whole GPUs each, or one shared GPU in the colocation bundle), that roles with no GPUs never initialise
+CUDA, and that a role given a GPU its process cannot see fails with one line naming the config key."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_each_actor_is_given_the_gpus_its_role_asks_for(ray_cluster, make_config
     from ray.util.placement_group import remove_placement_group
 
     from asyncrl.config import plan_resources
-    from asyncrl.launch import actor_options, colocation_group
+    from asyncrl.deploy.launch import actor_options, colocation_group
 
     cfg = make_config(f'cluster.address="{ray_cluster}"', f'cluster.placement="{placement}"',
                       f"cluster.trainer_gpus={gpus}", f"cluster.generator_gpus={gpus}")
@@ -59,8 +59,8 @@ def test_each_actor_is_given_the_gpus_its_role_asks_for(ray_cluster, make_config
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_roles_without_gpus_run_on_the_cpu_and_never_initialise_cuda(ray_cluster, make_config, tmp_path, placement):
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.launch import RayDeployment
 
     cfg = make_config("trainer.total_steps=12", "trainer.eval_every=0", "run.save_checkpoint=false",
                       "logging.live=false", f'cluster.placement="{placement}"', f'run.output_dir="{tmp_path}"')
@@ -85,7 +85,7 @@ def test_roles_without_gpus_run_on_the_cpu_and_never_initialise_cuda(ray_cluster
 def test_a_role_given_a_gpu_its_process_cannot_see_fails_with_one_line_naming_the_key(ray_cluster, make_config):
     import torch
 
-    from asyncrl.launch import RayDeployment
+    from asyncrl.deploy.launch import RayDeployment
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the trainer would see its GPU")

@@ -46,7 +46,7 @@ def check(case: str, calibration: Path, *others: Path) -> dict[str, float]:
 
 
 def launch(config: Path, out: Path, *overrides: str) -> Path:
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     cfg = load_config(config, ["logging.live=false", "run.save_checkpoint=false", f'run.output_dir="{out}"',
                                *overrides])

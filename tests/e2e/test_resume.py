@@ -139,7 +139,7 @@ def test_sigterm_or_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_run_res
 
 def test_a_run_on_ray_resumes_from_its_checkpoint_with_the_version_numbering_it_had(ray_cluster, make_config,
                                                                                   tmp_path):
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     run_dir = tmp_path / "ray"
     sets = [f'run.output_dir="{run_dir}"', "trainer.eval_every=0", "run.save_every=2", "rollout.num_generators=2"]

@@ -158,7 +158,7 @@ def test_the_readme_main_job_as_shipped_raises_the_held_out_greedy_reward(smollm
     a CPU without bf16 instructions the example's bf16 (engine and autocast) is switched to fp32, as its config's
     comment tells such a user to do, and the test says so."""
     from asyncrl.config import load_config
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
     from asyncrl.training.precision import cpu_has_bf16
 
     train, held_out = prepare.write_data(smollm_dir, tmp_path / "data")

@@ -1,4 +1,4 @@
-"""Supervision on Ray (asyncrl/supervisor.py): a generator or scorer actor killed with SIGKILL is restarted and
+"""Supervision on Ray (asyncrl/control/supervisor.py): a generator or scorer actor killed with SIGKILL is restarted and
 the run trains all its steps with every accepted group once; a killed trainer ends the Controller's run with
 one line that names it and the resume command, and `run_with_ray` resumes it from its newest checkpoint."""
 
@@ -28,8 +28,8 @@ def _run_and_kill(cfg, pick_actor, after_rows: int = 2):
     `pick_actor(deployment)`. Returns (controller, the run's outcome: rows or the exception)."""
     import ray
 
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.launch import RayDeployment
 
     deployment = RayDeployment(cfg)
     deployment.wait_ready()
@@ -99,8 +99,8 @@ def test_a_scorer_killed_with_sigkill_is_restarted_and_its_groups_are_released(r
 def test_a_generator_killed_again_while_it_restarts_is_restarted_again(ray_cluster, make_config, tmp_path):
     # The second kill lands on the new incarnation as it starts (or as the weight group is re-formed around
     # it): one more death, restarted while cluster.max_restarts allows, not the end of the run.
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.launch import RayDeployment
 
     run_dir = tmp_path / "twice"
     cfg = make_config(f"trainer.total_steps={STEPS}", "trainer.eval_every=0", "run.save_checkpoint=false",
@@ -137,7 +137,7 @@ def test_run_with_ray_resumes_from_the_newest_checkpoint_when_a_generator_dies_t
     """cluster.max_restarts = 0: the dead generator ends the attempt, and the run resumes from the checkpoint the
     time interval wrote (the default's kind, run.save_every_s, here so short that every drained step is past it).
     A killed trainer's resume is the faults benchmark's (test_the_faults_benchmark_loses_no_accepted_group...)."""
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     run_dir = tmp_path / "resumed"
     cfg = make_config(f"trainer.total_steps={STEPS}", "trainer.eval_every=0", "run.save_checkpoint=false",
@@ -162,8 +162,8 @@ def test_run_with_ray_resumes_from_the_newest_checkpoint_when_a_generator_dies_t
 @pytest.mark.timeout(300)
 def test_a_trainer_killed_once_run_max_resumes_is_used_ends_the_run_with_one_line_naming_it_and_the_resume_command(
         ray_cluster, make_config, tmp_path):
-    from asyncrl.controller import RoleFailed
-    from asyncrl.launch import run_with_ray
+    from asyncrl.control.controller import RoleFailed
+    from asyncrl.deploy.launch import run_with_ray
 
     run_dir = tmp_path / "no-resume"
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",
@@ -207,7 +207,7 @@ def test_the_faults_benchmark_loses_no_accepted_group_and_ends_with_its_json_lin
 @pytest.mark.timeout(300)
 def test_a_buffer_killed_without_checkpoints_ends_the_run_saying_no_checkpoint_exists(ray_cluster, make_config,
                                                                                      tmp_path):
-    from asyncrl.controller import RoleFailed
+    from asyncrl.control.controller import RoleFailed
 
     run_dir = tmp_path / "buffer"
     cfg = make_config("trainer.total_steps=200", "trainer.eval_every=0", "run.save_checkpoint=false",

@@ -56,8 +56,8 @@ def _replay(cfg: Any, steps: list[list[Any]], start: Any = None) -> dict[str, An
     """One process trains `steps` from the model folder, or from checkpoint folder `start` (a sharded one too)."""
     import torch
 
-    from asyncrl.build import build_learner, derive_seed, load_policy, tokenizer_fns
     from asyncrl.checkpoints import store as checkpoint
+    from asyncrl.deploy.build import build_learner, derive_seed, load_policy, tokenizer_fns
     from asyncrl.training.sharded import SHARDS
 
     torch.manual_seed(derive_seed(cfg.run.seed, "trainer"))
@@ -77,8 +77,8 @@ def _run_capturing(cfg: Any, resume: bool = False) -> tuple[list[dict[str, Any]]
     import ray
 
     from asyncrl.aio import run_loop
-    from asyncrl.controller import Controller
-    from asyncrl.launch import RayDeployment
+    from asyncrl.control.controller import Controller
+    from asyncrl.deploy.launch import RayDeployment
 
     captured: dict[str, Any] = {}
     call = _in_actor()
@@ -189,7 +189,7 @@ def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_res
     import os
     import signal
 
-    from asyncrl.launch import run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
 
     steps = 6
     cfg = make_config("trainer.num_ranks=2", f'trainer.parallel="{mode}"', f"trainer.total_steps={steps}",
@@ -205,7 +205,7 @@ def test_a_killed_trainer_rank_ends_the_attempt_like_the_trainer_and_the_run_res
             await asyncio.sleep(0.02)
         os.kill(await deployment.rank_actors[0].pid.remote(), signal.SIGKILL)
 
-    with caplog.at_level("WARNING", logger="asyncrl.launch"):
+    with caplog.at_level("WARNING", logger="asyncrl.deploy.launch"):
         rows = run_with_ray(cfg, beside=kill_rank_1_once)
     assert len(attempts) == 2 and attempts[1].first_step in (2, 4)  # resumed from a checkpoint before the kill
     assert [r["step"] for r in rows if "trainer/samples" in r] == list(range(1, steps + 1))

@@ -124,7 +124,7 @@ def test_env_episodes_refuse_an_estimator_that_declares_a_greedy_baseline(make_c
 # -- building and running ask the registry ---------------------------------------------------------
 
 def test_build_gives_the_learner_a_critic_exactly_when_the_estimator_declares_one(make_config, estimator):
-    from asyncrl.build import build_learner
+    from asyncrl.deploy.build import build_learner
     from engines.hf import load_model
 
     for needs in (AlgorithmNeeds(critic=True), AlgorithmNeeds()):
@@ -143,7 +143,7 @@ def test_the_learner_refuses_to_start_without_a_critic_the_estimator_declares(ma
 
 
 def test_build_hands_the_generator_the_declared_greedy_baseline(make_config, estimator):
-    from asyncrl.build import build_generator
+    from asyncrl.deploy.build import build_generator
 
     for needs in (AlgorithmNeeds(greedy_baseline=True), AlgorithmNeeds()):
         cfg = make_config(f"algorithm.advantage={estimator(needs)}")

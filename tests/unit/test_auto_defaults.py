@@ -1,5 +1,5 @@
-"""The automatic defaults of [cluster] (asyncrl/auto.py, asyncrl/thread_tuner.py): where the scorers run, which
-role gets how many torch threads, when the roles are pinned, and the tuner that picks a thread count from
+"""The automatic defaults of [cluster] (asyncrl/deploy/auto.py, asyncrl/deploy/thread_tuner.py): where the scorers
+run, which role gets how many torch threads, when the roles are pinned, and the tuner that picks a thread count from
 measured speed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from asyncrl.auto import (
+from asyncrl.deploy.auto import (
     AUTO_GENERATOR_NICE,
     auto_affinity,
     available_cpus,
@@ -22,8 +22,8 @@ from asyncrl.auto import (
     thread_candidates,
     trainer_spread,
 )
-from asyncrl.build import pin_cpus
-from asyncrl.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
+from asyncrl.deploy.build import pin_cpus
+from asyncrl.deploy.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
 
 
 def test_the_defaults_are_automatic(make_config):
@@ -143,7 +143,7 @@ def test_generators_pinned_beside_the_light_roles_run_at_a_lower_priority(make_c
     assert resolve_ray(make_config("staleness.max_staleness=1", "cluster.generator_nice=3"),
                        list(range(8))).cluster.generator_nice == 3  # an int is kept whatever the placement
     added: list[int] = []
-    monkeypatch.setattr("asyncrl.auto.os.nice", lambda n: added.append(n) or n)
+    monkeypatch.setattr("asyncrl.deploy.auto.os.nice", lambda n: added.append(n) or n)
     resolved = resolve_ray(cfg, [0, 1])
     assert [lower_priority(resolved, kind) for kind in ("trainer", "buffer", "generator")] == [0, 0, 10]
     assert lower_priority(cfg, "generator") == 0  # unresolved "auto" (no Ray driver decided it): unchanged
@@ -236,7 +236,7 @@ def test_tuned_updater_judges_layouts_by_the_steps_pace_and_pins_the_process(mon
     cpus = available_cpus()
     home, every = Layout(1, (cpus[-1],)), Layout(len(cpus), tuple(cpus))
     clock = iter([0.0, 0.1, 10.0, 10.1, 16.0, 16.1, 26.0, 26.1, 32.0, 32.1])  # two perf_counter calls an update
-    monkeypatch.setattr("asyncrl.thread_tuner.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("asyncrl.deploy.thread_tuner.time.perf_counter", lambda: next(clock))
 
     class Learner:
         def update(self, groups):
@@ -264,7 +264,7 @@ def test_a_layout_the_process_cannot_move_to_is_dropped_and_the_trainer_stays_wh
     def refuse(cpus, who):
         raise RuntimeError(f"cluster.affinity.{who} = {cpus}: Invalid argument")
 
-    monkeypatch.setattr("asyncrl.thread_tuner.pin_cpus", refuse)
+    monkeypatch.setattr("asyncrl.deploy.thread_tuner.pin_cpus", refuse)
 
     class Learner:
         def update(self, groups):
@@ -307,7 +307,7 @@ def test_a_compiled_trainer_keeps_the_threads_it_starts_with(make_config, monkey
     again for each count it tries; the trainer is left untuned (a generator is tuned as before)."""
     from types import SimpleNamespace
 
-    from asyncrl import actors
+    from asyncrl.deploy import actors
 
     monkeypatch.setattr(actors, "available_cpus", lambda: [0, 1])
     learner = object()

@@ -1,4 +1,4 @@
-"""The builders put every model of a role on that role's device (asyncrl/placement.py): the trainer's policy,
+"""The builders put every model of a role on that role's device (asyncrl/deploy/placement.py): the trainer's policy,
 critic and reference, a scorer's reference and the generators' engines; here, with no GPU asked for, the CPU.
 Runs every builder path that takes a device, so a signature that lost it fails here, not in a Ray run."""
 
@@ -10,7 +10,7 @@ CPU = torch.device("cpu")
 
 
 def test_every_model_a_role_builds_sits_on_the_roles_device(make_config, tmp_path):
-    from asyncrl.build import build_learner, build_reference, build_scorer
+    from asyncrl.deploy.build import build_learner, build_reference, build_scorer
     from engines.hf import load_model
 
     cfg = make_config("algorithm.advantage=gae", 'algorithm.kl_mode="loss"', 'reference.where="trainer"',

@@ -11,7 +11,7 @@ import torch
 from asyncrl.checkpoints import store as checkpoint
 from asyncrl.checkpoints.policy import SaveSchedule, failed_while, failure_line, note_failure
 from asyncrl.config_schema import RunConfig
-from asyncrl.supervisor import death_message
+from asyncrl.control.supervisor import death_message
 
 
 class Clock:

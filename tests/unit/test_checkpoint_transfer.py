@@ -182,7 +182,7 @@ def test_the_relay_stands_in_only_when_a_trainer_rank_does_not_see_the_run_direc
 
 
 def test_an_in_process_run_refuses_a_trainer_dir_in_one_line(make_config, tmp_path):
-    from asyncrl.local import LocalDeployment
+    from asyncrl.deploy.local import LocalDeployment
 
     with pytest.raises(ValueError, match=r"^run.trainer_dir = '.*': an in-process run \(--local\) writes run\.output"):
         LocalDeployment(make_config(f'run.trainer_dir="{tmp_path / "elsewhere"}"'))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config_schema import Config, ModelConfig
-from asyncrl.controller import Controller
+from asyncrl.control.controller import Controller
 from asyncrl.telemetry.metrics import Last, Mean, Rate, RoleStats, Share, Sum, Total
 from asyncrl.telemetry.spans import Span
 
@@ -92,7 +92,7 @@ def test_controller_keeps_only_the_spans_that_reach_past_the_window(tmp_path):
 
 
 def test_controller_keeps_the_newest_rows_and_counts_them_all(tmp_path):
-    from asyncrl.controller import ROWS_KEPT
+    from asyncrl.control.controller import ROWS_KEPT
 
     c = controller(tmp_path, [], [], FakeRole(), FakeRole())
     for step in range(ROWS_KEPT + 5):

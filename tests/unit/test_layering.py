@@ -18,7 +18,7 @@ NEUTRAL = ("asyncrl.messages", "asyncrl.registry", "asyncrl.telemetry.metrics", 
 NEUTRAL_FILES = ("asyncrl/messages.py", "asyncrl/registry.py", "asyncrl/telemetry/metrics.py",
                  "asyncrl/telemetry/memory.py", "asyncrl/telemetry/spans.py")
 BELOW = ("engines", "buffers", "transports")  # the packages below asyncrl/
-RAY_MODULES = {"asyncrl/actors.py", "asyncrl/launch.py"}
+RAY_MODULES = {"asyncrl/deploy/actors.py", "asyncrl/deploy/launch.py"}
 
 
 def _runtime_imports(path: Path) -> list[str]:

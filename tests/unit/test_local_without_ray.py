@@ -26,10 +26,10 @@ def _python(code: str, timeout_s: float) -> subprocess.CompletedProcess:
 
 def test_the_in_process_path_imports_without_ray_and_the_ray_path_does_not():
     proc = _python(
-        "import asyncrl.cli, asyncrl.local\n"
-        "from asyncrl.local import LocalDeployment, run_local\n"
+        "import asyncrl.cli, asyncrl.deploy.local\n"
+        "from asyncrl.deploy.local import LocalDeployment, run_local\n"
         "try:\n"
-        "    import asyncrl.launch\n"
+        "    import asyncrl.deploy.launch\n"
         "except ImportError as exc:\n"
         "    print('launch:', exc)\n", timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from asyncrl.build import export_dtype  # noqa: E402
 from asyncrl.checkpoints import store as checkpoint  # noqa: E402
 from asyncrl.config import ConfigError, config_from_dict  # noqa: E402
 from asyncrl.config_schema import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.deploy.build import export_dtype  # noqa: E402
 from asyncrl.messages import Group, SamplingParams, Trajectory  # noqa: E402
 from asyncrl.roles.trainer import Trainer  # noqa: E402
 from asyncrl.training import lora  # noqa: E402
@@ -290,7 +290,7 @@ def test_lora_with_two_ddp_trainer_ranks_is_a_valid_config(make_config):
 
 
 def test_a_trainer_side_reference_under_lora_is_the_policy_with_its_adapters_off_not_a_second_model(make_config):
-    from asyncrl.build import build_learner, build_reference, load_policy
+    from asyncrl.deploy.build import build_learner, build_reference, load_policy
 
     cfg = make_config("model.lora.rank=4", 'algorithm.kl_mode="loss"', "algorithm.kl_coef=0.5",
                       'reference.where="trainer"')

@@ -1,5 +1,5 @@
-"""Where each role runs (asyncrl/placement.py): devices, the weight backend `auto` picks, what each actor asks Ray
-for, and the one-line errors of impossible placements (checked through `load_config`, as a user meets them)."""
+"""Where each role runs (asyncrl/deploy/placement.py): devices, the weight backend `auto` picks, what each actor asks
+Ray for, and the one-line errors of impossible placements (checked through `load_config`, as a user meets them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 import asyncrl.config as config_mod
 from asyncrl.config import derived, load_config, plan_resources
-from asyncrl.launch import actor_options  # (imported before the autouse fixture stubs the registries)
-from asyncrl.placement import colocated_bundle, role_device, weight_backend
+from asyncrl.deploy.launch import actor_options  # (imported before the autouse fixture stubs the registries)
+from asyncrl.deploy.placement import colocated_bundle, role_device, weight_backend
 from tests.unit.test_config import errors_of, workdir, write_config  # noqa: F401 (the autouse fixture)
 
 ONE_GPU = {"cluster.trainer_gpus": 0.5, "cluster.generator_gpus": 0.5, "cluster.placement": "colocated"}

@@ -228,7 +228,7 @@ def test_evaluation_runs_in_the_engines_dtype_on_a_copy_refreshed_from_the_maste
     """bf16 rollouts of float32 master weights: the trainer's evaluation generates with a bf16 copy of the policy
     (the policy as the generators run it, at their speed), refreshed from the masters before each evaluation; with
     one dtype on both sides, or with LoRA, it evaluates the trainer's own module."""
-    from asyncrl.build import build_buffer, build_trainer
+    from asyncrl.deploy.build import build_buffer, build_trainer
 
     cfg = make_config('trainer.mixed_precision="bf16"', 'rollout.dtype="bfloat16"')
     trainer = build_trainer(cfg, build_buffer(cfg))

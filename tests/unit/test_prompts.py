@@ -361,7 +361,7 @@ def test_env_episodes_without_a_template_start_with_one_bos_too(plain_llama, tin
 def test_decode_many_is_the_same_as_decoding_each(tiny_model_dir):
     import random
 
-    from asyncrl.build import tokenizer_fns
+    from asyncrl.deploy.build import tokenizer_fns
 
     tok, decode = tokenizer_fns(str(tiny_model_dir))
     assert hasattr(decode, "many")  # a fast tokenizer without the clean-up pass: one Rust call for the batch

@@ -1,9 +1,9 @@
-"""RayProxy (asyncrl/actors.py): the Controller's and the roles' view of a role actor. No Ray needed: a fake
+"""RayProxy (asyncrl/deploy/actors.py): the Controller's and the roles' view of a role actor. No Ray needed: a fake
 handle records what `.remote` is given and returns an awaitable, as an ObjectRef is."""
 
 import asyncio
 
-from asyncrl.actors import RayProxy
+from asyncrl.deploy.actors import RayProxy
 
 
 class Ref:

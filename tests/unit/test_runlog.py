@@ -64,7 +64,7 @@ def test_run_log_keeps_the_driver_lines_and_the_failure_traceback(tmp_path, capl
 
 
 def test_launch_prints_the_root_cause_first_and_writes_run_log(tiny_config_file, tmp_path, monkeypatch, capsys):
-    import asyncrl.local
+    import asyncrl.deploy.local
     from asyncrl.cli import main
 
     def fail(cfg, **_):
@@ -73,7 +73,7 @@ def test_launch_prints_the_root_cause_first_and_writes_run_log(tiny_config_file,
         except ValueError as exc:
             raise RuntimeError("the generator could not start") from exc
 
-    monkeypatch.setattr(asyncrl.local, "run_local", fail)
+    monkeypatch.setattr(asyncrl.deploy.local, "run_local", fail)
     run_dir = tmp_path / "failed"
     code = main(["launch", str(tiny_config_file), "--local", "--set", f'run.output_dir="{run_dir}"'])
     err = capsys.readouterr().err.splitlines()

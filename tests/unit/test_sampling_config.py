@@ -1,9 +1,9 @@
-"""[rollout] sampling fields reach the SamplingParams the generators use (asyncrl.build.training_sampling)."""
+"""[rollout] sampling fields reach the SamplingParams the generators use (asyncrl.deploy.build.training_sampling)."""
 
 from __future__ import annotations
 
-from asyncrl.build import training_sampling
 from asyncrl.config import load_config
+from asyncrl.deploy.build import training_sampling
 
 
 def write(tmp_path, extra: str = ""):
@@ -60,7 +60,7 @@ def test_pin_cpus_pins_every_thread_and_names_the_role_on_error():
 
     import pytest
 
-    from asyncrl.build import pin_cpus
+    from asyncrl.deploy.build import pin_cpus
 
     before = os.sched_getaffinity(0)
     cpu = min(before)

@@ -1,4 +1,4 @@
-"""The supervisor's send on a re-formed weight group (asyncrl/supervisor.py `_send_to_every_generator`): a
+"""The supervisor's send on a re-formed weight group (asyncrl/control/supervisor.py `_send_to_every_generator`): a
 generator that dies meanwhile makes every member leave the group, so the trainer's send fails at once instead of
 waiting out the group's timeout, and the generator's death is what is raised (it is then restarted again)."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.supervisor import Supervisor
+from asyncrl.control.supervisor import Supervisor
 
 
-class ActorDiedError(RuntimeError):  # recognised by name, as Ray's (asyncrl.supervisor.is_actor_death)
+class ActorDiedError(RuntimeError):  # recognised by name, as Ray's (asyncrl.control.supervisor.is_actor_death)
     def __init__(self, actor_id: str) -> None:
         super().__init__("The actor died unexpectedly before finishing this task.")
         self.actor_id = actor_id

@@ -1,6 +1,6 @@
-"""Stopping the role loops at the end of a run (asyncrl/supervisor.py `Supervisor.stop`): the loops of roles whose
-stop() went unanswered (a stalled process: its interpreter lock held, its event loop blocked) are cancelled at once
-instead of being waited for, while the others are still waited for until they end."""
+"""Stopping the role loops at the end of a run (asyncrl/control/supervisor.py `Supervisor.stop`): the loops of roles
+whose stop() went unanswered (a stalled process: its interpreter lock held, its event loop blocked) are cancelled at
+once instead of being waited for, while the others are still waited for until they end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from asyncrl.supervisor import Supervisor
+from asyncrl.control.supervisor import Supervisor
 
 
 class Role:
@@ -68,7 +68,7 @@ class StalledDeployment:
 
 
 def test_the_controller_does_not_wait_for_the_stop_of_roles_in_the_process_found_stalled():
-    from asyncrl.controller import Controller
+    from asyncrl.control.controller import Controller
 
     async def main() -> tuple[float, StalledDeployment]:
         d = StalledDeployment()
@@ -88,7 +88,7 @@ def test_the_controller_does_not_wait_for_the_stop_of_roles_in_the_process_found
 
 
 def test_a_ray_deployment_names_each_roles_process_as_its_watch_probes_do(make_config):
-    from asyncrl.launch import RayDeployment
+    from asyncrl.deploy.launch import RayDeployment
 
     for placement, scorer in (("buffer", "buffer (and the scorers it hosts)"), ("actor", "scorer 1")):
         d = RayDeployment.__new__(RayDeployment)  # no actors: probes() only names them

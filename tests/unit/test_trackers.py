@@ -346,7 +346,7 @@ class Buffer:
 def test_the_controller_tells_the_trackers_a_run_failed_or_was_stopped(tmp_path, monkeypatch, error, outcome):
     import asyncio
 
-    from asyncrl.controller import Controller, RunStopped
+    from asyncrl.control.controller import Controller, RunStopped
     from asyncrl.telemetry import loggers
 
     sink = Outcome()

@@ -120,7 +120,7 @@ def test_a_restore_runs_on_every_rank_from_the_same_path():
 
 
 def test_an_in_process_run_refuses_several_trainer_ranks_in_one_line(make_config):
-    from asyncrl.local import LocalDeployment
+    from asyncrl.deploy.local import LocalDeployment
 
     with pytest.raises(ValueError, match=r"^trainer.num_ranks = 2: an in-process run \(--local\) trains in one"):
         LocalDeployment(make_config("trainer.num_ranks=2"))

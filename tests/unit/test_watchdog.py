@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from asyncrl.control.watchdog import Heartbeat, LoopMonitor, RunStalled, RunWatch
 from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.watchdog import Heartbeat, LoopMonitor, RunStalled, RunWatch
 from buffers.progress import Progress, ProgressTracker
 from buffers.replay import ReplayBuffer
 
@@ -194,7 +194,7 @@ def test_the_watch_names_a_role_whose_loop_stalled_and_one_whose_process_does_no
 def test_the_watch_looks_at_a_twentieth_of_its_shortest_bound_and_at_least_every_3_s():
     """Each look is an actor call to every role process and one to the buffer: no more often than the bounds need,
     and a crossed bound is seen within 5% of it (the default 60 s role timeout: every 3 s)."""
-    from asyncrl.watchdog import watch_period
+    from asyncrl.control.watchdog import watch_period
 
     assert watch(role_timeout_s=60.0).period_s == watch_period(60.0) == 3.0
     assert watch(role_timeout_s=2.0).period_s == pytest.approx(0.1)

@@ -12,8 +12,11 @@ import inspect
 from typing import Any
 
 from asyncrl.aio import run_loop
-from asyncrl.auto import available_cpus, local_threads
-from asyncrl.build import (
+from asyncrl.config_schema import Config
+from asyncrl.control.controller import Controller
+from asyncrl.control.watchdog import Heartbeat, LoopMonitor, Probe
+from asyncrl.deploy.auto import available_cpus, local_threads
+from asyncrl.deploy.build import (
     build_buffer,
     build_generator,
     build_scorer,
@@ -24,9 +27,6 @@ from asyncrl.build import (
     sync_dtype,
     trained_dtype,
 )
-from asyncrl.config_schema import Config
-from asyncrl.controller import Controller
-from asyncrl.watchdog import Heartbeat, LoopMonitor, Probe
 from engines.base import traits
 from engines.hf import ensure_model
 from transports.local import LocalWeightChannel
@@ -57,7 +57,7 @@ def shares_trainer_model(cfg: Config) -> bool:
     generators' engines wrap the trainer's module (not under LoRA: they take the merged weights). They generate
     only between train steps (colocated roles take turns: asyncrl/pipeline.py), so what they read is always one
     whole policy version."""
-    from asyncrl.placement import role_device
+    from asyncrl.deploy.placement import role_device
 
     return (cfg.cluster.placement == "colocated" and traits(cfg.rollout.engine).wraps_module
             and engine_dtype(cfg) == trained_dtype(cfg)  # (mixed precision: float32 master weights, no sharing)
@@ -115,7 +115,7 @@ class LocalDeployment:
             g.receiver = self.channel.receiver()
 
     def probes(self) -> dict[str, Probe]:
-        """Every role shares this process's event loop: one monitor watches it (asyncrl/watchdog.py)."""
+        """Every role shares this process's event loop: one monitor watches it (asyncrl/control/watchdog.py)."""
         if self.monitor is None:
             recorders = {"trainer": self.trainer_obj.recorder,
                          **{f"generator {g.generator_id}": g.recorder for g in self.generator_objs},

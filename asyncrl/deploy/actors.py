@@ -4,7 +4,7 @@
 Roles never import Ray: they receive collaborators as objects with async methods. `RayProxy` turns an
 actor handle into such an object, so `await buffer.admit(...)` in a role becomes an actor call.
 
-Each actor also answers the Controller's watch (`heartbeat`, asyncrl/watchdog.py) from its "watch"
+Each actor also answers the Controller's watch (`heartbeat`, asyncrl/control/watchdog.py) from its "watch"
 concurrency group, a thread with an event loop of its own: the answer comes while the role's own loop is
 blocked, and says where it is blocked.
 """
@@ -22,8 +22,11 @@ from typing import Any, Callable
 import ray
 
 from asyncrl import heap
-from asyncrl.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
-from asyncrl.build import (
+from asyncrl.checkpoints.transfer import NodeFiles
+from asyncrl.config_schema import Config
+from asyncrl.control.watchdog import Heartbeat, LoopMonitor
+from asyncrl.deploy.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
+from asyncrl.deploy.build import (
     build_buffer,
     build_generator,
     build_scorer,
@@ -34,15 +37,12 @@ from asyncrl.build import (
     set_torch_threads,
     sync_dtype,
 )
-from asyncrl.checkpoints.transfer import NodeFiles
-from asyncrl.config_schema import Config
+from asyncrl.deploy.placement import require_device
+from asyncrl.deploy.thread_tuner import ThreadTuner, TunedUpdater, trainer_layouts
 from asyncrl.messages import WeightsMeta
-from asyncrl.placement import require_device
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.thread_tuner import ThreadTuner, TunedUpdater, trainer_layouts
-from asyncrl.watchdog import Heartbeat, LoopMonitor
 from engines.base import CollectiveWeightEngine, weight_transport
 from transports.base import SENDERS
 from transports.bucketing import plan_buckets
@@ -125,7 +125,7 @@ def _model_on_this_node(cfg: Config, kind: str) -> None:
 
 def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = None) -> None:
     """Where `cluster.torch_threads = "auto"` offers the role more than one thread count, measure them on its own
-    work and keep the faster (asyncrl/thread_tuner.py): the trainer's updates, the native engine's decode steps.
+    work and keep the faster (asyncrl/deploy/thread_tuner.py): the trainer's updates, the native engine's decode steps.
     `spread` (the trainer pinned by the automatic affinity): every CPU of the run, a layout the trainer tries too.
     Not the trainer with `trainer.compile`: its compiled code is specialised to the thread count, so each count
     tried would compile the model again; it keeps the count it starts with."""
@@ -167,7 +167,7 @@ class RoleActor(NodeFiles):
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
         if self.role is not None:
-            tune_threads(cfg, kind, self.role, spread)  # spread: the trainer's, from asyncrl.auto.trainer_spread
+            tune_threads(cfg, kind, self.role, spread)  # spread: the trainer's, from asyncrl.deploy.auto.trainer_spread
         # roles that run inside this actor's process beside its own, called through `call_hosted`
         self.hosted: dict[str, list[Any]] = {}
         if kind == "buffer" and scorers_in_buffer(cfg):

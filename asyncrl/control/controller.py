@@ -19,12 +19,12 @@ bound. With `cluster.placement = "colocated"` they do not: the generators sleep 
 K/V cache) from the moment step s's groups are in until the new weights reach them, evaluation included,
 so generation and training take turns on the shared device (asyncrl/pipeline.py shows the sequence).
 
-A watch (asyncrl/watchdog.py) runs beside the loops: a run whose every group fails, or a role whose event
+A watch (asyncrl/control/watchdog.py) runs beside the loops: a run whose every group fails, or a role whose event
 loop is blocked, ends with one `RunStalled` line instead of a livelock or a hang.
 
-The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.local.LocalDeployment`)
-or Ray actors behind async proxies (`asyncrl.launch.RayDeployment`). It never imports Ray. On Ray a dead
-generator or scorer is restarted (asyncrl/supervisor.py); a dead trainer or buffer ends the run with one line
+The Controller talks to roles through `Deployment`: in-process objects (`asyncrl.deploy.local.LocalDeployment`)
+or Ray actors behind async proxies (`asyncrl.deploy.launch.RayDeployment`). It never imports Ray. On Ray a dead
+generator or scorer is restarted (asyncrl/control/supervisor.py); a dead trainer or buffer ends the run with one line
 naming it and the resume command.
 """
 
@@ -46,8 +46,9 @@ from asyncrl.checkpoints.policy import SaveSchedule, note_failure
 from asyncrl.checkpoints.store import CHECKPOINTS, clear, latest_valid, read_state
 from asyncrl.config import config_to_toml
 from asyncrl.config_schema import Config
+from asyncrl.control.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death, why_no_checkpoint
+from asyncrl.control.watchdog import Probe, RunStalled, RunWatch
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline
-from asyncrl.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death, why_no_checkpoint
 from asyncrl.telemetry.admissions import AdmissionLog
 from asyncrl.telemetry.loggers import FAILED, STOPPED, MetricSink, build_sinks, close_sinks, live_enabled, log_row
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu, RoleStats, WindowReducer, rss_mb
@@ -55,7 +56,6 @@ from asyncrl.telemetry.rollouts import EVAL_SAMPLES_KEY, ROLLOUTS, ROLLOUTS_KEY,
 from asyncrl.telemetry.spans import Span, busy_shares, overlap_ratio
 from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
-from asyncrl.watchdog import Probe, RunStalled, RunWatch
 from buffers.replay import BufferState
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Deployment(Protocol):
     async def save_checkpoint(self, path: str) -> None: ...  # the final HF export
     async def shutdown(self) -> None: ...
     def probes(self) -> dict[str, Probe]:
-        """One heartbeat probe per process hosting roles, by a name for it (asyncrl/watchdog.py); called once
+        """One heartbeat probe per process hosting roles, by a name for it (asyncrl/control/watchdog.py); called once
         the event loop runs."""
         ...
     def dead_role(self, exc: BaseException) -> str | None:
@@ -476,7 +476,7 @@ class Controller:
 
     async def _guard(self, aw: Awaitable[Any]) -> Any:
         """Await `aw`, but fail fast (one clear error) if a generator or scorer loop died meanwhile and
-        supervision does not restart it (asyncrl/supervisor.py), or the watch found that the run cannot
+        supervision does not restart it (asyncrl/control/supervisor.py), or the watch found that the run cannot
         progress (RunStalled); a dead trainer or buffer: one line naming it and the resume command."""
         fut = asyncio.ensure_future(aw)
         while True:

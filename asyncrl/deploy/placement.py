@@ -1,8 +1,8 @@
 """Where each role runs: its device, what its actor asks Ray for, and how weights reach the generators.
 
-Place in the dataflow: read once per role when it is built (asyncrl/build.py: the trainer, its critic and
+Place in the dataflow: read once per role when it is built (asyncrl/deploy/build.py: the trainer, its critic and
 reference, each generator's engine, each scorer's reward model and reference go to `role_device`), by the Ray
-deployment when it places the actors (asyncrl/launch.py: `actor_resources`, and the colocation bundle), and when
+deployment when it places the actors (asyncrl/deploy/launch.py: `actor_resources`, and the colocation bundle), and when
 the weight-sync group is formed (`weight_backend`). Nothing here imports Ray or touches CUDA.
 
 | config                                  | devices                          | weights (`weight_sync.backend = auto`) |

@@ -16,12 +16,12 @@ import torch
 
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
-from asyncrl.auto import scorers_in_buffer
 from asyncrl.config_schema import Config, RewardConfig
 from asyncrl.data.prompts import PromptEncoder, prompt_rows
 from asyncrl.data.rows import PromptStream
+from asyncrl.deploy.auto import scorers_in_buffer
+from asyncrl.deploy.placement import role_device
 from asyncrl.messages import SamplingParams
-from asyncrl.placement import role_device
 from asyncrl.rewards.base import Rewards
 from asyncrl.rewards.setup import rewards_from_config
 from asyncrl.roles.decoding import decode_many
@@ -166,7 +166,7 @@ def build_buffer(cfg: Config) -> ReplayBuffer:
 def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model: torch.nn.Module | None = None,
                     ) -> Generator:
     """A generator and its engine. `shared_model`: the trainer's module, for a torch engine that wraps it
-    without a copy (in process with cluster.placement = "colocated": asyncrl/local.py)."""
+    without a copy (in process with cluster.placement = "colocated": asyncrl/deploy/local.py)."""
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
     tok, decode = tokenizer_fns(cfg.model.path)
     if shared_model is not None:

@@ -14,7 +14,7 @@ Three decisions, each overridden by an explicit setting:
   generators, which decode at the same time). With `max_staleness >= 1` they run at once and the cores (less one
   for the light roles from 4 cores on) are split between them by their busy shares (`split_cores`; equal by
   default); the buffer and the scorers get one. Where that leaves a role more than one count to choose from
-  (1 or all its cores), it measures both on its own work and keeps the faster (asyncrl/thread_tuner.py).
+  (1 or all its cores), it measures both on its own work and keeps the faster (asyncrl/deploy/thread_tuner.py).
 - `cluster.auto_affinity` (Ray, local cluster): when the roles overlap (`max_staleness >= 1`) and the threads they
   want — the trainer's, the generators', one for the light roles (buffer, scorers, the Controller and Ray's own
   processes) — exceed the cores, the trainer gets cores of its own and everything else the rest. Floating, the
@@ -93,7 +93,7 @@ def decide_threads(cfg: Config, cores: int, role: str, *, trainer_busy: float = 
 
 
 def thread_candidates(cfg: Config, cores: int, role: str) -> list[int]:
-    """The thread counts a role's ThreadTuner measures (asyncrl/thread_tuner.py): 1 and `decide_threads` when
+    """The thread counts a role's ThreadTuner measures (asyncrl/deploy/thread_tuner.py): 1 and `decide_threads` when
     that is more and `cluster.torch_threads = "auto"`, else only `decide_threads`."""
     n = decide_threads(cfg, cores, role)
     return [1, n] if cfg.cluster.torch_threads == "auto" and n > 1 else [n]
@@ -124,7 +124,7 @@ def local_threads(cfg: Config, cores: int) -> int:
 def auto_affinity(cfg: Config, cpus: list[int]) -> dict[str, list[int]]:
     """The CPUs of each role when `cluster.auto_affinity` pins them (module docstring); {} when it does not."""
     c = cfg.cluster
-    from asyncrl.placement import uses_gpus
+    from asyncrl.deploy.placement import uses_gpus
 
     if (not c.auto_affinity or c.address or cfg.staleness.max_staleness == 0 or len(cpus) < 2 or uses_gpus(cfg)
             or any(getattr(c.affinity, role) for role in AFFINITY_ROLES)):
@@ -154,8 +154,8 @@ def resolve_ray(cfg: Config, cpus: list[int] | None = None, *, starts_cluster: b
 
 
 def trainer_spread(cfg: Config, resolved: Config) -> list[int]:
-    """Every CPU of the run when `resolve_ray` pinned the trainer (one rank) automatically: where its tuner may also
-    try the update (asyncrl/thread_tuner.py, `trainer_layouts`); [] when nothing was pinned or the user pinned."""
+    """Every CPU of the run when `resolve_ray` pinned the trainer (one rank) automatically: where its tuner may also try
+    the update (asyncrl/deploy/thread_tuner.py, `trainer_layouts`); [] when nothing was pinned or the user pinned."""
     before, after = cfg.cluster.affinity, resolved.cluster.affinity
     if before == after or not after.trainer or cfg.trainer.num_ranks > 1:
         return []

@@ -4,7 +4,7 @@ Which thread count is faster depends on the work and on what else runs, not only
 machine of benchmarks/README.md (overlap, max_staleness 0, a 0.8M-parameter model), the trainer's update took a
 median 0.187 s on 1 thread and 0.134 s on 2, and a step's generation 0.095 s and 0.068 s. But with every
 process at 2 threads (`torch_threads = 2`: the buffer's and the scorer's too) generation went from 0.114 s to
-0.174 s. And small matmuls can lose more to a second thread's hand-offs than it computes. So where asyncrl.auto
+0.174 s. And small matmuls can lose more to a second thread's hand-offs than it computes. So where asyncrl.deploy.auto
 offers a role more than one count (`thread_candidates`: the phases alternate, or the role has cores of its own),
 a `ThreadTuner` measures them on the role's own work and keeps the faster:
 
@@ -17,7 +17,7 @@ a `ThreadTuner` measures them on the role's own work and keeps the faster:
 `TunedUpdater` wraps the trainer's learner (the update runs on a worker thread: the count is set in that thread,
 OpenMP settings being per thread); the native engine's scheduler thread takes `ThreadTuner` as `tuner`.
 
-Where the automatic affinity pinned the trainer to cores of its own (asyncrl/auto.py), its candidates are
+Where the automatic affinity pinned the trainer to cores of its own (asyncrl/deploy/auto.py), its candidates are
 `Layout`s: its threads on its own cores, and as many threads as the run has cores on all of them (the trainer's
 process then runs on the generators' cores too). Which one pays depends on how busy the generators are: on the
 first example (generation and training balanced) the pinned trainer keeps its core free of the light roles; on
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from asyncrl.auto import available_cpus
-from asyncrl.build import pin_cpus
+from asyncrl.deploy.auto import available_cpus
+from asyncrl.deploy.build import pin_cpus
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A local cluster listens on 127.0.0.1 only, starts no dashboard unless `cluster.dashboard = true`, and is
 shut down at the end of the run (also on Ctrl-C). With `cluster.address` the run joins an existing
 cluster and leaves it running. The Controller's own event loop is uvloop's. In-process runs (`--local`)
-do not come here: `asyncrl.local.run_local` needs no Ray installed (GPU machines without it).
+do not come here: `asyncrl.deploy.local.run_local` needs no Ray installed (GPU machines without it).
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
-from asyncrl.actors import RayProxy, RemoteRoleActor
 from asyncrl.aio import discard, run_loop
-from asyncrl.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
-from asyncrl.build import pin_cpus
 from asyncrl.checkpoints.transfer import CheckpointRelay, relay_for
 from asyncrl.config import ActorPlan, plan_resources
 from asyncrl.config_schema import Config
-from asyncrl.controller import Controller
+from asyncrl.control.controller import Controller
+from asyncrl.control.supervisor import RoleFailed
+from asyncrl.control.watchdog import Heartbeat, Probe
 from asyncrl.data.prompts import check_prompts
-from asyncrl.local import run_local  # noqa: F401 - its home is asyncrl/local.py (no Ray); kept importable here
-from asyncrl.placement import colocated_bundle, uses_gpus, weight_backend
-from asyncrl.supervisor import RoleFailed
+from asyncrl.deploy.actors import RayProxy, RemoteRoleActor
+from asyncrl.deploy.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
+from asyncrl.deploy.build import pin_cpus
+from asyncrl.deploy.local import run_local  # noqa: F401 - its home is asyncrl/deploy/local.py (no Ray); kept importable here
+from asyncrl.deploy.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.telemetry.metrics import ACTOR_CALLS
-from asyncrl.watchdog import Heartbeat, Probe
 from engines.base import traits
 from engines.hf import ensure_model
 
@@ -51,7 +51,7 @@ def start_ray(cfg: Config) -> bool:
     ray.init(
         address="local",  # a cluster of its own, even where another runs on this machine (`ray start`)
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
-        num_gpus=None if uses_gpus(cfg) else 0,  # GPUs are for the roles that ask (asyncrl/placement.py)
+        num_gpus=None if uses_gpus(cfg) else 0,  # GPUs are for the roles that ask (asyncrl/deploy/placement.py)
         include_dashboard=cfg.cluster.dashboard,
         dashboard_host="127.0.0.1",
         object_store_memory=cfg.cluster.object_store_mb * 2**20,
@@ -107,7 +107,7 @@ class RayDeployment:
 
     def __init__(self, cfg: Config, *, trainer_spread: list[int] | None = None) -> None:
         """`trainer_spread`: every CPU of the run where the automatic affinity pinned the trainer (its tuner may
-        try its update on all of them; asyncrl.auto.trainer_spread)."""
+        try its update on all of them; asyncrl.deploy.auto.trainer_spread)."""
         self.cfg = cfg
         self._plans = {p.role: p for p in plan_resources(cfg)}
         self._bundle = colocation_group(cfg)
@@ -198,7 +198,7 @@ class RayDeployment:
         return f"{kind} {index}"
 
     def probes(self) -> dict[str, Probe]:
-        """One heartbeat probe per actor (asyncrl/watchdog.py); scorers hosted by the buffer share its loop.
+        """One heartbeat probe per actor (asyncrl/control/watchdog.py); scorers hosted by the buffer share its loop.
         A probe asks the role's current actor, so it follows a restart (`restart`)."""
         buffer = self.process_of("scorer/0") if scorers_in_buffer(self.cfg) else "buffer"
         named: dict[str, Callable[[], Any]] = {
@@ -312,7 +312,7 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     deployment)`, when given, runs on the Controller's loop beside each attempt's run and is cancelled when
     the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
     ensure_model(cfg.model)
-    # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/auto.py)
+    # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/deploy/auto.py)
     resolved = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
     spread, cfg = trainer_spread(cfg, resolved), resolved
     problems = check_prompts(cfg)  # an over-long or unrenderable prompt: one line here, not an actor's death
