@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 from asyncrl import heap
-from asyncrl.config import ConfigError, config_to_toml, derived, load_config
+from asyncrl.config import ConfigError, config_to_toml, load_config
 from asyncrl.telemetry.runlog import FORMAT as LOG_FORMAT
 
 EPILOG = """\
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="console and RUN_DIR/run.log (default INFO)")
-    from asyncrl.serve.cli import add_parser as add_serve
+    from asyncrl.cli_serve import add_parser as add_serve
 
     add_serve(sub)
     plot = sub.add_parser("plot", help="write the reward curve PNG of a run directory, or overlay several runs")
@@ -132,7 +132,7 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:
 
 def _config_command(args: argparse.Namespace) -> int:
     """asyncrl config schema | show | init."""
-    from asyncrl.config_tools import config_schema, starter_config
+    from asyncrl.config.tools import config_schema, starter_config
 
     if args.config_command == "show":
         try:
@@ -279,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: ok")
         return 0
     if args.command == "serve":
-        from asyncrl.serve.cli import serve
+        from asyncrl.cli_serve import serve
 
         if own_process:  # a long-lived endpoint: as a launch (asyncrl/heap.py)
             heap.settle()
         return serve(cfg, args)
     if args.dry_run:
+        from asyncrl.deploy.plan import derived
+
         print(json.dumps(derived(cfg), indent=2, default=str))
         return 0
     from asyncrl.checkpoints.policy import failure_line

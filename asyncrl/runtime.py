@@ -44,7 +44,7 @@ from typing import Any, Sequence
 from asyncrl.aio import discard
 from asyncrl.algorithms.registry import advantage_needs
 from asyncrl.config import load_config
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.control.controller import Controller
 from asyncrl.envs.tool_env import ToolTurn, ToolUse
 from asyncrl.envs.transcript import HFCodec, Transcript, resolve_format

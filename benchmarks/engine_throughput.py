@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from asyncrl.config_schema import TinyModelConfig
+from asyncrl.config.schema import TinyModelConfig
 from asyncrl.messages import SamplingParams
 from engines import hf
 from engines.torch_engine import TorchEngine

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Completion, Group, SamplingParams, Trajectory
 from asyncrl.training.learner import Learner
 from engines import hf

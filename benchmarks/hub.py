@@ -271,9 +271,9 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
     """The hub actor as `asyncrl launch` builds it (gated), or the plain actor; the roles as Ray actors."""
     import ray
 
-    from asyncrl.config import plan_resources
     from asyncrl.deploy.actors import RayProxy, RemoteRoleActor
     from asyncrl.deploy.launch import actor_options
+    from asyncrl.deploy.plan import plan_resources
 
     opts = {"num_cpus": 0, "max_concurrency": 1000}
     if gated:

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    from asyncrl.config_schema import RolloutConfig, StalenessConfig
+    from asyncrl.config.schema import RolloutConfig, StalenessConfig
 
     if args.staleness is None:
         args.staleness = StalenessConfig().max_staleness if args.defaults else 2

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from weight_sync import crc
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig, WeightSyncConfig
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig, WeightSyncConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training.batch import collate
 from asyncrl.training.learner import Learner

@@ -63,7 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from asyncrl.messages import Group, Trajectory  # noqa: E402
 from asyncrl.training import learner as learner_module  # noqa: E402
 from asyncrl.training import precision, schedule  # noqa: E402

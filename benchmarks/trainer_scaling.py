@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig, WeightSyncConfig
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig, WeightSyncConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training.learner import Learner
 from asyncrl.training.parallel import DataParallel, SingleProcess

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncrl.config_schema import WeightSyncConfig
+from asyncrl.config.schema import WeightSyncConfig
 from transports import CollectiveReceiver, CollectiveSender, create_store, join_group, plan_buckets
 from transports.bucketing import empty_bucket, pack_bucket
 from transports.ipc import join_receiver, join_sender

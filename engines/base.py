@@ -147,7 +147,7 @@ def weight_transport(engine: str) -> str:
 
 
 def ipc_engines() -> list[str]:
-    """Engines that can take `weight_sync.backend = "ipc"` (asyncrl/config.py checks it)."""
+    """Engines that can take `weight_sync.backend = "ipc"` (asyncrl/deploy/placement.py `check_backend` checks it)."""
     return sorted(IPC_ENGINES)
 
 

@@ -73,7 +73,7 @@ def _project_bytecode() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from asyncrl.config_schema import TinyModelConfig
+    from asyncrl.config.schema import TinyModelConfig
     from engines.hf import build_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny"

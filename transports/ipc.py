@@ -7,7 +7,7 @@ re-formed under a fresh name), chosen by `weight_sync.backend = "ipc"`. A Ray de
 the collective one (`RayDeployment.setup_weight_sync` in asyncrl/deploy/launch.py; each member in
 `RoleActor.join_weight_group`, asyncrl/deploy/actors.py) on the trainer's rendezvous store (`collective.create_store`).
 Only generators whose own process loads the weights (the torch engine) can take part: vLLM and SGLang workers
-receive through their own groups, which the config check says (asyncrl/config.py).
+receive through their own groups, which the config check says (asyncrl/deploy/placement.py `check_backend`).
 
 The shared buffer (the *arena*). The sender owns one flat uint8 buffer laid out by the broadcast's bucket plan
 (`plan_buckets` -> `WeightsMeta`, `arena_layout`): a header, then each bucket at an aligned offset, so a bucket

@@ -8,7 +8,7 @@ decorated pure function in advantages.py / losses.py / kl.py / offpolicy.py; not
 with if/elif.
 
 An advantage estimator also declares what it needs from the rest of the run (`AlgorithmNeeds`: a critic, a
-greedy baseline, groups of at least n samples). Config validation (asyncrl/config.py), the builders
+greedy baseline, groups of at least n samples). Config validation (asyncrl/config/loader.py), the builders
 (asyncrl/deploy/build.py: critic, generator's greedy completion), the Learner and the embedding API
 (asyncrl/runtime.py) ask `advantage_needs(name)` instead of comparing estimator names:
 

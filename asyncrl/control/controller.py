@@ -45,7 +45,7 @@ from asyncrl.aio import discard
 from asyncrl.checkpoints.policy import SaveSchedule, note_failure
 from asyncrl.checkpoints.store import CHECKPOINTS, clear, latest_valid, read_state
 from asyncrl.config import config_to_toml
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.control.supervisor import RoleFailed, Supervisor, gather_alive, is_actor_death, why_no_checkpoint
 from asyncrl.control.watchdog import Probe, RunStalled, RunWatch
 from asyncrl.pipeline import LEDGER_KEY, StepPipeline

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from asyncrl.config_schema import Config, DataConfig
+from asyncrl.config.schema import Config, DataConfig
 from asyncrl.data.rows import Split, field_at, format_row, is_messages, load_rows
 
 log = logging.getLogger(__name__)

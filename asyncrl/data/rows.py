@@ -37,7 +37,7 @@ import string
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Literal
 
-from asyncrl.config_schema import DataConfig
+from asyncrl.config.schema import Config, DataConfig
 from asyncrl.data.files import check_path, disk_splits, is_single_split, read_path
 from asyncrl.registry import import_path
 
@@ -72,6 +72,11 @@ def load_rows(data_cfg: DataConfig, split: Split, seed: int) -> list[dict[str, A
     if not rows and split == "train":
         raise ValueError(f"{field}: the {split} split has no rows")
     return rows
+
+
+def check_config(cfg: Config) -> list[str]:
+    """The [data] section's check in `load_config` (asyncrl/config/checks.py): `check_data` of it."""
+    return check_data(cfg.data)
 
 
 def check_data(data_cfg: DataConfig) -> list[str]:

@@ -23,7 +23,7 @@ import ray
 
 from asyncrl import heap
 from asyncrl.checkpoints.transfer import NodeFiles
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor
 from asyncrl.deploy.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
 from asyncrl.deploy.build import (

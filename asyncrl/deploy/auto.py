@@ -37,7 +37,7 @@ import os
 
 import msgspec
 
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 
 AFFINITY_ROLES = ("trainer", "generator", "scorer", "buffer", "controller")
 AUTO_GENERATOR_NICE = 10  # cluster.generator_nice = "auto" where the automatic affinity pins the generators

@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.algorithms.registry import advantage_needs
-from asyncrl.config_schema import Config, RewardConfig
+from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.data.prompts import PromptEncoder, prompt_rows
 from asyncrl.data.rows import PromptStream
 from asyncrl.deploy.auto import scorers_in_buffer

@@ -18,8 +18,7 @@ import ray
 
 from asyncrl.aio import discard, run_loop
 from asyncrl.checkpoints.transfer import CheckpointRelay, relay_for
-from asyncrl.config import ActorPlan, plan_resources
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.control.controller import Controller
 from asyncrl.control.supervisor import RoleFailed
 from asyncrl.control.watchdog import Heartbeat, Probe
@@ -29,6 +28,7 @@ from asyncrl.deploy.auto import available_cpus, resolve_ray, scorers_in_buffer, 
 from asyncrl.deploy.build import pin_cpus
 from asyncrl.deploy.local import run_local  # noqa: F401 - its home is asyncrl/deploy/local.py (no Ray); kept importable here
 from asyncrl.deploy.placement import colocated_bundle, uses_gpus, weight_backend
+from asyncrl.deploy.plan import ActorPlan, plan_resources
 from asyncrl.telemetry.metrics import ACTOR_CALLS
 from engines.base import traits
 from engines.hf import ensure_model

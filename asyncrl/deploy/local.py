@@ -12,7 +12,7 @@ import inspect
 from typing import Any
 
 from asyncrl.aio import run_loop
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.control.controller import Controller
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor, Probe
 from asyncrl.deploy.auto import available_cpus, local_threads

@@ -20,8 +20,9 @@ CUDA_VISIBLE_DEVICES), in process (`--local`) the first GPU. A role with none ne
 
 from __future__ import annotations
 
-from asyncrl.config_schema import Config
-from engines.base import traits
+from asyncrl.config.checks import unknown
+from asyncrl.config.schema import Config
+from engines.base import available_engines, ipc_engines, sleeping_engines, traits
 
 GPU_FIELDS = {"trainer": "trainer_gpus", "generator": "generator_gpus", "scorer": "scorer_gpus"}
 
@@ -110,7 +111,7 @@ def check_placement(cfg: Config, *, cuda: bool, gpus_here: int) -> list[str]:
             errors.append(f"cluster.placement = 'colocated' puts the trainer and every generator on one GPU, but "
                           f"trainer_gpus + num_generators x generator_gpus = {shared:g} > 1 — use fractions, e.g. "
                           f"trainer_gpus = 0.5 and generator_gpus = {0.5 / cfg.rollout.num_generators:g}")
-        # (an engine that cannot sleep: asyncrl/config.py _check_colocated)
+        # (an engine that cannot sleep: asyncrl/config/loader.py _check_colocated)
         if backend == "nccl":
             errors.append("weight_sync.backend = 'nccl' with cluster.placement = 'colocated': NCCL refuses two ranks "
                           "on one GPU — use 'ipc' or 'auto'")
@@ -134,3 +135,58 @@ def check_placement(cfg: Config, *, cuda: bool, gpus_here: int) -> list[str]:
                               f"num_generators x generator_gpus) and this machine has {gpus_here} — use fewer, or "
                               f"cluster.placement = 'colocated'")
     return errors
+
+
+# -- the checks `load_config` runs (asyncrl/config/checks.py) -------------------------------------------------
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a GPU (imports torch lazily; no torch means no CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def gpu_count() -> int:
+    """How many GPUs torch sees here."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def check_engine(cfg: Config) -> list[str]:
+    return unknown("rollout.engine", "engine", cfg.rollout.engine, available_engines())
+
+
+def check_backend(cfg: Config) -> list[str]:
+    backend, engine = cfg.weight_sync.backend, cfg.rollout.engine
+    if backend == "nccl" and not cuda_available():
+        return ["weight_sync.backend: 'nccl' needs CUDA and torch sees no GPU here — use 'gloo' or 'auto'"]
+    if backend == "ipc" and engine in available_engines() and engine not in ipc_engines():  # unknown: check_engine
+        return [f"weight_sync.backend: 'ipc' is unsupported with rollout.engine = {engine!r} (its workers receive "
+                f"through their own group) — use 'auto', 'gloo' or 'nccl', or rollout.engine = 'torch'"]
+    return []
+
+
+def check_devices(cfg: Config) -> list[str]:
+    """cluster.placement and *_gpus against the weight backend and this machine (`check_placement`)."""
+    cuda = cuda_available() if uses_gpus(cfg) or cfg.weight_sync.backend == "nccl" else False
+    errors = check_placement(cfg, cuda=cuda, gpus_here=gpu_count() if cuda else 0)
+    if cfg.weight_sync.backend == "nccl" and not cuda:  # check_backend says it
+        errors = [e for e in errors if not e.startswith("weight_sync.backend = 'nccl' broadcasts between GPUs")]
+    return errors
+
+
+def check_colocated(cfg: Config) -> list[str]:
+    """Colocated placement puts the generators' engines to sleep around every train step: the engine must be
+    one that can (engines.base.sleeping_engines(), names only: no engine is imported)."""
+    if cfg.cluster.placement != "colocated":
+        return []
+    sleeping = sleeping_engines()
+    if cfg.rollout.engine in sleeping:
+        return []
+    return [f"cluster.placement: 'colocated' needs an engine that releases its K/V cache while the trainer trains, "
+            f"which rollout.engine = {cfg.rollout.engine!r} does not do in asyncrl — use rollout.engine = "
+            f"{' or '.join(map(repr, sleeping))}, or cluster.placement = 'disaggregated'"]

@@ -29,8 +29,10 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.config.schema import Config
 from asyncrl.registry import Registry, import_path
 
 log = logging.getLogger(__name__)
@@ -197,3 +199,41 @@ def turn_stops(cls: type) -> list[str]:
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"env.env: {cls.__name__}.stop must be a list of non-empty strings, got {stop!r}")
     return list(stop)
+
+
+def check_config(cfg: Config) -> list[str]:
+    """The [env] section's check in `load_config` (asyncrl/config/checks.py): the class resolves with async
+    reset/step and takes env.kwargs; episodes fit the context; the estimator and the cost signal are ones
+    episodes can feed."""
+    if cfg.env is None:
+        return []
+    from asyncrl.algorithms.checks import needs_of
+
+    e = cfg.env
+    errors = check_env(e.env, e.kwargs)
+    if not errors:
+        try:
+            turn_stops(resolve_env(e.env))
+        except ValueError as exc:
+            errors.append(str(exc))
+    needs = needs_of(cfg.algorithm.advantage)
+    if needs is not None and needs.greedy_baseline:
+        errors.append(f"env.env: advantage {cfg.algorithm.advantage!r} needs a greedy completion of each prompt as "
+                      f"its baseline, which env episodes do not produce — use another algorithm.advantage "
+                      f"(e.g. 'grpo') with [env]")
+    if cfg.reward.cost_fn:
+        errors.append("reward.cost_fn: env episodes bring their own reward and are not scored by reward.cost_fn — "
+                      "leave it empty with [env] (return a cost-shaped reward from the env instead)")
+    if e.max_episode_tokens >= cfg.data.max_prompt_len:
+        errors.append(f"env.max_episode_tokens: {e.max_episode_tokens} leaves no room for the initial observation in "
+                      f"data.max_prompt_len = {cfg.data.max_prompt_len} (the engine keeps the last max_prompt_len "
+                      f"tokens of an episode's context) — raise data.max_prompt_len or lower env.max_episode_tokens")
+    if not errors and (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+        from asyncrl.envs.transcript import HFCodec, resolve_format
+        from engines.hf import load_tokenizer
+
+        try:
+            resolve_format(HFCodec(load_tokenizer(cfg.model.path)), e.chat_template)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.envs.base import resolve_env, turn_stops
 from asyncrl.envs.runner import EpisodeLimits, EpisodeRunner
 from asyncrl.envs.transcript import HFCodec, resolve_format

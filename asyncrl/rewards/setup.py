@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from asyncrl.config_schema import RewardConfig
+from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.rewards.base import Component, FunctionSpec, Rewards
 from asyncrl.rewards.combine import RESERVED_NAMES, RewardSet
 from asyncrl.rewards.loader import FunctionComponent, check_reward, resolve_function
@@ -40,6 +40,21 @@ def function_specs(cfg: RewardConfig) -> list[FunctionSpec]:
         spec = cfg.fn or "exact_match"
         return [FunctionSpec(default_name(spec) if cfg.model else "", spec, 1.0, "reward.fn")]
     return []
+
+
+def check_config(cfg: Config) -> list[str]:
+    """The [reward] section's check in `load_config` (asyncrl/config/checks.py): `check_rewards`, and no reward
+    functions beside [env] (episodes bring their own reward)."""
+    errors = check_rewards(cfg.reward)
+    if cfg.env is not None and (cfg.reward.functions or cfg.reward.model):
+        errors.append("reward.functions: env episodes bring their own reward and are not scored by reward "
+                      "functions or reward.model — leave them empty with [env]")
+    return errors
+
+
+def check_cost(cfg: Config) -> list[str]:
+    """`reward.cost_fn` (Safe-RLHF's cost signal) resolves in its isolation."""
+    return check_reward(cfg.reward.cost_fn, cfg.reward.answer_key, "reward.cost_fn", isolation=cfg.reward.isolation)
 
 
 def check_rewards(cfg: RewardConfig) -> list[str]:

@@ -10,7 +10,7 @@ Every optional sink is `Contained`: one that raises while the run goes (a tracke
 disk under its folder) logs one warning, counts its failures in the rows' `logging/tracker_errors`, and
 the run goes on; metrics.jsonl, which the run's summary is read back from, is not contained. The packages
 are optional extras, imported only when enabled; a missing one is a config error naming the extra
-(asyncrl/config_trackers.py), not a crash at step 1.
+(asyncrl/config/trackers.py), not a crash at step 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 from asyncrl.telemetry.metrics import MetricsWriter
 from asyncrl.telemetry.trackers import FAILED, FINISHED, STOPPED, MlflowSink, TrackioSink, WandbSink, scalars
 

@@ -1,14 +1,14 @@
 """Experiment trackers as metric sinks: Weights & Biases, MLflow, trackio.
 
 Place in the dataflow: `asyncrl.telemetry.loggers.build_sinks` opens one of these per tracker set in
-`[logging]` (asyncrl/config_trackers.py holds the settings) at the start of a run; the Controller hands
+`[logging]` (asyncrl/config/trackers.py holds the settings) at the start of a run; the Controller hands
 each of them every metrics row (`log`, x-axis = the row's train step), the samples RolloutLog writes
 (`log_samples`) and the run's outcome (`close`). Each is wrapped in `loggers.Contained`, so a tracker that
 fails mid-run is counted and the run goes on.
 
 Every tracker gets the resolved config (W&B and trackio as the run config, MLflow as params flattened to
 `section.key`) and, unless set, the run directory's name as the run name. The packages are optional
-extras, imported here only when their tracker is on; asyncrl/config.py reports a missing one before the
+extras, imported here only when their tracker is on; asyncrl/config/checks.py reports a missing one before the
 run starts, naming the extra.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config_trackers import MlflowConfig, TrackioConfig, WandbConfig
+from asyncrl.config.trackers import MlflowConfig, TrackioConfig, WandbConfig
 
 log = logging.getLogger(__name__)
 

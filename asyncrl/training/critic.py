@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms.value import value_loss
-from asyncrl.config_schema import CriticConfig
+from asyncrl.config.schema import CriticConfig
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
 from asyncrl.training.batch import collate, compiled, gather_response

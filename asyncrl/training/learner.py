@@ -62,7 +62,7 @@ from asyncrl.algorithms.kl import kl_estimate
 from asyncrl.algorithms.losses import PolicyLossParams
 from asyncrl.algorithms.offpolicy import CorrectionParams, offpolicy_weights
 from asyncrl.checkpoints.store import load_optimizer_state, load_scheduler_state, optimizer_state, scheduler_state
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import lora, precision, schedule, sharded
 from asyncrl.training.batch import (

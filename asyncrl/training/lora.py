@@ -47,7 +47,7 @@ from asyncrl.training.parallel import _sync_dict
 from asyncrl.training.reference import ReferencePolicy
 
 if TYPE_CHECKING:
-    from asyncrl.config_schema import Config, LoraConfig
+    from asyncrl.config.schema import Config, LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def export_lora(model: torch.nn.Module, out_dir: str | Path, *, tokenizer: Any =
 
 
 def check_lora(cfg: Config) -> list[str]:
-    """Config errors of `[model.lora]` (asyncrl/config.py runs this with the cross-field checks)."""
+    """Config errors of `[model.lora]` (asyncrl/config/loader.py runs this with the cross-field checks)."""
     import importlib.util
 
     lora = cfg.model.lora
@@ -240,7 +240,7 @@ def check_lora(cfg: Config) -> list[str]:
 
 def _meta_model(cfg: Config) -> torch.nn.Module | None:
     """The configured architecture without weights (meta device), to list its linear layers; None when there is
-    nothing to read yet (asyncrl/config.py reports a missing model folder)."""
+    nothing to read yet (asyncrl/config/loader.py reports a missing model folder)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, tiny = Path(cfg.model.path), cfg.model.build_tiny

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncrl.config_schema import TrainerConfig
+from asyncrl.config.schema import TrainerConfig
 
 __all__ = ["adamw", "all_finite", "match_fused"]
 

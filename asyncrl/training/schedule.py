@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.config_schema import TrainerConfig
+from asyncrl.config.schema import Config, TrainerConfig
 
 if TYPE_CHECKING:  # the config checks import this module: torch only where a scheduler is built
     import torch
@@ -38,8 +38,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, trainer: TrainerConfig) ->
                          num_training_steps=total_optimizer_steps(trainer))
 
 
+def check_config(cfg: Config) -> list[str]:
+    """The schedule's check in `load_config` (asyncrl/config/checks.py): `check_schedule` of [trainer]."""
+    return check_schedule(cfg.trainer)
+
+
 def check_schedule(trainer: TrainerConfig) -> list[str]:
-    """Config errors of the schedule fields (asyncrl/config.py runs this with the cross-field checks)."""
+    """Config errors of the schedule fields (asyncrl/config/loader.py runs this with the cross-field checks)."""
     if trainer.warmup_steps == 0:
         return []
     if trainer.lr_scheduler == "constant":

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training.critic import Critic
 from asyncrl.training.learner import Learner
@@ -177,7 +177,7 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
 def _lora_learner(micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
     """Rank-4 adapters on every linear layer of the float64 model (peft; the base frozen), token-mean PPO with a KL
     loss to the policy's own module with its adapters off (the reference a LoRA run gets)."""
-    from asyncrl.config_schema import LoraConfig
+    from asyncrl.config.schema import LoraConfig
     from asyncrl.training.lora import AdapterOffReference, apply_lora
 
     model = apply_lora(_model(), LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))

@@ -329,7 +329,7 @@ def _engine_receiving(port: int, meta: WeightsMeta, model_dir: str, prompt: list
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_weights_reach_a_torch_engine_in_another_process_that_then_gives_the_trainers_logprobs(tmp_path):
-    from asyncrl.config_schema import TinyModelConfig
+    from asyncrl.config.schema import TinyModelConfig
     from engines import hf
 
     model_dir = tmp_path / "tiny"

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl.config_schema import RewardConfig, RewardFunctionConfig
+from asyncrl.config.schema import RewardConfig, RewardFunctionConfig
 from asyncrl.messages import Trajectory
 from asyncrl.rewards.base import Score
 from asyncrl.rewards.combine import RewardSet

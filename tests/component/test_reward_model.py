@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config_schema import RewardConfig, RewardFunctionConfig
+from asyncrl.config.schema import RewardConfig, RewardFunctionConfig
 from asyncrl.rewards.base import Call, Score
 from asyncrl.rewards.model import RewardModel, check_reward_model
 from asyncrl.rewards.setup import rewards_from_config

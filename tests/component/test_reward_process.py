@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config_schema import RewardConfig
+from asyncrl.config.schema import RewardConfig
 from asyncrl.deploy.build import build_rewards
 from asyncrl.messages import Trajectory
 from asyncrl.rewards.base import Score

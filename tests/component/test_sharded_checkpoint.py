@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 
 from asyncrl.checkpoints import store as checkpoint
-from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.roles.trainer_ranks import full_copies
 from asyncrl.training import sharded
 from asyncrl.training.critic import Critic

@@ -71,7 +71,7 @@ save_checkpoint = false
 
 @pytest.fixture(scope="module")
 def env_model_dir(tmp_path_factory) -> Path:
-    from asyncrl.config_schema import TinyModelConfig
+    from asyncrl.config.schema import TinyModelConfig
     from engines.hf import build_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-env"

@@ -32,8 +32,8 @@ def test_each_actor_is_given_the_gpus_its_role_asks_for(ray_cluster, make_config
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from asyncrl.config import plan_resources
     from asyncrl.deploy.launch import actor_options, colocation_group
+    from asyncrl.deploy.plan import plan_resources
 
     cfg = make_config(f'cluster.address="{ray_cluster}"', f'cluster.placement="{placement}"',
                       f"cluster.trainer_gpus={gpus}", f"cluster.generator_gpus={gpus}")

@@ -120,7 +120,7 @@ def test_native_engine_greedy_equals_hf_generate_and_logprobs_equal_a_teacher_fo
 def test_prepared_rows_are_chat_formatted_split_and_scored_by_reasoning_gym(smollm_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from asyncrl.config_schema import DataConfig
+    from asyncrl.config.schema import DataConfig
     from asyncrl.data.prompts import PromptEncoder
     from examples.smollm_arith.reward import score
 

@@ -23,7 +23,7 @@ import torch
 # A submodule, not the top-level package: skips cleanly wherever the SGLang server code is absent.
 pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
 
-from asyncrl.config_schema import TinyModelConfig  # noqa: E402
+from asyncrl.config.schema import TinyModelConfig  # noqa: E402
 from asyncrl.messages import SamplingParams  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from engines.sglang_engine import SGLangEngine  # noqa: E402

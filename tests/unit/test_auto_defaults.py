@@ -45,7 +45,7 @@ def test_the_defaults_are_automatic(make_config):
     (('cluster.scorer_placement="buffer"', "reward.num_scorers=2"), True),
 ])
 def test_scorer_placement_auto_puts_a_light_reward_in_the_buffer_actor(make_config, overrides, in_buffer):
-    from asyncrl.config import plan_resources
+    from asyncrl.deploy.plan import plan_resources
 
     cfg = _config(make_config, *overrides)
     assert scorers_in_buffer(cfg) is in_buffer
@@ -279,7 +279,7 @@ def test_a_layout_the_process_cannot_move_to_is_dropped_and_the_trainer_stays_wh
 def test_the_native_engine_decodes_with_the_tuners_threads_and_keeps_the_faster(tmp_path):
     import asyncio
 
-    from asyncrl.config_schema import TinyModelConfig
+    from asyncrl.config.schema import TinyModelConfig
     from asyncrl.messages import SamplingParams
     from engines import hf
     from engines.torch_engine import TorchEngine

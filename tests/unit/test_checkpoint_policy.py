@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.checkpoints import store as checkpoint
 from asyncrl.checkpoints.policy import SaveSchedule, failed_while, failure_line, note_failure
-from asyncrl.config_schema import RunConfig
+from asyncrl.config.schema import RunConfig
 from asyncrl.control.supervisor import death_message
 
 

@@ -5,22 +5,15 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-import types
 from pathlib import Path
 
 import msgspec
 import pytest
 
-import asyncrl.config as config_mod
-from asyncrl.config import (
-    ActorPlan,
-    ConfigError,
-    config_to_toml,
-    derived,
-    load_config,
-    plan_resources,
-)
-from asyncrl.config_schema import Config
+import asyncrl.deploy.placement as placement_mod
+from asyncrl.config import ConfigError, config_to_toml, load_config
+from asyncrl.config.schema import Config
+from asyncrl.deploy.plan import ActorPlan, derived, plan_resources
 
 DELETE = object()
 
@@ -35,27 +28,11 @@ BASE = {
 
 @pytest.fixture(autouse=True)
 def workdir(tmp_path, monkeypatch):
-    """A run folder with a dataset, the fixture module on sys.path, no GPU, and stub registries.
-
-    The engine and algorithm registries belong to other modules; stubbing them keeps these tests about
-    the config checks (and keeps torch out of a unit test's import time).
-    """
+    """A run folder with a dataset, the fixture module on sys.path, and no GPU."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "data"))
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    monkeypatch.setattr(config_mod, "cuda_available", lambda: False)
-    from engines.base import traits  # the traits table (names only: it imports no engine)
-
-    engines = types.ModuleType("engines.base")
-    engines.available_engines = lambda: ["torch", "vllm", "sglang"]
-    engines.sleeping_engines = lambda: ["torch"]
-    engines.traits = traits
-    algos = types.ModuleType("asyncrl.algorithms.registry")
-    algos.available_advantages = lambda: ["grpo", "rloo"]
-    algos.available_policy_losses = lambda: ["ppo_clip"]
-    algos.available_loss_aggs = lambda: ["token-mean", "seq-mean"]
-    monkeypatch.setitem(sys.modules, "engines.base", engines)
-    monkeypatch.setitem(sys.modules, "asyncrl.algorithms.registry", algos)
+    monkeypatch.setattr(placement_mod, "cuda_available", lambda: False)
     return tmp_path
 
 
@@ -140,7 +117,8 @@ CASES = [
      "reward.fn: 'asyncrl_unit_fixtures:reward_one_arg' has signature (text)"),
     ("unknown_reward_rule", {"reward.fn": "exact"}, "reward.fn: unknown reward rule 'exact'"),
     ("unknown_engine", {"rollout.engine": "vlm"}, "rollout.engine: unknown engine 'vlm' — did you mean 'vllm'?"),
-    ("unknown_advantage", {"algorithm.advantage": "gae"}, "algorithm.advantage: unknown advantage estimator 'gae'"),
+    ("unknown_advantage", {"algorithm.advantage": "grop"},
+     "algorithm.advantage: unknown advantage estimator 'grop' — did you mean 'grpo'?"),
     ("unknown_policy_loss", {"algorithm.policy_loss": "ppo"}, "algorithm.policy_loss: unknown policy loss 'ppo'"),
     ("unknown_loss_agg", {"algorithm.loss_agg": "token_mean"},
      "algorithm.loss_agg: unknown loss aggregation 'token_mean' — did you mean 'token-mean'?"),
@@ -227,8 +205,8 @@ def test_eval_every_beyond_total_steps_is_allowed():
 
 
 def test_nccl_is_accepted_when_cuda_is_available(monkeypatch):
-    monkeypatch.setattr(config_mod, "cuda_available", lambda: True)
-    monkeypatch.setattr(config_mod, "gpu_count", lambda: 2)
+    monkeypatch.setattr(placement_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(placement_mod, "gpu_count", lambda: 2)
     cfg = load_config(write_config({"weight_sync.backend": "nccl", "cluster.trainer_gpus": 1,
                                     "cluster.generator_gpus": 1}))
     assert cfg.weight_sync.backend == "nccl"
@@ -246,12 +224,15 @@ def test_existing_model_folder_needs_config_json_without_build_tiny(workdir):
     assert load_config(write_config({"model.build_tiny": DELETE})).model.build_tiny is None
 
 
-def test_registry_import_failure_falls_back_to_known_names(monkeypatch):
-    monkeypatch.setitem(sys.modules, "engines.base", None)  # import raises ImportError
-    monkeypatch.setitem(sys.modules, "asyncrl.algorithms.registry", None)
-    assert load_config(write_config({"rollout.engine": "sglang"})).rollout.engine == "sglang"
-    (error,) = errors_of(write_config({"algorithm.advantage": "rloo"}))
-    assert error.startswith("algorithm.advantage: unknown advantage estimator 'rloo'") and "available: grpo" in error
+def test_a_subsystem_check_that_cannot_import_is_one_line_and_the_other_checks_still_run(monkeypatch):
+    """asyncrl/config/checks.py names each subsystem's check by import path: a module that fails to import is
+    reported as one line naming the keys it checks, not a traceback, and every other check still runs."""
+    monkeypatch.delitem(sys.modules, "asyncrl.algorithms.checks", raising=False)
+    monkeypatch.setitem(sys.modules, "asyncrl.algorithms.checks", None)  # import raises ImportError
+    errors = errors_of(write_config({"rollout.engine": "vlm"}))
+    assert errors[0] == "rollout.engine: unknown engine 'vlm' — did you mean 'vllm'? available: sglang, torch, vllm"
+    assert [e.partition(":")[0] for e in errors[1:]] == ["algorithm", "algorithm"]
+    assert all("check failed: ValueError: cannot import module 'asyncrl.algorithms.checks'" in e for e in errors[1:])
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -1,4 +1,4 @@
-"""`asyncrl config schema | show | init`, `asyncrl --version` and the help text (asyncrl/config_tools.py,
+"""`asyncrl config schema | show | init`, `asyncrl --version` and the help text (asyncrl/config/tools.py,
 asyncrl/cli.py), and the example configs, which share examples/base.toml through `extends`."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from asyncrl.cli import _parser, main
 from asyncrl.config import config_to_toml, load_config
-from asyncrl.config_fields import _list_struct_type, _struct_type
-from asyncrl.config_schema import Config
-from asyncrl.config_tools import STARTER, config_schema, starter_config
+from asyncrl.config.fields import _list_struct_type, _struct_type
+from asyncrl.config.schema import Config
+from asyncrl.config.tools import STARTER, config_schema, starter_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

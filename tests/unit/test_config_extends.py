@@ -1,4 +1,4 @@
-"""`extends = "base.toml"` and `${env:VAR}` in config files (asyncrl/config_include.py): what a file resolves
+"""`extends = "base.toml"` and `${env:VAR}` in config files (asyncrl/config/include.py): what a file resolves
 to, and the one-line errors that name the file, the line, the key and the fix."""
 
 from __future__ import annotations

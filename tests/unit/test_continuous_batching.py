@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from asyncrl.config_schema import TinyModelConfig
+from asyncrl.config.schema import TinyModelConfig
 from asyncrl.messages import SamplingParams
 from engines import hf
 from engines.torch_engine import TorchEngine

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config_schema import Config, ModelConfig
+from asyncrl.config.schema import Config, ModelConfig
 from asyncrl.control.controller import Controller
 from asyncrl.telemetry.metrics import Last, Mean, Rate, RoleStats, Share, Sum, Total
 from asyncrl.telemetry.spans import Span

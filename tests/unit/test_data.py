@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config_schema import DataConfig
+from asyncrl.config.schema import DataConfig
 from asyncrl.data.rows import PromptStream, check_data, load_rows
 
 FIX = "asyncrl_unit_fixtures"

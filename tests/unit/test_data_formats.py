@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config_schema import DataConfig
+from asyncrl.config.schema import DataConfig
 from asyncrl.data.rows import MissingField, check_data, field_at, format_row, load_rows
 from asyncrl.rewards.rules import RULES
 

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from asyncrl.config_schema import TinyModelConfig
+from asyncrl.config.schema import TinyModelConfig
 from asyncrl.messages import SamplingParams
 from engines import hf
 from engines.base import SleepableEngine, can_sleep

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config_schema import ModelConfig, TinyModelConfig
+from asyncrl.config.schema import ModelConfig, TinyModelConfig
 from engines import hf
 
 torch.set_num_threads(1)

@@ -1,6 +1,7 @@
-"""The layers stay apart: engines/, buffers/ and transports/ sit below asyncrl/ and use none of its
-internals; the few asyncrl modules they share are leaves; Ray is imported only where actors are built and
-launched (roles are tested without it)."""
+"""The layers stay apart: the library's packages in one order from the configuration up to the CLI (`LAYERS`),
+no import upward and no import cycle; engines/, buffers/ and transports/ use none of asyncrl's internals (the
+few asyncrl modules they share are leaves); Ray is imported only where actors are built and launched (roles are
+tested without it)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,57 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The library's packages from the bottom up: a module may import its own layer and the layers below it, never one
+# above (a type-only import under TYPE_CHECKING excepted). A module outside every entry fails the test: place it.
+LAYERS: list[tuple[str, ...]] = [
+    ("asyncrl.messages", "asyncrl.registry", "asyncrl.errors", "asyncrl.aio", "asyncrl.heap", "asyncrl.tasks"),
+    ("asyncrl.config",),  # the schema, the loader, the checks (each subsystem's by import path only)
+    ("asyncrl.telemetry",),
+    ("transports",),
+    ("engines",),
+    ("buffers", "asyncrl.pipeline", "asyncrl.checkpoints", "asyncrl.algorithms", "asyncrl.data"),
+    ("asyncrl.rewards",),
+    ("asyncrl.envs", "asyncrl.training"),
+    ("asyncrl.roles",),
+    ("asyncrl.control",),  # the driver: it sees roles only as proxies
+    ("asyncrl.deploy",),  # builds the roles and hosts them (Ray or one process)
+    ("asyncrl.planning", "asyncrl.report", "asyncrl.sweep", "asyncrl.serve"),
+    ("asyncrl.runtime",),
+    ("asyncrl.cli", "asyncrl.cli_serve", "asyncrl"),  # `asyncrl` itself: its lazy `Runtime` attribute
+]
+
+
+def _layer(module: str) -> int | None:
+    """The index in LAYERS of the most specific entry that holds `module`."""
+    best: tuple[int, int] | None = None
+    for i, entries in enumerate(LAYERS):
+        for entry in entries:
+            if module == entry or module.startswith(entry + "."):
+                if best is None or len(entry) > best[1]:
+                    best = (i, len(entry))
+    return None if best is None else best[0]
+
+
+def test_every_library_module_has_a_layer():
+    assert [m for m in _module_graph() if _layer(m) is None] == []
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+            for module, targets in sorted(graph.items()) for target in sorted(targets)
+            if (_layer(module) or 0) < (_layer(target) or 0)]
+
+
+def test_no_module_imports_a_package_above_its_own():
+    upward = _upward(_module_graph())
+    assert upward == [], "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _layer("asyncrl.config.loader") == 1 and _layer("asyncrl.deploy.launch") == 10
+    assert _layer("asyncrl") == len(LAYERS) - 1 and _layer("asyncrl.runtime") == len(LAYERS) - 2
+    graph = {"asyncrl.config.loader": {"asyncrl.deploy.launch", "asyncrl.registry"},
+             "asyncrl.deploy.launch": {"asyncrl.config.loader", "asyncrl.deploy.actors"}}
+    assert _upward(graph) == ["asyncrl.config.loader (layer 1) imports asyncrl.deploy.launch (layer 10)"]

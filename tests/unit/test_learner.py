@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training.learner import Learner, collate
 

@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.algorithms.advantages import LagrangeMultiplier
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, Trajectory
 from asyncrl.roles.scorer import Scorer
 from asyncrl.training.critic import Critic, load_value_model

@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 
 from asyncrl.checkpoints import store as checkpoint  # noqa: E402
 from asyncrl.config import ConfigError, config_from_dict  # noqa: E402
-from asyncrl.config_schema import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.config.schema import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
 from asyncrl.deploy.build import export_dtype  # noqa: E402
 from asyncrl.messages import Group, SamplingParams, Trajectory  # noqa: E402
 from asyncrl.roles.trainer import Trainer  # noqa: E402

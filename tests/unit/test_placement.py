@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import asyncrl.config as config_mod
-from asyncrl.config import derived, load_config, plan_resources
+import asyncrl.deploy.placement as placement_mod
+from asyncrl.config import load_config
 from asyncrl.deploy.launch import actor_options  # (imported before the autouse fixture stubs the registries)
 from asyncrl.deploy.placement import colocated_bundle, role_device, weight_backend
+from asyncrl.deploy.plan import derived, plan_resources
 from tests.unit.test_config import errors_of, workdir, write_config  # noqa: F401 (the autouse fixture)
 
 ONE_GPU = {"cluster.trainer_gpus": 0.5, "cluster.generator_gpus": 0.5, "cluster.placement": "colocated"}
@@ -19,8 +20,8 @@ TWO_GPUS = {"cluster.trainer_gpus": 1, "cluster.generator_gpus": 1}
 def gpus(monkeypatch):
     """This machine has CUDA and `n` GPUs (the checks ask torch; here they are told)."""
     def have(n: int) -> None:
-        monkeypatch.setattr(config_mod, "cuda_available", lambda: n > 0)
-        monkeypatch.setattr(config_mod, "gpu_count", lambda: n)
+        monkeypatch.setattr(placement_mod, "cuda_available", lambda: n > 0)
+        monkeypatch.setattr(placement_mod, "gpu_count", lambda: n)
     return have
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from asyncrl.config_schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from asyncrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from asyncrl.messages import Group, SamplingParams, Trajectory
 from asyncrl.training import precision
 from asyncrl.training.critic import Critic, load_value_model

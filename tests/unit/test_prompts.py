@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.config_schema import Config, DataConfig, ModelConfig
+from asyncrl.config.schema import Config, DataConfig, ModelConfig
 from asyncrl.data.prompts import (
     OverlongPrompt,
     Prompt,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import config_to_toml, load_config
-from asyncrl.config_fields import ConfigError
-from asyncrl.config_schema import RewardConfig
+from asyncrl.config.fields import ConfigError
+from asyncrl.config.schema import RewardConfig
 from asyncrl.rewards.base import FunctionSpec, Score
 from asyncrl.rewards.setup import default_name, function_specs, rewards_from_config
 

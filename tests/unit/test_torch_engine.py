@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from asyncrl.config_schema import TinyModelConfig
+from asyncrl.config.schema import TinyModelConfig
 from asyncrl.messages import Completion, SamplingParams
 from engines import hf
 from engines.base import RolloutEngine, available_engines, create_engine

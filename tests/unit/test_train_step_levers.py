@@ -208,7 +208,7 @@ def test_the_fused_finite_check_names_the_first_non_finite_parameter_and_passes_
     dict(decoupled=True, correction="token_mask", kl_mode="reward", kl_coef=0.1),
 ], ids=["decoupled", "decoupled-token-tis-entropy", "seq-mask", "decoupled-token-mask-kl-reward"])
 def test_proximal_logprobs_from_the_gradient_pass_give_the_two_forward_step(algorithm):
-    from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
     from asyncrl.training.learner import Learner
     from tests.unit.test_learner import _tiny_model
 
@@ -240,7 +240,7 @@ def test_proximal_logprobs_from_the_gradient_pass_give_the_two_forward_step(algo
 
 @pytest.mark.parametrize("trainer", [dict(mini_batches=2), dict(epochs=2), dict(micro_batch_size=4)])
 def test_the_proximal_forward_stays_where_the_gradient_pass_is_not_the_steps_only_one(trainer):
-    from asyncrl.config_schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
     from asyncrl.training.learner import Learner
     from tests.unit.test_learner import _tiny_model
 

@@ -28,7 +28,7 @@ import torch
 # A submodule, not the top-level name: a namespace package of that name must not make the skip pass.
 pytest.importorskip("vllm.v1.engine.async_llm", reason="vLLM is not installed")
 
-from asyncrl.config_schema import TinyModelConfig  # noqa: E402
+from asyncrl.config.schema import TinyModelConfig  # noqa: E402
 from asyncrl.messages import Completion, SamplingParams  # noqa: E402
 from engines.base import ENGINES  # noqa: E402
 from engines.hf import build_tiny_model, load_model, load_tokenizer  # noqa: E402

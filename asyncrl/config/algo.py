@@ -1,11 +1,11 @@
 """The reward and algorithm sections of the run's TOML schema (`[reward]`, `[[reward.functions]]`,
-`[algorithm]`); `asyncrl.config_schema` holds the rest and re-exports these."""
+`[algorithm]`); `asyncrl.config.schema` holds the rest and re-exports these."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from asyncrl.config_section import Section, _d
+from asyncrl.config.section import Section, _d
 
 
 class RewardFunctionConfig(Section):

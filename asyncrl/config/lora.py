@@ -1,11 +1,11 @@
 """The `[model.lora]` table of the run's TOML schema: train LoRA adapters through `peft` instead of every weight
-(asyncrl/training/lora.py); `asyncrl.config_schema` re-exports it."""
+(asyncrl/training/lora.py); `asyncrl.config.schema` re-exports it."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from asyncrl.config_section import Section, _d
+from asyncrl.config.section import Section, _d
 
 
 class LoraConfig(Section):

@@ -1,4 +1,4 @@
-"""The base of every config section (asyncrl/config_schema.py, asyncrl/config_algo.py)."""
+"""The base of every config section (asyncrl/config/schema.py, asyncrl/config/algo.py)."""
 
 from __future__ import annotations
 

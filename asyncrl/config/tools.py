@@ -1,11 +1,11 @@
 """`asyncrl config schema | init`: the config's JSON schema for TOML editors, and a commented starter config.
 
 Place in the dataflow: beside the loader, read by nobody at run time. Both are generated from the schema's
-Structs (asyncrl/config_schema.py, config_algo.py), so they never drift from what `load_config` accepts:
-`config_schema()` is `msgspec.json.schema(Config)` plus the `extends` key (asyncrl/config_include.py), and
+Structs (asyncrl/config/schema.py, asyncrl/config/algo.py), so they never drift from what `load_config` accepts:
+`config_schema()` is `msgspec.json.schema(Config)` plus the `extends` key (asyncrl/config/include.py), and
 `starter_config()` walks the same Structs, writing each field's description as a comment above it. The starter's
 set keys (`STARTER`) train the first-digit task on a tiny model; every other key is written commented out at its
-default. (`asyncrl config show` is `config_to_toml` of a loaded config: asyncrl/config.py.)
+default. (`asyncrl config show` is `config_to_toml` of a loaded config: asyncrl/config/loader.py.)
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config_fields import _bounds, _choices, _description, _list_struct_type, _struct_type, _unwrap
-from asyncrl.config_include import EXTENDS_DESCRIPTION
-from asyncrl.config_schema import Config
+from asyncrl.config.fields import _bounds, _choices, _description, _list_struct_type, _struct_type, _unwrap
+from asyncrl.config.include import EXTENDS_DESCRIPTION
+from asyncrl.config.schema import Config
 
 __all__ = ["STARTER", "config_schema", "starter_config"]
 

@@ -1,6 +1,6 @@
 """The whole TOML schema of a run, as msgspec Structs (one section per Struct).
 
-Every field carries a description: the loader (`asyncrl/config.py`) quotes it in error messages so that
+Every field carries a description: the loader (`asyncrl/config/loader.py`) quotes it in error messages so that
 each problem reads as "<toml.path>: <what is wrong> — <what the field is / how to fix>".
 """
 
@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from asyncrl.config_algo import AlgorithmConfig, RewardConfig, RewardFunctionConfig  # noqa: F401 (re-exported)
-from asyncrl.config_lora import LoraConfig  # noqa: F401 (re-exported)
-from asyncrl.config_section import Section, _d  # noqa: F401 (re-exported)
-from asyncrl.config_trackers import (  # noqa: F401 (re-exported)
+from asyncrl.config.algo import AlgorithmConfig, RewardConfig, RewardFunctionConfig  # noqa: F401 (re-exported)
+from asyncrl.config.lora import LoraConfig  # noqa: F401 (re-exported)
+from asyncrl.config.section import Section, _d  # noqa: F401 (re-exported)
+from asyncrl.config.trackers import (  # noqa: F401 (re-exported)
     MlflowConfig,
     MlflowSwitch,
     TrackioConfig,
@@ -511,7 +511,7 @@ class LoggingConfig(Section):
     rollouts_shown: Annotated[int, _d("of those samples, how many the console shows", ge=0)] = 2
 
     def __post_init__(self) -> None:
-        # `wandb = true` -> the table of defaults, `false` -> None (asyncrl/config_trackers.py); the older
+        # `wandb = true` -> the table of defaults, `false` -> None (asyncrl/config/trackers.py); the older
         # `wandb_project` goes into the table it meant, so the resolved config spells it one way.
         if self.wandb is True:
             self.wandb = WandbConfig(project=self.wandb_project or "asyncrl")
@@ -520,7 +520,7 @@ class LoggingConfig(Section):
             self.wandb, self.wandb_project = None, None
         elif self.wandb_project == self.wandb.project:
             self.wandb_project = None
-        # (a table and a different wandb_project both given: asyncrl/config.py reports it)
+        # (a table and a different wandb_project both given: asyncrl/config/loader.py reports it)
         for name, section in (("mlflow", MlflowConfig), ("trackio", TrackioConfig)):
             value = getattr(self, name)
             if isinstance(value, bool):

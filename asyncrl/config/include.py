@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config_fields import ConfigError, read_toml
+from asyncrl.config.fields import ConfigError, read_toml
 
 __all__ = ["EXTENDS_DESCRIPTION", "blame", "escape_interpolation", "forget", "read_config"]
 

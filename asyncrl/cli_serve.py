@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config_schema import Config
+from asyncrl.config.schema import Config
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The experiment trackers of `[logging]`: `[logging.wandb]`, `[logging.mlflow]`, `[logging.trackio]`.
 
-Place in the dataflow: read with the rest of the config (asyncrl/config_schema.py `LoggingConfig` holds them);
+Place in the dataflow: read with the rest of the config (asyncrl/config/schema.py `LoggingConfig` holds them);
 at the start of a run `asyncrl.telemetry.loggers.build_sinks` opens one sink per tracker that is set, and
 every metrics row, sample table and the run's end reach it (asyncrl/telemetry/trackers.py).
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from asyncrl.config_section import Section, _d
+from asyncrl.config.section import Section, _d
 
 if TYPE_CHECKING:
-    from asyncrl.config_schema import LoggingConfig
+    from asyncrl.config.schema import LoggingConfig
 
 
 class WandbConfig(Section):
