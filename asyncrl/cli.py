@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 from asyncrl import heap
-from asyncrl.config import ConfigError, config_to_toml, load_config
+from asyncrl.config import Config, ConfigError, config_to_toml, load_config
 from asyncrl.telemetry.runlog import FORMAT as LOG_FORMAT
 
 EPILOG = """\
@@ -130,6 +130,26 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
 
+def _machine_defaults_comment(cfg: Config) -> str:
+    """The `"auto"` values of [cluster] resolved on this machine (asyncrl/deploy/auto.py `machine_defaults`), as TOML
+    comments after the config: they are decided when a run starts, from its machine, not written into the file."""
+    from asyncrl.deploy.auto import available_cpus, machine_defaults
+
+    rows = machine_defaults(cfg)
+    if not rows:
+        return ""
+    cpus = available_cpus()
+    lines = [f"# On this machine ({len(cpus)} CPUs: {', '.join(map(str, cpus))}) `asyncrl launch` resolves the "
+             f'"auto" values as (Ray,', "# a local cluster it starts; torch_threads.local: --local):"]
+    for key, value in rows:
+        if key.startswith("torch_threads.") and isinstance(value, list):
+            shown = str(value[-1]) + ("" if len(value) == 1 else f" (its tuner measures {value}, keeps the faster)")
+        else:
+            shown = json.dumps(value)
+        lines.append(f"#   {key} = {shown}")
+    return "\n" + "\n".join(lines) + "\n"
+
+
 def _config_command(args: argparse.Namespace) -> int:
     """asyncrl config schema | show | init."""
     from asyncrl.config.tools import config_schema, starter_config
@@ -140,6 +160,7 @@ def _config_command(args: argparse.Namespace) -> int:
         except ConfigError as err:
             return _config_errors(err)
         sys.stdout.write(config_to_toml(cfg))
+        sys.stdout.write(_machine_defaults_comment(cfg))
         return 0
     if args.config_command == "schema":
         text = json.dumps(config_schema(), indent=2) + "\n"

@@ -153,6 +153,30 @@ def resolve_ray(cfg: Config, cpus: list[int] | None = None, *, starts_cluster: b
                                                                         affinity=affinity, generator_nice=nice))
 
 
+def machine_defaults(cfg: Config, cpus: list[int] | None = None) -> list[tuple[str, object]]:
+    """The `"auto"` values of `[cluster]` as `asyncrl launch` resolves them on this machine (`cpus`: the CPU ids
+    this process may run on), one (key, value) each, for `asyncrl config show`: what `resolve_ray` writes into
+    the config a Ray run's actors get when the run starts its local cluster, the torch threads each role's process
+    then sets from the CPUs it may use (a tuner measures 1 against that count where `thread_candidates` gives
+    both), and the in-process deployment's threads (`--local`)."""
+    cpus = available_cpus() if cpus is None else cpus
+    c, resolved = cfg.cluster, resolve_ray(cfg, cpus)
+    r = resolved.cluster
+    rows: list[tuple[str, object]] = []
+    if c.scorer_placement == "auto":
+        rows.append(("cluster.scorer_placement", r.scorer_placement))
+    rows += [(f"cluster.affinity.{role}", getattr(r.affinity, role)) for role in AFFINITY_ROLES
+             if getattr(r.affinity, role) != getattr(c.affinity, role)]
+    if c.generator_nice == "auto":
+        rows.append(("cluster.generator_nice", r.generator_nice))
+    if c.torch_threads == "auto":
+        for role in ("trainer", "generator", "scorer", "buffer"):
+            cores = len(getattr(r.affinity, role) or cpus)
+            rows.append((f"torch_threads.{role}", thread_candidates(resolved, cores, role)))
+        rows.append(("torch_threads.local", local_threads(cfg, len(cpus))))
+    return rows
+
+
 def trainer_spread(cfg: Config, resolved: Config) -> list[int]:
     """Every CPU of the run when `resolve_ray` pinned the trainer (one rank) automatically: where its tuner may also try
     the update (asyncrl/deploy/thread_tuner.py, `trainer_layouts`); [] when nothing was pinned or the user pinned."""

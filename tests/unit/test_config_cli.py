@@ -110,6 +110,31 @@ def test_config_show_prints_every_default_after_extends_and_set_and_reloads_equa
     assert shown == load_config(path, ["trainer.lr=1e-4"], cross_checks=False)
 
 
+def test_config_show_ends_with_the_auto_values_this_machine_resolves_them_to(capsys):
+    """The machine-dependent defaults of [cluster] are decided when a run starts (asyncrl/deploy/auto.py), in one
+    step that `config show` prints as comments after the TOML: the values resolve_ray gives the actors and the
+    torch threads each role then sets."""
+    from asyncrl.deploy.auto import machine_defaults, resolve_ray
+
+    path = EXAMPLES / "first_digit" / "config.toml"
+    assert main(["config", "show", str(path)]) == 0
+    text = capsys.readouterr().out
+    toml_part, _, comment = text.partition("\n# On this machine")
+    assert tomllib.loads(toml_part)["cluster"]["scorer_placement"] == "auto"  # the file keeps "auto"
+    cfg = load_config(path, cross_checks=False)
+    rows = machine_defaults(cfg, [0, 1])
+    placed = resolve_ray(cfg, [0, 1]).cluster
+    assert ("cluster.scorer_placement", placed.scorer_placement) in rows
+    assert ("cluster.affinity.trainer", placed.affinity.trainer) in rows and placed.affinity.trainer == [1]
+    assert dict(rows)["torch_threads.trainer"] == [1] and dict(rows)["torch_threads.local"] == 1
+    shown = machine_defaults(cfg)  # this machine's own CPUs, as printed
+    assert [line.split(" = ")[0].strip("# ") for line in comment.splitlines()[2:]] == [k for k, _ in shown]
+    assert f'#   cluster.scorer_placement = "{dict(shown)["cluster.scorer_placement"]}"' in comment
+    fixed = load_config(path, ['cluster.torch_threads=2', 'cluster.scorer_placement="actor"'], cross_checks=False)
+    assert not any(k.startswith("torch_threads.") or k == "cluster.scorer_placement" for k, _ in
+                   machine_defaults(fixed, [0, 1]))  # values the user set are not "resolved"
+
+
 def test_config_show_of_a_bad_config_prints_its_errors_and_exits_2(tmp_path, capsys):
     path = tmp_path / "bad.toml"
     path.write_text('[model]\npath = "m"\n[trainer]\nlrr = 1\n')
