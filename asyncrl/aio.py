@@ -55,6 +55,16 @@ def on_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "call") -> as
     return fut
 
 
+async def until_either(event: asyncio.Event, stop: asyncio.Event) -> None:
+    """Until `event` or `stop` is set (whichever first)."""
+    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 class Coalescer:
     """Many callers' items, sent by one call at a time: `await add(items)` returns once a call carrying them
     (with whatever else arrived while the call before it ran) returned, or raises what that call raised.

@@ -12,25 +12,29 @@ finish (groups admitted meanwhile, e.g. by an admit that was waiting, hold their
 `wake`: nothing admitted is dropped), then the engine releases its K/V cache (`SleepableEngine`). While asleep
 no group and no `generate` call reaches the engine; weights still arrive and land in it.
 
+The role is three parts, each testable alone with fakes: the admission loop here (admit through the gate,
+sample, put), the weight slot (asyncrl/roles/weight_slot.py: receive, stage, swap) and the sleep gate
+(asyncrl/roles/sleep_gate.py: who uses the engine, sleep and wake).
+
 A plain async class: no Ray here. The Ray actor in `asyncrl/deploy/actors.py` only adds lifecycle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
 from typing import Any, Awaitable, Callable, NamedTuple, Protocol
 
 import msgspec
-import torch
 
-from asyncrl.aio import Coalescer
+from asyncrl.aio import Coalescer, until_either
 from asyncrl.data.prompts import Prompt
 from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
 from asyncrl.roles.decoding import decode_many
+from asyncrl.roles.sleep_gate import SleepGate
+from asyncrl.roles.weight_slot import WeightSlot
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
     REPORT_KEY,
@@ -46,8 +50,8 @@ from asyncrl.telemetry.metrics import (
     rss_mb,
 )
 from asyncrl.telemetry.spans import SpanRecorder
-from engines.base import CollectiveWeightEngine, RolloutEngine, SleepableEngine
-from transports.base import STAT_SECONDS, WeightReceiver
+from engines.base import RolloutEngine
+from transports.base import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +107,6 @@ class Generator:
         prompts_filtered: int = 0,
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
-        if weight_update not in ("in_flight", "between_requests"):
-            raise ValueError(f"weight_update must be 'in_flight' or 'between_requests', got {weight_update!r}")
         self.generator_id = generator_id
         self.engine = engine
         self.buffer = buffer
@@ -115,34 +117,24 @@ class Generator:
         self.decode = decode
         self.sampling = sampling
         self.concurrency = concurrency
-        self.weight_update = weight_update
         self.recorder = recorder or SpanRecorder(f"generator/{generator_id}")
-        self.receiver: WeightReceiver | None = None
         self.holder = f"generator/{generator_id}"  # its name at the buffer (a restarted actor gets a fresh one)
-        self.weight_group = "weights"  # the name of the weight-sync group `receiver` belongs to (supervision)
         self.episodes: Any = None  # an asyncrl.envs.EpisodeRunner: play env episodes instead of completions
         # the estimator's AlgorithmNeeds.greedy_baseline (ReMax): also decode each prompt greedily into
         # baseline_response_ids, which the scorer scores into baseline_reward
         self.greedy_baseline = greedy_baseline
         # rollout.seed_groups: group id -> the seed of its samples' own random streams (reproducible runs)
         self.group_seed = group_seed
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._stopped = asyncio.Event()
+        self.weights = WeightSlot(engine, self.recorder, on_held=self._note_held, stopped=self._stopped,
+                                  weight_update=weight_update, name=f"generator {generator_id}")
+        self.gate = SleepGate(engine, self.recorder, stopped=self._stopped, name=f"generator {generator_id}")
         self._failure: BaseException | None = None  # an uncontained group-task error: ends run()
         self.tokens_generated = 0  # since the start; stats() reports each window's increment
         self.samples_generated = 0  # trajectories sampled, since the start
         self.prompts_truncated = 0  # prompts cut to max_prompt_len (data.overlong = "truncate_left"), since the start
         self.prompts_filtered = prompts_filtered  # dataset rows left out at load (data.overlong = "filter")
-        self.swap_s_total = 0.0
         self._window = Window()
-        # sleep/wake (colocated placement): set while the engine may be used; engine users (group samplings,
-        # generate calls) counted, so that sleep waits for the last one to let go
-        self._awake = asyncio.Event()
-        self._awake.set()
-        self._users = 0
-        self._unused = asyncio.Event()
-        self._unused.set()
-        self._asleep_since = 0.0
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
         # a buffer in another process (`crosses_processes`: asyncrl.deploy.actors.RayProxy) gets them as one
@@ -155,12 +147,40 @@ class Generator:
         self._slot_freed = asyncio.Event()
         # the newest version noted to the buffer (`_note_held`): with in-flight updates that is done when the
         # weights arrive, before the swap lands, so that the admit round trip overlaps the swap; groups the
-        # buffer admits at it are sampled only once the engine holds it (`_until_holding`)
+        # buffer admits at it are sampled only once the engine holds it (`WeightSlot.until_holding`)
         self._noted = -1
-        self._swapped = asyncio.Event()  # set whenever a swap ends (landed or failed)
-        self._swap_error: BaseException | None = None
 
-    # -- weights ---------------------------------------------------------------------------------
+    # -- weights (asyncrl/roles/weight_slot.py) -----------------------------------------------------
+    @property
+    def receiver(self) -> WeightReceiver | None:
+        """The weight-sync group's receiving half, set by the deployment when this generator joins it."""
+        return self.weights.receiver
+
+    @receiver.setter
+    def receiver(self, receiver: WeightReceiver | None) -> None:
+        self.weights.receiver = receiver
+
+    @property
+    def weight_group(self) -> str:
+        """The name of the weight-sync group `receiver` belongs to (supervision re-forms it under a new name)."""
+        return self.weights.group
+
+    @weight_group.setter
+    def weight_group(self, name: str) -> None:
+        self.weights.group = name
+
+    @property
+    def weight_update(self) -> str:
+        return self.weights.weight_update
+
+    @weight_update.setter
+    def weight_update(self, mode: str) -> None:
+        self.weights.weight_update = mode
+
+    @property
+    def swap_s_total(self) -> float:
+        return self.weights.swap_s_total
+
     async def receive_weights(self, *, armed: bool = False, group: str | None = None,
                               report: bool = False) -> dict[str, Any]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on).
@@ -171,39 +191,14 @@ class Generator:
         if this generator is in another one (a group re-formed meanwhile must not count it). `report`: the
         reply also carries this generator's `stats()` under REPORT_KEY (its window ends with the receive: the
         Controller asks no separate `stats()` call of it that step)."""
-        stats: dict[str, Any] = dict(await self._receive_weights(armed, group))
+        stats: dict[str, Any] = dict(await self.weights.receive(armed, group))
         if report:
             stats[REPORT_KEY] = self.stats()
         return stats
 
-    async def _receive_weights(self, armed: bool, group: str | None) -> dict[str, float]:
-        if group is not None and group != self.weight_group:
-            raise RuntimeError(f"receive_weights for group {group!r}: this generator is in {self.weight_group!r}")
-        if self.receiver is None and isinstance(self.engine, CollectiveWeightEngine):
-            t0 = self.recorder.begin("weights_recv")  # the engine's own workers receive and swap (vLLM / SGLang)
-            version, stats = await self.engine.receive_weights()
-            self.recorder.record("weights_recv", t0, time.time(), version)
-            self._note_held(version)
-            return stats
-        if self.receiver is None:
-            raise RuntimeError("generator has no weight receiver; join the weight-sync group first")
-        if armed and not self.can_arm_receive():
-            raise RuntimeError("receive_weights(armed=True): this generator's receiver cannot wait for the send")
-        self.recorder.begin("weights_recv", "armed" if armed else "")
-        tensors, version, stats = await asyncio.to_thread(functools.partial(self.receiver.receive, armed=armed))
-        t1 = time.time()
-        # the transfer only: an armed receive (can_arm_receive) waited for the send before it
-        self.recorder.record("weights_recv", t1 - stats.get(STAT_SECONDS, 0.0), t1, version)
-        self._pending = (tensors, version)
-        if self.weight_update == "in_flight":
-            # The buffer hears of the version now, so that the admit waiting at the older one comes back while
-            # the swap lands (run() samples what it admits only once the engine holds it). The engine swaps at
-            # its next decode-step boundary; this returns once the swap landed, so the controller publishes
-            # the version only when every generator holds it.
-            self._note_held(version)
-            await self._apply_pending_weights()
-            await self._until_holding(version)  # (run() may have begun this swap itself)
-        return stats
+    def can_arm_receive(self) -> bool:
+        """Whether `receive_weights()` may be called before the trainer sends (`WeightSlot.can_arm`)."""
+        return self.weights.can_arm()
 
     def _note_held(self, version: int) -> None:
         """Tell the buffer this generator holds `version` (or will, once the swap under way lands), so the run
@@ -215,114 +210,30 @@ class Generator:
                                or log.warning("generator %d: note_held(%d) failed: %r", self.generator_id,
                                               version, t.exception()))
 
-    def can_arm_receive(self) -> bool:
-        """Whether `receive_weights()` may be called before the trainer sends: it then waits, without the
-        group's timeout and without blocking generation, and joins the broadcast the moment it starts
-        (a receiver that `arms_early`; not an engine whose own workers receive)."""
-        return self.receiver is not None and self.receiver.arms_early
-
-    async def _apply_pending_weights(self) -> None:
-        if self._pending is None:
-            return
-        tensors, version = self._pending
-        self._pending = None
-        t0 = self.recorder.begin("weights_swap")
-        try:
-            # Off the loop: load_weights takes the engine lock and may wait for a batch in flight.
-            await asyncio.to_thread(self.engine.load_weights, tensors, version)
-        except BaseException as exc:
-            self._swap_error = exc
-            raise
-        finally:
-            self._swapped.set()
-        t1 = time.time()
-        self.swap_s_total += t1 - t0
-        self.recorder.record("weights_swap", t0, t1, version)
-
-    async def _until_holding(self, version: int) -> None:
-        """Until the engine holds `version` (a swap under way lands) or the generator stops; raises the error
-        of a swap that failed meanwhile."""
-        while self.engine.version < version and not self._stopped.is_set():
-            if self._swap_error is not None:
-                raise RuntimeError(f"generator {self.generator_id}: the swap to version {version} failed") \
-                    from self._swap_error
-            self._swapped.clear()
-            await self._until_set_or_stopped(self._swapped)
-
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample outside the training loop (inspection, checks, agent loops) on the newest weights; while the
         generator sleeps (colocated placement), waits for `wake`."""
-        if not await self._use_engine():
+        if not await self.gate.use():
             raise RuntimeError(f"generator {self.generator_id} stopped")
         try:
-            await self._apply_pending_weights()
+            await self.weights.apply_pending()
             return await self.engine.generate(prompts, params)
         finally:
-            self._let_go()
+            self.gate.let_go()
 
-    # -- sleep / wake (colocated placement) ------------------------------------------------------------
+    # -- sleep / wake (colocated placement: asyncrl/roles/sleep_gate.py) --------------------------------
     async def sleep(self) -> None:
         """Stop admitting, wait until no group is being sampled, then let the engine release its K/V cache.
         Groups admitted but not begun wait for `wake` with their slots held. A no-op while asleep."""
-        if not isinstance(self.engine, SleepableEngine):
-            raise RuntimeError(f"generator {self.generator_id}: its {type(self.engine).__name__} cannot sleep; "
-                               f"cluster.placement = 'colocated' needs rollout.engine = 'torch'")
-        if not self._awake.is_set():
-            return
-        self._awake.clear()  # from here no new engine user: the run loop and group tasks wait in _use_engine
-        while self._users:
-            await self._unused.wait()
-        t0 = self.recorder.begin("sleep")
-        try:
-            await self.engine.sleep()
-        except BaseException:
-            self._awake.set()
-            raise
-        self._asleep_since = time.time()
-        self.recorder.record("sleep", t0, self._asleep_since, self.engine.version)
-        self.recorder.begin("asleep")
+        await self.gate.sleep()
 
     async def wake(self) -> None:
         """Let the engine take its memory back and resume admitting and sampling. A no-op while awake."""
-        if self._awake.is_set():
-            return
-        t0 = self.recorder.begin("wake")
-        await self.engine.wake()
-        t1 = time.time()
-        self.recorder.record("asleep", self._asleep_since, t0, self.engine.version)
-        self.recorder.record("wake", t0, t1, self.engine.version)
-        self._awake.set()
+        await self.gate.wake()
 
     @property
     def asleep(self) -> bool:
-        return not self._awake.is_set()
-
-    async def _use_engine(self) -> bool:
-        """Become an engine user once awake (at once when awake); False if the generator stopped while asleep.
-        No await lies between the last check and the count, so `sleep` never misses a user."""
-        while not self._awake.is_set():
-            if self._stopped.is_set():
-                return False
-            await self._until_awake_or_stopped()
-        self._users += 1
-        self._unused.clear()
-        return True
-
-    def _let_go(self) -> None:
-        self._users -= 1
-        if not self._users:
-            self._unused.set()
-
-    async def _until_awake_or_stopped(self) -> None:
-        await self._until_set_or_stopped(self._awake)
-
-    async def _until_set_or_stopped(self, event: asyncio.Event) -> None:
-        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopped.wait())]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        return not self.gate.awake
 
     # -- main loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -340,13 +251,14 @@ class Generator:
             while not self._stopped.is_set():
                 if self._failure is not None:
                     raise self._failure
-                if not self._awake.is_set():  # asleep (colocated placement): admit nothing until wake
-                    await self._until_awake_or_stopped()
+                if not self.gate.awake:  # asleep (colocated placement): admit nothing until wake
+                    await self.gate.until_awake_or_stopped()
                     continue
-                if self._pending is not None and (self.weight_update == "between_requests" or not self._sampling):
+                if self.weights.pending is not None and (self.weight_update == "between_requests"
+                                                         or not self._sampling):
                     while self._sampling and not self._stopped.is_set():
                         await self._until_slot_freed()
-                    await self._apply_pending_weights()
+                    await self.weights.apply_pending()
                 free = self.concurrency - self._sampling
                 if free <= 0:
                     await self._until_slot_freed()
@@ -358,7 +270,7 @@ class Generator:
                 # the buffer admits at the version this generator noted (`note_held`) while the admit waited,
                 # which the engine may still be swapping to: sampled once it holds it, at the engine's version
                 if group_ids and self.engine.version < self._noted:
-                    await self._until_holding(self._noted)
+                    await self.weights.until_holding(self._noted)
                     if self._stopped.is_set():  # the run ends: these stay running at the gate (as at a crash)
                         break
                 version = self.engine.version
@@ -377,7 +289,7 @@ class Generator:
     async def _until_slot_freed(self) -> None:
         """Until a group's sampling ends (its slot is free), a group task failed, or stop()."""
         self._slot_freed.clear()
-        await self._until_set_or_stopped(self._slot_freed)
+        await until_either(self._slot_freed, self._stopped)
 
     def _free_slot(self) -> None:
         self._sampling -= 1
@@ -427,7 +339,7 @@ class Generator:
                 self._free_slot()
 
         try:
-            if begun is None and not await self._use_engine():  # stopped while asleep: the slots go back
+            if begun is None and not await self.gate.use():  # stopped while asleep: the slots go back
                 free_slot()
                 await self._release_failed(group_ids, "generator stopped before sampling")
                 return
@@ -437,7 +349,7 @@ class Generator:
                 nonlocal held
                 if held:
                     held = False
-                    self._let_go()
+                    self.gate.let_go()
                 free_slot()
 
             try:
@@ -513,10 +425,10 @@ class Generator:
         """Post the engine calls of groups admitted together at once, before their tasks start, so every run
         batches them alike however the loop's thread is delayed (an exact resume). Native engine (`submit_many`),
         completions, no greedy baseline, awake; else {}. A group whose row, prompt or engine check fails carries
-        its error to its own task. Each group counts as an engine user (`_use_engine`)."""
+        its error to its own task. Each group counts as an engine user (`SleepGate.hold`)."""
         submit = getattr(self.engine, "submit_many", None)
         if (len(group_ids) < 2 or submit is None or self.episodes is not None or self.greedy_baseline
-                or not self._awake.is_set()):
+                or not self.gate.awake):
             return {}
         out: dict[int, _Begun] = {}
         ready: list[tuple[int, dict[str, Any], bytes, Prompt]] = []
@@ -531,8 +443,7 @@ class Generator:
             out.update({gid: _Begun(error=exc) for gid, _, _, _ in ready})
         else:
             out.update({gid: _Begun(row, row_json, p, w) for (gid, row, row_json, p), w in zip(ready, waits)})
-        self._users += len(out)
-        self._unused.clear()
+        self.gate.hold(len(out))
         return out
 
     async def _sample(self, prompts: list[list[int]],

@@ -160,7 +160,7 @@ def test_scorer_scores_the_generators_text_and_decodes_only_what_arrives_without
 
 def test_the_scorers_lazy_decode_loads_no_tokenizer_until_a_completion_arrives_without_text(tiny_model_dir,
                                                                                             monkeypatch):
-    from asyncrl import build
+    from asyncrl.deploy import build
 
     loads = []
     real = build.tokenizer_fns
@@ -546,7 +546,7 @@ def test_generator_posts_the_groups_it_was_admitted_together_in_one_engine_call_
     assert engine.posts == [2]  # groups 0 and 2 in one post; group 1's row failed before it
     assert buffer.released["failed"] == [1] and asked == [0, 1, 2]  # each row read once
     assert sorted(t.group_id for t in buffer.rollouts) == [0, 0, 2, 2]
-    assert gen._users == 0  # every group let the engine go (a sleep is not kept waiting)
+    assert gen.gate._users == 0  # every group let the engine go (a sleep is not kept waiting)
 
 
 def test_generator_fails_groups_whose_rows_lack_the_prompt_key():
