@@ -9,8 +9,6 @@ fields through Ray's pickling.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 
@@ -112,41 +110,6 @@ class Group(Message):
     group_id: int
     min_version: int                 # min over members; the staleness gate reads it
     trajectories: list[Trajectory]
-
-
-# Trajectories and groups that cross to another process travel as one msgpack blob: Ray then pickles one bytes
-# object instead of walking every Struct with cloudpickle (a several times smaller cost on both sides).
-_ENCODER = msgspec.msgpack.Encoder()
-_TRAJECTORIES_DECODER = msgspec.msgpack.Decoder(list[Trajectory])
-_GROUPS_DECODER = msgspec.msgpack.Decoder(list[Group])
-
-
-def crosses_processes(peer: object) -> bool:
-    """Whether what is passed to `peer`'s methods is serialized (asyncrl.deploy.actors.RayProxy says so): then the
-    roles send it trajectories and groups packed."""
-    return bool(getattr(peer, "crosses_processes", False))
-
-
-def pack_trajectories(trajs: list[Trajectory]) -> bytes:
-    return _ENCODER.encode(trajs)
-
-
-def pack_groups(groups: list[Group]) -> bytes:
-    return _ENCODER.encode(groups)
-
-
-def unpack_trajectories(data: bytes | list[Trajectory]) -> list[Trajectory]:
-    """The trajectories of `pack_trajectories`' blob (a list is returned as it is)."""
-    return _unpack(_TRAJECTORIES_DECODER, data)
-
-
-def unpack_groups(data: bytes | list[Group]) -> list[Group]:
-    """The groups of `pack_groups`' blob (a list is returned as it is)."""
-    return _unpack(_GROUPS_DECODER, data)
-
-
-def _unpack(decoder: msgspec.msgpack.Decoder, data: Any) -> Any:
-    return decoder.decode(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 class TensorMeta(Message, array_like=True):

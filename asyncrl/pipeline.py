@@ -103,7 +103,7 @@ from typing import Any, Protocol, TypeVar
 from torch import Tensor
 
 from asyncrl.aio import discard, retrieve
-from asyncrl.messages import Group, crosses_processes, unpack_groups
+from asyncrl.messages import Group
 from asyncrl.telemetry.metrics import REPORT_KEY, RoleStats
 from asyncrl.telemetry.spans import SpanRecorder
 from transports.base import WeightSender
@@ -133,8 +133,6 @@ class StepSource(Protocol):
     """The train store (ReplayBuffer), as far as the pipeline uses it."""
 
     async def take_step(self, step: int, timeout: float | None = None) -> list[Group]: ...
-    # a source in another process (`crosses_processes = True`, asyncrl.deploy.actors.RayProxy) is asked with
-    # packed=True and answers with a `pack_groups` blob
 
 
 class StepOutcome:
@@ -258,9 +256,6 @@ class UpdatePipeline:
         return await self._take_from_source(step)
 
     async def _take_from_source(self, step: int) -> list[Group]:
-        """`source.take_step(step)`; from a buffer in another process (`crosses_processes`) as one packed blob."""
-        if crosses_processes(self.source):
-            return unpack_groups(await self.source.take_step(step, packed=True))
         return await self.source.take_step(step)
 
     async def send_weights(self) -> dict[str, float]:

@@ -18,14 +18,14 @@ holder=)`), build each group's trajectories from a template of the payload size 
 (`put_rollouts`); `--scorers` scorer actors take whole groups (`get_rollouts(batch, holder=)`), assemble and
 score them (reward 1.0: no reward function runs) and `accept_groups`; a consumer actor, like the trainer,
 `take_step`s, then `publish`es the next version and tells every producer (its weight swap, then `note_held`).
-On both Ray paths trajectories and groups cross every actor boundary as one msgpack blob per call
-(`pack_trajectories`, `pack_groups`, `packed=True`), as asyncrl's roles send them when they run in processes
-of their own. The plain path does the same calls without a gate (producers number their groups themselves). Each
-trajectory crosses an actor boundary four times (generator -> hub -> scorer -> hub -> trainer). Per payload:
-prompt / response token ids (prompt ids shared by a group), a logprob, a version and a loss-mask entry per
-response token; `MB/s` counts the msgpack-encoded bytes of the trajectories trained per second. Figures
-are over the consumer's steps after `--warmup` untimed steps; P = 16 prompts x G = 8 samples a step,
-staleness 1, the buffer's default capacities.
+On both Ray paths the hub is called through RayProxy and answers as RoleActor.call does, so trajectories and
+groups cross every actor boundary as one msgpack blob per call (asyncrl/deploy/wire.py), as between asyncrl's
+roles in processes of their own. The plain path does the same calls without a gate (producers number their
+groups themselves). Each trajectory crosses an actor boundary four times (generator -> hub -> scorer -> hub ->
+trainer). Per payload: prompt / response token ids (prompt ids shared by a group), a logprob, a version and a
+loss-mask entry per response token; `MB/s` counts the msgpack-encoded bytes of the trajectories trained per
+second. Figures are over the consumer's steps after `--warmup` untimed steps; P = 16 prompts x G = 8 samples a
+step, staleness 1, the buffer's default capacities.
 
 B. The Controller's share of wall. `examples/first_digit/config.toml` through `asyncrl launch`'s own path
 (`asyncrl.deploy.launch.run_with_ray`, its own local Ray cluster), `--steps` steps, evaluation and checkpoint off.
@@ -69,14 +69,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages (asy
 
 import msgspec  # noqa: E402
 
-from asyncrl.messages import (  # noqa: E402
-    Group,
-    Trajectory,
-    pack_groups,
-    pack_trajectories,
-    unpack_groups,
-    unpack_trajectories,
-)
+from asyncrl.messages import Group, Trajectory  # noqa: E402
 from buffers.grouping import GroupAssembler  # noqa: E402
 
 CONFIG = ROOT / "examples" / "first_digit" / "config.toml"
@@ -98,12 +91,10 @@ def template(prompt_len: int, response_len: int, seed: int = 0) -> Trajectory:
 
 
 class Producer:
-    """A generator without an engine: admits groups at its version and puts each group's trajectories; `packed`
-    (a hub in another process): as one `pack_trajectories` blob, as a generator sends them."""
+    """A generator without an engine: admits groups at its version and puts each group's trajectories."""
 
-    def __init__(self, hub: Any, index: int, payload: tuple[int, int], gated: bool, concurrency: int = 16,
-                 packed: bool = False) -> None:
-        self.hub, self.index, self.gated, self.concurrency, self.packed = hub, index, gated, concurrency, packed
+    def __init__(self, hub: Any, index: int, payload: tuple[int, int], gated: bool, concurrency: int = 16) -> None:
+        self.hub, self.index, self.gated, self.concurrency = hub, index, gated, concurrency
         self.template = template(*payload, seed=index)
         self.version = 0
         self.holder = f"generator/{index}#0"
@@ -127,27 +118,23 @@ class Producer:
                 await asyncio.sleep(0)  # (in process the admit returned without giving up the loop)
             await asyncio.gather(*[self.hub.put_rollouts(self._group(gid)) for gid in ids])
 
-    def _group(self, gid: int) -> list[Trajectory] | bytes:
+    def _group(self, gid: int) -> list[Trajectory]:
         v = self.version
-        group = [msgspec.structs.replace(self.template, seq_id=gid * GROUP_SIZE + j, group_id=gid, min_version=v,
+        return [msgspec.structs.replace(self.template, seq_id=gid * GROUP_SIZE + j, group_id=gid, min_version=v,
                                         max_version=v, generator_id=self.index) for j in range(GROUP_SIZE)]
-        return pack_trajectories(group) if self.packed else group
 
 
 class Scorer:
-    """A scorer without a reward function: whole groups in, assembled, accepted; `packed`: both ways as blobs,
-    as a scorer actor does."""
+    """A scorer without a reward function: whole groups in, assembled, accepted."""
 
-    def __init__(self, hub: Any, index: int, batch: int = 256, packed: bool = False) -> None:
-        self.hub, self.batch, self.holder, self.packed = hub, batch, f"scorer/{index}#0", packed
+    def __init__(self, hub: Any, index: int, batch: int = 256) -> None:
+        self.hub, self.batch, self.holder = hub, batch, f"scorer/{index}#0"
         self.assembler = GroupAssembler()
         self.stopped = False
 
     async def run(self) -> None:
         while not self.stopped:
-            extra = {"packed": True} if self.packed else {}
-            trajs = unpack_trajectories(await self.hub.get_rollouts(self.batch, timeout=0.5, holder=self.holder,
-                                                                    **extra))
+            trajs = await self.hub.get_rollouts(self.batch, 0.5, self.holder)
             if not trajs:  # closed (the run is over): in process that returned without giving up the loop
                 await asyncio.sleep(0)
             done = []
@@ -157,15 +144,14 @@ class Scorer:
                 if group is not None:
                     done.append(group)
             if done:
-                await self.hub.accept_groups(pack_groups(done) if self.packed else done)
+                await self.hub.accept_groups(done)
 
 
 class Consumer:
-    """The trainer's side: take a step's groups (`packed`: as one blob, as the trainer does), publish the next
-    version, tell the producers."""
+    """The trainer's side: take a step's groups, publish the next version, tell the producers."""
 
-    def __init__(self, hub: Any, producers: list[Any], packed: bool = False) -> None:
-        self.hub, self.producers, self.packed = hub, producers, packed
+    def __init__(self, hub: Any, producers: list[Any]) -> None:
+        self.hub, self.producers = hub, producers
 
     async def run(self, steps: int, warmup: int) -> tuple[int, float]:
         """(trajectories taken after the warm-up, their seconds)."""
@@ -173,8 +159,7 @@ class Consumer:
         for step in range(steps + warmup):
             if step == warmup:
                 count, t0 = 0, time.perf_counter()
-            groups = unpack_groups(await (self.hub.take_step(step, packed=True) if self.packed
-                                          else self.hub.take_step(step)))
+            groups = await self.hub.take_step(step)
             count += sum(len(g.trajectories) for g in groups)
             await self.hub.publish(step + 1)
             await asyncio.gather(*[p.set_version(step + 1) for p in self.producers])
@@ -182,37 +167,48 @@ class Consumer:
 
 
 class PlainHub:
-    """The baseline: two bounded queues (rollout groups, scored groups) in a plain actor, no logic; it reads
-    and writes the blobs the roles send (`packed`) as the hub does."""
+    """The baseline: two bounded queues (rollout groups, scored groups), no logic. On Ray it is hosted by
+    `PlainHubActor`, which unpacks and packs what crosses as the hub's actor does."""
 
     def __init__(self, capacity_groups: int, prompts_per_step: int) -> None:
         self.rollouts: asyncio.Queue = asyncio.Queue(capacity_groups)
         self.train: asyncio.Queue = asyncio.Queue()
         self.p = prompts_per_step
 
-    async def put_rollouts(self, trajs: list[Trajectory] | bytes) -> None:
-        await self.rollouts.put(unpack_trajectories(trajs))
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        await self.rollouts.put(trajs)
 
-    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder: str = "",
-                           packed: bool = False) -> list[Trajectory] | bytes:
+    async def get_rollouts(self, max_items: int, timeout: float | None = None, holder: str = "") -> list[Trajectory]:
         try:
             out = list(await asyncio.wait_for(self.rollouts.get(), timeout))
         except asyncio.TimeoutError:
             out = []
         while out and not self.rollouts.empty() and len(out) + GROUP_SIZE <= max_items:
             out.extend(self.rollouts.get_nowait())
-        return pack_trajectories(out) if packed else out
+        return out
 
-    async def accept_groups(self, groups: list[Group] | bytes) -> None:
-        for g in unpack_groups(groups):
+    async def accept_groups(self, groups: list[Group]) -> None:
+        for g in groups:
             self.train.put_nowait(g)
 
-    async def take_step(self, step: int, packed: bool = False) -> list[Group] | bytes:
-        groups = [await self.train.get() for _ in range(self.p)]
-        return pack_groups(groups) if packed else groups
+    async def take_step(self, step: int) -> list[Group]:
+        return [await self.train.get() for _ in range(self.p)]
 
     async def publish(self, version: int) -> None:
         pass
+
+
+class PlainHubActor:
+    """The plain hub as a Ray actor called through RayProxy: `call(method, *args)` as RoleActor.call answers it
+    (asyncrl.deploy.actors._invoke: the packed argument decoded, the reply encoded)."""
+
+    def __init__(self, capacity_groups: int, prompts_per_step: int) -> None:
+        self.hub = PlainHub(capacity_groups, prompts_per_step)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from asyncrl.deploy.actors import _invoke
+
+        return await _invoke(self.hub, method, args, kwargs)
 
 
 class Remote:
@@ -281,14 +277,13 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
         handle = RemoteRoleActor.options(**actor_options(plan)).remote("buffer", cfg)
         hub: Any = RayProxy(handle)
     else:
-        handle = ray.remote(PlainHub).options(**opts).remote(cfg.buffer.rollout_capacity // GROUP_SIZE,
-                                                             cfg.trainer.prompts_per_step)
-        hub = Remote(handle)
-    # the roles in actors of their own: trajectories and groups cross as blobs, as asyncrl's roles send them
-    prods = [ray.remote(Producer).options(**opts).remote(hub, i, payload, gated, packed=True)
-             for i in range(producers)]
-    scs = [ray.remote(Scorer).options(**opts).remote(hub, i, packed=True) for i in range(scorers)]
-    consumer = ray.remote(Consumer).options(**opts).remote(hub, [Remote(p) for p in prods], packed=True)
+        handle = ray.remote(PlainHubActor).options(**opts).remote(cfg.buffer.rollout_capacity // GROUP_SIZE,
+                                                                  cfg.trainer.prompts_per_step)
+        hub = RayProxy(handle)
+    # the roles in actors of their own: trajectories and groups cross as blobs (RayProxy), as between asyncrl's roles
+    prods = [ray.remote(Producer).options(**opts).remote(hub, i, payload, gated) for i in range(producers)]
+    scs = [ray.remote(Scorer).options(**opts).remote(hub, i) for i in range(scorers)]
+    consumer = ray.remote(Consumer).options(**opts).remote(hub, [Remote(p) for p in prods])
     loops: list[Any] = []
     try:
         loops = [a.run.remote() for a in [*prods, *scs]]  # they run until their actors are killed below

@@ -60,7 +60,7 @@ import time
 
 import msgspec
 
-from asyncrl.messages import Group, Trajectory, pack_groups, pack_trajectories, unpack_groups, unpack_trajectories
+from asyncrl.messages import Group, Trajectory
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
     GroupEvents,
@@ -196,12 +196,10 @@ class ReplayBuffer:
             return []
         return ids
 
-    async def put_rollouts(self, trajs: list[Trajectory] | bytes) -> None:
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
         """Queue whole groups for scoring: `trajs` is one group's trajectories after another's (each group's
-        `group_size` of them, one group_id), or their `pack_trajectories` blob (a generator in another process).
-        Each group goes in at once, when all of it fits. ValueError (nothing queued) when a group is not whole;
-        QueueClosed once the buffer is closed."""
-        trajs = unpack_trajectories(trajs)
+        `group_size` of them, one group_id). Each group goes in at once, when all of it fits. ValueError
+        (nothing queued) when a group is not whole; QueueClosed once the buffer is closed."""
         if self._closed:
             raise QueueClosed("replay buffer is closed")
         groups = whole_groups(trajs)
@@ -265,15 +263,10 @@ class ReplayBuffer:
 
     # -- scorers ------------------------------------------------------------------------------
     async def get_rollouts(self, max_items: int, timeout: float | None = None,
-                           holder: str | None = None, *, packed: bool = False) -> list[Trajectory] | bytes:
+                           holder: str | None = None) -> list[Trajectory]:
         """Whole groups, oldest first, at most `max_items` trajectories (but always the oldest group, however
         large); [] on timeout, or once the buffer is closed and the queue drained. `holder` (e.g. "scorer/0")
-        then holds these groups too (supervision releases them if it dies). `packed`: as one
-        `pack_trajectories` blob (a scorer in another process)."""
-        trajs = await self._get_rollouts(max_items, timeout, holder)
-        return pack_trajectories(trajs) if packed else trajs
-
-    async def _get_rollouts(self, max_items: int, timeout: float | None, holder: str | None) -> list[Trajectory]:
+        then holds these groups too (supervision releases them if it dies)."""
         trajs = [t for group in await self.rollouts.get_many(max_items, timeout) for t in group]
         if holder is not None:
             for gid in {t.group_id for t in trajs}:
@@ -310,16 +303,14 @@ class ReplayBuffer:
             self.abandoned["late"] += 1
         return kept
 
-    async def accept_groups(self, groups: list[Group] | bytes) -> None:
-        """Store scored groups for training and accept them at the gate, in the given order (`groups` may be
-        their `pack_groups` blob: a scorer in another process).
+    async def accept_groups(self, groups: list[Group]) -> None:
+        """Store scored groups for training and accept them at the gate, in the given order.
 
         Raises ValueError for a group that is not running at the gate, or whose min_version is
         older than the version it was admitted at (the generator admitted with a newer version than
         its engine held, which would void the staleness bound); QueueClosed once the buffer is closed.
         A group released by `release_holder` (abandoned) is dropped.
         """
-        groups = unpack_groups(groups)
         kept = set(self._drop_abandoned([g.group_id for g in groups]))
         for group in [g for g in groups if g.group_id in kept]:
             self._check_acceptable(group)
@@ -372,16 +363,14 @@ class ReplayBuffer:
         return self.tracker.report()
 
     # -- trainer ------------------------------------------------------------------------------
-    async def take_step(self, step: int, timeout: float | None = None, *, packed: bool = False,
-                        ) -> list[Group] | bytes:
-        """The P groups of train step `step` in admission order; [] on timeout or close. `packed`: as one
-        `pack_groups` blob (a trainer in another process: cheaper to send than the Structs)."""
+    async def take_step(self, step: int, timeout: float | None = None) -> list[Group]:
+        """The P groups of train step `step` in admission order; [] on timeout or close."""
         ids = await self.gate.take_step(step, timeout)
         groups = [self._train.pop(gid) for gid in ids]
         if groups:
             self._train_room.notify_all()
             self.tracker.stepped()
-        return pack_groups(groups) if packed else groups
+        return groups
 
     async def wait_step(self, step: int, timeout: float | None = None) -> bool:
         """Wait until step `step`'s groups are all accepted (`take_step` would return at once), taking nothing:

@@ -25,6 +25,7 @@ from asyncrl import heap
 from asyncrl.checkpoints.transfer import NodeFiles
 from asyncrl.config.schema import Config
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor
+from asyncrl.deploy import wire
 from asyncrl.deploy.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
 from asyncrl.deploy.build import (
     build_buffer,
@@ -58,14 +59,13 @@ class RayProxy:
     The call is submitted when `proxy.method(*args)` is called, not when it is first awaited: calls leave in
     the order they are made, and one made just before other work (a generator's `note_held` before it builds
     its report) is on its way meanwhile. The result is the call's ObjectRef (awaitable; `asyncio.ensure_future`
-    and `gather` take it).
+    and `gather` take it), or, for a call whose reply travels packed (asyncrl/deploy/wire.py), a future of the
+    decoded reply. Arguments and replies of the calls `wire.WIRE` names cross as one msgpack blob.
 
     With `role` set, the calls go to that role hosted inside the actor beside its own (the scorers of
     `cluster.scorer_placement = "buffer"` live in the buffer actor): `handle.call_hosted.remote(role, index,
     "method", *args)`.
     """
-
-    crosses_processes = True  # what it is given is serialized (roles may send a msgpack blob instead of objects)
 
     def __init__(self, handle: Any, role: str | None = None, index: int = 0) -> None:
         self._handle = handle
@@ -82,7 +82,8 @@ class RayProxy:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             ACTOR_CALLS.n += 1
-            return remote(*route, *args, **kwargs)  # submitted now; the ObjectRef is awaitable
+            ref = remote(*route, *wire.encode_args(name, args), **kwargs)  # submitted now; the ObjectRef is awaitable
+            return asyncio.ensure_future(_decoded(name, ref)) if wire.packs_reply(name) else ref
 
         return call
 
@@ -92,6 +93,10 @@ class RayProxy:
 
     def __reduce__(self):  # travels to other actors as the handle it wraps
         return (RayProxy, (self._handle, self._role, self._index))
+
+
+async def _decoded(method: str, ref: Any) -> Any:
+    return wire.decode_reply(method, await ref)
 
 
 def _build(kind: str, cfg: Config, index: int, buffer: Any) -> Any:
@@ -105,10 +110,12 @@ def _build(kind: str, cfg: Config, index: int, buffer: Any) -> Any:
 
 
 async def _invoke(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    result = getattr(obj, method)(*args, **kwargs)
+    """`obj.method(*args, **kwargs)` for a caller in another process: its packed argument decoded, its reply
+    encoded (asyncrl/deploy/wire.py)."""
+    result = getattr(obj, method)(*wire.decode_args(method, args), **kwargs)
     if inspect.isawaitable(result):
         result = await result
-    return result
+    return wire.encode_reply(method, result)
 
 
 def _model_on_this_node(cfg: Config, kind: str) -> None:

@@ -31,7 +31,7 @@ import msgspec
 
 from asyncrl.aio import Coalescer, until_either
 from asyncrl.data.prompts import Prompt
-from asyncrl.messages import Completion, SamplingParams, Trajectory, crosses_processes, pack_trajectories
+from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.roles.decoding import decode_many
 from asyncrl.roles.sleep_gate import SleepGate
 from asyncrl.roles.weight_slot import WeightSlot
@@ -63,9 +63,8 @@ class GroupSource(Protocol):
                     holder: str | None = None) -> list[int]:
         """`holder` names this generator: if it dies, the groups it still holds are released (supervision)."""
         ...
-    async def put_rollouts(self, trajs: list[Trajectory] | bytes) -> None:
-        """Whole groups only: each group's trajectories together, one group after another (or their
-        `pack_trajectories` blob, where the buffer `crosses_processes`)."""
+    async def put_rollouts(self, trajs: list[Trajectory]) -> None:
+        """Whole groups only: each group's trajectories together, one group after another."""
         ...
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
@@ -137,10 +136,7 @@ class Generator:
         self._window = Window()
         # groups that finish while a put is in flight go to the buffer together, in the next put (one actor
         # call for a burst instead of one per group)
-        # a buffer in another process (`crosses_processes`: asyncrl.deploy.actors.RayProxy) gets them as one
-        # msgpack blob
-        pack = pack_trajectories if crosses_processes(buffer) else (lambda trajs: trajs)
-        self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(pack(trajs)))
+        self._puts = Coalescer(lambda trajs: self.buffer.put_rollouts(trajs))
         # groups whose sampling is not over: `concurrency` bounds these (a group waiting for its put holds no
         # engine slot; the gate bounds how many groups are admitted at all)
         self._sampling = 0

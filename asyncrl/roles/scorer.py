@@ -33,7 +33,7 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from asyncrl.messages import Group, Trajectory, crosses_processes, pack_groups, unpack_trajectories
+from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.base import Call, Rewards
 from asyncrl.roles.decoding import decode_many
 from asyncrl.telemetry.memory import peak_memory_metrics
@@ -54,8 +54,6 @@ class ScoreSink(Protocol):
         names this scorer: if it dies, the groups it took are released (supervision)."""
         ...
     async def accept_groups(self, groups: list[Group]) -> None: ...
-    # a sink in another process (`crosses_processes = True`, asyncrl.deploy.actors.RayProxy) is asked with packed=True
-    # and takes the accepted groups as one `pack_groups` blob
     async def release_groups(self, group_ids: list[int], reason: str, detail: str = "") -> None:
         """`detail`: why, in a few words (the run's no-progress error quotes the last distinct ones)."""
         ...
@@ -79,9 +77,6 @@ class Scorer:
     ) -> None:
         self.scorer_id = scorer_id
         self.buffer = buffer
-        # a buffer in another process (`crosses_processes`: asyncrl.deploy.actors.RayProxy): trajectories and groups
-        # travel as one msgpack blob each (asyncrl.messages.pack_trajectories)
-        self._packed = crosses_processes(buffer)
         self.rewards = rewards  # the reward (and cost) function; closed when `run` ends
         self.decode = decode
         self.filter_zero_variance = filter_zero_variance
@@ -101,11 +96,7 @@ class Scorer:
         try:
             while not self._stopped.is_set():
                 t0 = self.recorder.begin("wait_queue", "rollout queue")
-                if self._packed:
-                    trajs = unpack_trajectories(await self.buffer.get_rollouts(self.batch, timeout=0.5,
-                                                                               holder=self.holder, packed=True))
-                else:
-                    trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
+                trajs = await self.buffer.get_rollouts(self.batch, timeout=0.5, holder=self.holder)
                 self.recorder.record("wait_queue", t0, time.time())
                 if trajs:
                     await self.score_batch(trajs)
@@ -142,7 +133,7 @@ class Scorer:
         for (kind, why), ids in sorted(released.items()):  # failed before filtered
             await self.buffer.release_groups(ids, kind, why)
         if accepted:
-            await self.buffer.accept_groups(pack_groups(accepted) if self._packed else accepted)
+            await self.buffer.accept_groups(accepted)
         self.recorder.record("wait_queue", t0, time.time())
 
     async def _score_all(self, trajs: list[Trajectory]) -> None:

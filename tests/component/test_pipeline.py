@@ -131,29 +131,6 @@ def test_trainer_prefetches_the_next_steps_groups_while_it_trains():
     assert trainer.buffer.taken == 2 and trainer.pipeline._prefetch is None
 
 
-def test_trainer_takes_packed_groups_from_a_buffer_in_another_process_also_when_prefetching():
-    from asyncrl.messages import pack_groups
-    from asyncrl.roles.trainer import Trainer
-
-    class RemoteStepBuffer(StepBuffer):
-        crosses_processes = True  # as asyncrl.deploy.actors.RayProxy: asked with packed=True
-
-        async def take_step(self, step: int, timeout: float | None = None, *, packed: bool = False) -> Any:
-            assert packed
-            return pack_groups(await super().take_step(step, timeout))
-
-    log: list[str] = []
-    trainer = Trainer(learner=FakeLearner(log), buffer=RemoteStepBuffer(log))  # type: ignore[arg-type]
-    trainer.sender = InstantSender(log)
-
-    async def go() -> None:
-        await trainer.train_step(0, prefetch=True)
-        await trainer.train_step(1)
-
-    run(go())
-    assert [line for line in log if line.startswith("update ")] == ["update 0 [0]", "update 1 [1]"]
-
-
 def test_trainer_send_starts_when_the_update_ends_and_the_next_update_waits_for_it():
     log: list[str] = []
     sender = GatedSender(log)

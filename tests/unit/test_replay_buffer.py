@@ -428,43 +428,49 @@ def test_an_admit_waiting_goes_on_at_the_version_its_generator_notes_after_anoth
     assert ids + late == [2, 3]  # version 1's room: one group each ask
 
 
-def test_put_rollouts_takes_the_packed_blob_a_generator_in_another_process_sends():
-    from asyncrl.messages import pack_trajectories, unpack_trajectories
+class _Wire:
+    """A Ray actor handle stand-in: `handle.call.remote(method, *args)` runs the method as `RoleActor.call` does
+    (asyncrl/deploy/actors.py `_invoke`: the packed argument decoded, the reply encoded) and records what crossed."""
 
-    members = group(0, 0).trajectories
-    members[0].reward_components = {"fmt": 0.5}
-    members[1].row_json = b'{"answer": "7"}'
-    blob = pack_trajectories(members)
-    assert isinstance(blob, bytes) and unpack_trajectories(blob) == members  # every field survives
-    assert unpack_trajectories(members) is members
+    def __init__(self, role) -> None:
+        from asyncrl.deploy.actors import _invoke
 
-    async def main():
-        buffer = make_buffer()
-        (gid,) = await buffer.admit(1, 0)
-        await buffer.put_rollouts(pack_trajectories(group(gid, 0).trajectories))
-        return await buffer.get_rollouts(8, timeout=SHORT)
+        self.crossed: list[tuple[str, type, type]] = []  # (method, its first argument's type, its reply's type)
 
-    got = run(main())
-    assert got == group(0, 0).trajectories
+        async def remote(method, *args, **kwargs):
+            reply = await _invoke(role, method, args, kwargs)
+            self.crossed.append((method, type(args[0]) if args else type(None), type(reply)))
+            return reply
+
+        self.call = type("Call", (), {"remote": staticmethod(lambda *a, **k: asyncio.ensure_future(remote(*a, **k)))})
 
 
-def test_a_scorer_in_another_process_gets_and_accepts_packed():
-    from asyncrl.messages import pack_groups, unpack_trajectories
+def test_trajectories_and_groups_cross_the_proxy_packed_and_the_buffer_sees_typed_lists():
+    """asyncrl/deploy/wire.py: a generator's put, a scorer's get and accept and the trainer's take travel as one
+    msgpack blob each through RayProxy and the actor's side; every field survives, and the buffer and its callers
+    get lists of Structs."""
+    from asyncrl.deploy.actors import RayProxy
 
     async def main():
         buffer = make_buffer()  # 2 prompts a step
-        ids = await buffer.admit(2, 0)
-        await buffer.put_rollouts([t for gid in ids for t in group(gid, 0).trajectories])
-        blob = await buffer.get_rollouts(8, timeout=SHORT, holder="scorer/0", packed=True)
-        trajs = unpack_trajectories(blob)
-        await buffer.accept_groups(pack_groups([Group(group_id=gid, min_version=0,
-                                                      trajectories=[t for t in trajs if t.group_id == gid])
-                                                for gid in ids]))
-        return blob, await buffer.take_step(0, timeout=SHORT)
+        handle = _Wire(buffer)
+        proxy = RayProxy(handle)
+        ids = await proxy.admit(2, 0)
+        first = group(ids[0], 0).trajectories
+        first[0].reward_components = {"fmt": 0.5}
+        first[1].row_json = b'{"answer": "7"}'
+        await proxy.put_rollouts(first + group(ids[1], 0).trajectories)
+        trajs = await proxy.get_rollouts(8, SHORT, "scorer/0")
+        await proxy.accept_groups([Group(group_id=gid, min_version=0,
+                                         trajectories=[t for t in trajs if t.group_id == gid]) for gid in ids])
+        return first, trajs, await proxy.take_step(0, SHORT), handle.crossed
 
-    blob, taken = run(main())
-    assert isinstance(blob, bytes) and [g.group_id for g in taken] == [0, 1]
-    assert [g.trajectories for g in taken] == [group(0, 0).trajectories, group(1, 0).trajectories]
+    first, trajs, taken, crossed = run(main())
+    assert trajs[:2] == first and all(isinstance(t, Trajectory) for t in trajs)  # every field survives
+    assert [g.group_id for g in taken] == [0, 1] and all(isinstance(g, Group) for g in taken)
+    assert [g.trajectories for g in taken] == [first, group(1, 0).trajectories]
+    assert crossed == [("admit", int, list), ("put_rollouts", bytes, type(None)), ("get_rollouts", int, bytes),
+                       ("accept_groups", bytes, type(None)), ("take_step", int, bytes)]
 
 
 def test_the_buffers_report_carries_the_gates_group_events_with_each_releases_cause():
