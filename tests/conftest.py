@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny model folder and one local Ray cluster for the whole test session."""
+"""Shared fixtures: one tiny model folder and one local Ray cluster per test worker (two workers: pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,12 @@ def load_benchmark(monkeypatch, path: Path):
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test run has two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml): the tests of the SmolLM2
+    model share one worker, which converts the model once (`smollm_model`) instead of once per worker. Every other
+    session fixture (the tiny model folders, the session's Ray cluster) is built once per worker."""
+    for item in items:
+        if "smollm_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("smollm"))
