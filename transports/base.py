@@ -18,7 +18,8 @@ Transports, sender and receiver side together in this package:
 
 A Ray deployment picks the sender by the name the rollout engine declares (`engines.base.weight_transport`)
 from `SENDERS`, or `ipc` with `weight_sync.backend = "ipc"` (engines that declare `ipc` support:
-`engines.base.IPC_ENGINES`); in-process runs always use `local`.
+`engines.base.IPC_ENGINES`); in-process runs always use `local`. Joining and leaving the group, for either
+deployment: transports/group.py.
 
 Stats returned by both sides (one meaning each; docs/metrics.md defines the per-step keys):
     sync/seconds   wall time of the transfer on this member

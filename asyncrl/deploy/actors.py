@@ -12,6 +12,7 @@ blocked, and says where it is blocked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import inspect
 import logging
@@ -45,10 +46,9 @@ from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, weight_transport
-from transports.base import SENDERS
+from transports import group as weight_group
 from transports.bucketing import plan_buckets
-from transports.collective import CollectiveReceiver, CollectiveSender, create_store, join_group
-from transports.ipc import IpcReceiver, IpcSender, join_receiver
+from transports.collective import create_store  # the trainer ranks' own group (trainer.num_ranks > 1)
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class RoleActor(NodeFiles):
         # A local cluster keeps everything on loopback; on a multi-node cluster peers need our node IP. The
         # store listens on that address only.
         host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
-        self._store, port = create_store(world_size, self.cfg.weight_sync.timeout_s, host)
+        self._store, port = weight_group.open_store(world_size, self.cfg.weight_sync.timeout_s, host)
         return host, port
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
@@ -301,21 +301,16 @@ class RoleActor(NodeFiles):
                                            backend=backend, timeout_s=self.cfg.weight_sync.timeout_s, meta=meta)
             return
         timeout_s = self.cfg.weight_sync.timeout_s
-        if rank == 0:  # the trainer sends in the format the generators' engine receives (transports/base.py)
-            join_sender = SENDERS.get("ipc" if backend == "ipc" else weight_transport(self.cfg.rollout.engine))
+        if rank == 0:  # the trainer sends in the format the generators' engine receives (transports/group.py)
             self.role.pipeline.supervised = self.cfg.cluster.max_restarts > 0
             self.role.sender = await asyncio.to_thread(
-                join_sender, store=self._store, host=host, port=port, world_size=world_size, backend=backend,
-                timeout_s=timeout_s, meta=meta, group_name=group_name)
+                functools.partial(weight_group.join_trainer, transport=weight_transport(self.cfg.rollout.engine),
+                                  backend=backend, store=self._store, host=host, port=port, world_size=world_size,
+                                  timeout_s=timeout_s, meta=meta, group_name=group_name))
             return
-        if backend == "ipc":  # the trainer's shared buffer, mapped (transports/ipc.py)
-            self.role.receiver = await asyncio.to_thread(join_receiver, host=host, port=port, rank=rank,
-                                                         world_size=world_size, timeout_s=timeout_s, meta=meta,
-                                                         group_name=group_name)
-        else:
-            group = await asyncio.to_thread(join_group, host=host, port=port, rank=rank, world_size=world_size,
-                                            backend=backend, timeout_s=timeout_s, group_name=group_name)
-            self.role.receiver = CollectiveReceiver(group, meta)
+        self.role.receiver = await asyncio.to_thread(
+            functools.partial(weight_group.join_generator, backend=backend, host=host, port=port, rank=rank,
+                              world_size=world_size, timeout_s=timeout_s, meta=meta, group_name=group_name))
         self.role.weight_group = group_name
 
     def leave_weight_group(self) -> None:
@@ -325,8 +320,7 @@ class RoleActor(NodeFiles):
             old = self.role.pipeline.drop_sender()
         else:
             old, self.role.receiver = self.role.receiver, None
-        if isinstance(old, (CollectiveSender, CollectiveReceiver, IpcSender, IpcReceiver)):
-            old.close()
+        weight_group.leave(old)
 
     async def save_checkpoint(self, path: str) -> str:
         """On a worker thread: writing a large model must not block the actor's event loop (the watch would

@@ -29,6 +29,7 @@ from asyncrl.deploy.build import (
 )
 from engines.base import traits
 from engines.hf import ensure_model
+from transports import group as weight_group
 from transports.local import LocalWeightChannel
 
 
@@ -109,10 +110,8 @@ class LocalDeployment:
         raise NotImplementedError("in-process runs are not supervised")
 
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
-        self.channel = LocalWeightChannel(shared=self.shared_weights, dtype=sync_dtype(self.cfg))
-        self.trainer_obj.sender = self.channel
-        for g in self.generator_objs:
-            g.receiver = self.channel.receiver()
+        self.channel = weight_group.join_local(self.trainer_obj, self.generator_objs, shared=self.shared_weights,
+                                               dtype=sync_dtype(self.cfg))
 
     def probes(self) -> dict[str, Probe]:
         """Every role shares this process's event loop: one monitor watches it (asyncrl/control/watchdog.py)."""

@@ -1,0 +1,72 @@
+"""transports/group.py, the weight-sync group's membership: a trainer and two generators (threads of this process,
+as in test_collective_gloo.py) join through it on gloo and the weights arrive bit-identical; leaving ends the
+members, and a group re-formed under a new name on the same store works; in one process `join_local` connects the
+roles through one channel."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import torch
+
+from transports import group
+from transports.bucketing import plan_buckets
+from transports.local import LocalWeightChannel
+
+torch.set_num_threads(1)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(16, 8, generator=g), "lm_head.weight": torch.randn(16, 8, generator=g)}
+
+
+def _form(store, port: int, meta, name: str):
+    def trainer():
+        return group.join_trainer(transport="bucketed", backend="gloo", store=store, host="127.0.0.1", port=port,
+                                  world_size=3, timeout_s=10.0, meta=meta, group_name=name)
+
+    def generator(rank: int):
+        return group.join_generator(backend="gloo", host="127.0.0.1", port=port, rank=rank, world_size=3,
+                                    timeout_s=10.0, meta=meta, group_name=name)
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(trainer), pool.submit(generator, 1), pool.submit(generator, 2)]
+        return [f.result(timeout=30) for f in futures]
+
+
+def _sync(sender, receivers, state, version):
+    with ThreadPoolExecutor(3) as pool:
+        sent = pool.submit(sender.send, state, version)
+        got = [pool.submit(r.receive) for r in receivers]
+        sent.result(timeout=30)
+        return [g.result(timeout=30) for g in got]
+
+
+def test_members_join_through_the_group_module_and_a_group_re_formed_on_the_same_store_works():
+    meta = plan_buckets(_state(0), bucket_bytes=256)
+    store, port = group.open_store(3, 10.0, "127.0.0.1")
+    sender, *receivers = _form(store, port, meta, "weights")
+    for staged, version, _ in _sync(sender, receivers, _state(1), 5):
+        assert version == 5 and all(torch.equal(staged[k], v) for k, v in _state(1).items())
+    for member in (sender, *receivers, None):  # a generator died: every live member leaves its group
+        group.leave(member)
+    sender, *receivers = _form(store, port, meta, "weights-1")  # re-formed, same store, fresh name
+    try:
+        for staged, version, _ in _sync(sender, receivers, _state(2), 6):
+            assert version == 6 and all(torch.equal(staged[k], v) for k, v in _state(2).items())
+    finally:
+        for member in (sender, *receivers):
+            group.leave(member)
+
+
+def test_join_local_connects_the_trainer_and_every_generator_through_one_channel():
+    trainer, generators = SimpleNamespace(), [SimpleNamespace(), SimpleNamespace()]
+    channel = group.join_local(trainer, generators, shared=False, dtype=None)
+    assert isinstance(channel, LocalWeightChannel) and trainer.sender is channel
+    channel.send(_state(3), 1)
+    for g in generators:
+        staged, version, _ = g.receiver.receive()
+        assert version == 1 and torch.equal(staged["embed.weight"], _state(3)["embed.weight"])
+    group.leave(generators[0].receiver)  # nothing to end in one process: left as it is
