@@ -79,15 +79,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
-from transports.base import is_timeout, sync_stats
-from transports.collective import meta_crc
-from transports.sglang import GROUP_NAME, header_key
+from transports.base import sync_stats
+from transports.sglang import GROUP_NAME, read_header
 
 log = logging.getLogger(__name__)
 
@@ -389,17 +387,7 @@ class SGLangEngine:
             self._version = version
 
     async def _receive_on_loop(self, store: dist.Store, meta: WeightsMeta) -> int:
-        key = header_key(self.group_name, self._received)
-        try:
-            raw = await asyncio.to_thread(store.get, key)
-        except Exception as exc:
-            if is_timeout(exc):
-                raise TimeoutError(f"SGLang weight update: no header {key!r} from the trainer in time") from exc
-            raise
-        version, crc = msgspec.msgpack.decode(raw)
-        if crc != meta_crc(meta):
-            raise RuntimeError("SGLang weight update: the trainer's WeightsMeta differs from this engine's; hand "
-                               "every member the trainer's meta (the group is unusable: form a new one)")
+        version = await asyncio.to_thread(read_header, store, self.group_name, self._received, meta)
         async with self._exclusive():
             result = await self._engine.update_weights_from_distributed(
                 names=[m.name for m in meta.tensors], dtypes=[m.dtype for m in meta.tensors],

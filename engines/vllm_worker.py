@@ -1,7 +1,8 @@
 """The asyncrl side of a vLLM worker: joins the weight-sync group and loads weights in place.
 
 Place in the dataflow: Trainer --(bucketed broadcast, `transports.collective`)--> **this class,
-inside vLLM's worker process** --(model_runner.reload_weights)--> the model vLLM samples from.
+inside vLLM's worker process** --(model_runner.reload_weights)--> the model vLLM samples from. Its membership of
+the group (join, receive into staging, leave) is `transports.vllm.WorkerMember`.
 `engines.vllm_engine.VLLMEngine` passes `WORKER_EXTENSION` as vLLM's `worker_extension_cls`; vLLM then
 mixes this class into its worker class, and the engine reaches the methods below with
 `AsyncLLM.collective_rpc("asyncrl_...")`. Nothing here imports vLLM: it only relies on the worker
@@ -82,27 +83,28 @@ class AsyncrlWorkerExtension:
         import msgspec
 
         from asyncrl.messages import WeightsMeta
-        from transports.collective import join_group
+        from transports.vllm import WorkerMember
 
-        self._asyncrl_meta = msgspec.msgpack.decode(meta_msgpack, type=WeightsMeta)
+        meta = msgspec.msgpack.decode(meta_msgpack, type=WeightsMeta)
         device = getattr(self, "device", None) if backend != "gloo" else None
+        member = WorkerMember()
 
         def join() -> dict[str, float]:
-            self._asyncrl_group = join_group(host=host, port=port, rank=rank, world_size=world_size,
-                                             backend=backend, timeout_s=timeout_s, device=device)
+            member.join(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
+                        timeout_s=timeout_s, meta=meta, device=device)
+            self._asyncrl_member = member
             return {}
 
         self._asyncrl_start("join", join)
 
     def asyncrl_start_receive(self) -> None:
         """Start taking part in one broadcast on a thread, receiving into staging tensors."""
-        group = getattr(self, "_asyncrl_group", None)
-        if group is None:
+        member = getattr(self, "_asyncrl_member", None)
+        if member is None:
             raise RuntimeError("asyncrl worker: receive before joining the weight-sync group")
-        meta = self._asyncrl_meta
 
         def receive() -> dict[str, float]:
-            staged, version, stats = group.broadcast_weights(None, meta, None)
+            staged, version, stats = member.receive()
             self._asyncrl_staged = (staged, version)
             return {**stats, "version": float(version)}
 
@@ -130,10 +132,10 @@ class AsyncrlWorkerExtension:
         return {"version": float(version), "load_s": time.perf_counter() - start}
 
     def asyncrl_leave_group(self) -> None:
-        group = getattr(self, "_asyncrl_group", None)
-        self._asyncrl_group = None
-        if group is not None:
-            group.close()
+        member = getattr(self, "_asyncrl_member", None)
+        self._asyncrl_member = None
+        if member is not None:
+            member.leave()
 
     def _asyncrl_reload(self, named: dict[str, torch.Tensor]) -> None:
         self.model_runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)

@@ -1,10 +1,12 @@
-"""The SGLang weight transport, sender side: the Trainer (rank 0) joins SGLang's own weight-update group
-and broadcasts one typed tensor per entry of `WeightsMeta.tensors`.
+"""The SGLang weight transport: the Trainer (rank 0) joins SGLang's own weight-update group and broadcasts one
+typed tensor per entry of `WeightsMeta.tensors`; the engine reads each update's header (`read_header`).
 
 Place in the dataflow: Trainer --(this module)--> SGLang scheduler processes. It is the transport
 "per_tensor" of `transports.base.SENDERS`, chosen for engines whose receiving side speaks SGLang's
 protocol (`engines.sglang_engine.SGLangEngine.weight_transport`). The receiving half runs in the engine
-(`SGLangEngine.receive_weights`), which reads the header key written here (`header_key`).
+(`SGLangEngine.receive_weights`): it reads the header the sender wrote (`read_header`: the version, the meta
+checked), then asks SGLang's schedulers to take the broadcast. Engines import this module's receiving names
+(`GROUP_NAME`, `read_header`), never the collective group's internals.
 
 Wire protocol of one update (SGLang's, not `transports.collective`'s header + buckets):
     group     SGLang ranks join with `init_weights_update_group(master_address, master_port, rank_offset,
@@ -40,6 +42,24 @@ GROUP_NAME = "asyncrl_weights"
 def header_key(group_name: str, index: int) -> str:
     """Store key of the header of the `index`-th update (0-based) of `group_name`."""
     return f"asyncrl-sglang/{group_name}/{index}"
+
+
+def read_header(store: dist.Store, group_name: str, index: int, meta: WeightsMeta) -> int:
+    """The receiving side: wait (the store's timeout) for the header of the `index`-th update of `group_name` and
+    return its version; TimeoutError when the trainer wrote none in time, RuntimeError when its meta differs
+    from `meta` (the group is then unusable). Blocking: call it off the event loop."""
+    key = header_key(group_name, index)
+    try:
+        raw = store.get(key)
+    except Exception as exc:
+        if is_timeout(exc):
+            raise TimeoutError(f"SGLang weight update: no header {key!r} from the trainer in time") from exc
+        raise
+    version, crc = msgspec.msgpack.decode(raw)
+    if crc != meta_crc(meta):
+        raise RuntimeError("SGLang weight update: the trainer's WeightsMeta differs from this engine's; hand "
+                           "every member the trainer's meta (the group is unusable: form a new one)")
+    return int(version)
 
 
 

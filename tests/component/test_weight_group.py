@@ -6,8 +6,10 @@ roles through one channel."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from transports import group
@@ -70,3 +72,47 @@ def test_join_local_connects_the_trainer_and_every_generator_through_one_channel
         staged, version, _ = g.receiver.receive()
         assert version == 1 and torch.equal(staged["embed.weight"], _state(3)["embed.weight"])
     group.leave(generators[0].receiver)  # nothing to end in one process: left as it is
+
+
+def test_a_vllm_workers_member_joins_receives_and_leaves_through_transports_vllm():
+    """The receiving half a vLLM worker holds (engines/vllm_worker.py) without vLLM: a member beside the trainer's
+    sender on gloo."""
+    from transports.vllm import WorkerMember
+
+    meta = plan_buckets(_state(0), bucket_bytes=256)
+    store, port = group.open_store(2, 10.0, "127.0.0.1")
+    member = WorkerMember()
+    with pytest.raises(RuntimeError, match="before joining"):
+        member.receive()
+    with ThreadPoolExecutor(2) as pool:
+        sender = pool.submit(group.join_trainer, transport="bucketed", backend="gloo", store=store,
+                             host="127.0.0.1", port=port, world_size=2, timeout_s=10.0, meta=meta)
+        pool.submit(member.join, host="127.0.0.1", port=port, rank=1, world_size=2, backend="gloo", timeout_s=10.0,
+                    meta=meta).result(timeout=30)
+        sender = sender.result(timeout=30)
+        sent = pool.submit(sender.send, _state(4), 9)
+        staged, version, _ = member.receive()
+        sent.result(timeout=30)
+    assert version == 9 and all(torch.equal(staged[k], v) for k, v in _state(4).items())
+    member.leave()
+    group.leave(sender)
+    assert member.group is None
+
+
+def test_the_sglang_engines_header_read_gives_the_version_and_refuses_another_meta_or_none_in_time():
+    import msgspec
+    import torch.distributed as dist
+
+    from transports.collective import meta_crc
+    from transports.sglang import header_key, read_header
+
+    meta = plan_buckets(_state(0), bucket_bytes=256)
+    other = plan_buckets({"x": torch.zeros(3)}, bucket_bytes=256)
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.2))
+    store.set(header_key("g", 0), msgspec.msgpack.encode([7, meta_crc(meta)]))  # as the sender writes it
+    assert read_header(store, "g", 0, meta) == 7
+    with pytest.raises(RuntimeError, match="WeightsMeta differs"):
+        read_header(store, "g", 0, other)
+    with pytest.raises(TimeoutError, match="no header 'asyncrl-sglang/g/1'"):
+        read_header(store, "g", 1, meta)

@@ -54,6 +54,18 @@ def test_engines_buffers_and_transports_import_only_the_neutral_asyncrl_modules(
     assert bad == []
 
 
+# What engines/ may import from transports/: the Protocols and stats (base) and the receiving halves made for an
+# engine's own workers (vllm: a worker's group membership; sglang: the header an update announces). The collective
+# group, bucketing, IPC and the in-process channel are the transports' internals.
+ENGINE_TRANSPORT_API = ("transports.base", "transports.vllm", "transports.sglang")
+
+
+def test_engines_import_only_the_receiving_halves_transports_make_for_them():
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("engines") for name in _runtime_imports(p)
+           if _within(name, ("transports",)) and not _within(name, ENGINE_TRANSPORT_API)]
+    assert bad == []
+
+
 def test_transports_use_neither_engines_nor_buffers():
     bad = [f"{p.relative_to(ROOT)}: {name}" for p in _files("transports")
            for name in _runtime_imports(p) if _within(name, ("engines", "buffers"))]
