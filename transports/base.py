@@ -9,8 +9,8 @@ Transports, sender and receiver side together in this package:
 | name | sender | receiver | between |
 |---|---|---|---|
 | `local` | `local.LocalWeightChannel` | `local.LocalReceiver` | roles in one process (`--local`, tests) |
-| `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`, or a vLLM worker (`vllm.WorkerMember`) | processes |
-| `per_tensor` | `sglang.PerTensorSender` | `engines.sglang_engine.SGLangEngine` (`sglang.read_header`) | SGLang's own weight-update group |
+| `bucketed` | `collective.CollectiveSender` | `collective.CollectiveReceiver`; vLLM: `vllm.WorkerMember` | processes |
+| `per_tensor` | `sglang.PerTensorSender` | `SGLangEngine`, with `sglang.read_header` | SGLang's weight-update group |
 | `ipc` | `ipc.IpcSender` | `ipc.IpcReceiver` | processes on one host / one GPU: memory every member maps |
 
 `bucketed` is a bucketed broadcast over a gloo/NCCL group, which a vLLM engine's worker joins as a member.
