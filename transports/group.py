@@ -1,12 +1,13 @@
 """The weight-sync group's membership in one place: open its store, join the trainer and each generator, leave.
 
 Place in the dataflow: a deployment forms the group before the first step and re-forms it after a generator
-died (supervision: asyncrl/control/supervisor.py asks the deployment, which calls these). On Ray
-(asyncrl/deploy/launch.py `setup_weight_sync`) the trainer's actor opens the store (`open_store`), then every
-member joins at once, the trainer as rank 0 (`join_trainer`) and the generators as ranks 1..N
-(`join_generator`); each member's actor calls these in its own process (asyncrl/deploy/actors.py). A re-formed
-group has a fresh name (its announcements and counts start from 0); each live member first leaves the old one
-(`leave`), which ends a send or an armed receive still waiting on it. In one process (`--local`) there is no
+died (supervision: asyncrl/control/supervisor.py asks the deployment, which calls these). Across processes the
+driver runs `form`: the trainer's process opens the store once (`open_store`), then every member joins at once,
+the trainer as rank 0 (`join_trainer`) and the generators as ranks 1..N (`join_generator`), each in its own
+process (the Ray deployment's members are its actors: asyncrl/deploy/actors.py, asyncrl/deploy/launch.py). A
+re-formed group has a fresh name (its announcements and counts start from 0); each live member first leaves the
+old one (`leave_all` on the driver, `leave` in the member), which ends a send or an armed receive still waiting
+on it. In one process (`--local`) there is no
 store and no rendezvous: `join_local` connects the trainer and the generators through one
 `LocalWeightChannel`. An engine whose own workers receive (vLLM, SGLang) joins through the engine
 (`engines.base.CollectiveWeightEngine.join_weight_group`), not here.
@@ -17,10 +18,39 @@ engine declares (`engines.base.weight_transport`: "bucketed" or "per_tensor"), f
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import asyncio
+import logging
+from typing import Any, Iterable, Sequence
 
 from asyncrl.messages import WeightsMeta
 from transports.base import SENDERS, WeightReceiver, WeightSender
+
+log = logging.getLogger(__name__)
+
+
+async def form(trainer: Any, generators: Sequence[Any], *, backend: str, group_name: str = "weights",
+               store_address: tuple[str, int] | None = None) -> tuple[str, int]:
+    """The driver's side of forming (or re-forming) the group across processes. `trainer` and `generators` are
+    the members as awaitable-method objects (a Ray deployment's actor proxies) offering `weights_meta()`,
+    `open_weight_store(world_size)` (the trainer: `open_store` in its process) and `join_weight_group(host, port,
+    rank, world_size, backend, meta, group_name)` (`join_trainer` / `join_generator` in theirs). The store is
+    opened once and kept for every re-formed group: pass the returned (host, port) back as `store_address`."""
+    world = 1 + len(generators)
+    meta = await trainer.weights_meta()
+    host, port = store_address if store_address is not None else await trainer.open_weight_store(world)
+    # every member joins at once: the group's rendezvous blocks until all ranks arrive
+    await asyncio.gather(*[m.join_weight_group(host, port, rank, world, backend, meta, group_name)
+                           for rank, m in enumerate([trainer, *generators])])
+    return host, port
+
+
+async def leave_all(members: Sequence[Any]) -> None:
+    """The driver's side of a generator's death: every live member ends its part (`leave_weight_group()` in its
+    process: `leave`); the dead one cannot answer, which is expected."""
+    results = await asyncio.gather(*[m.leave_weight_group() for m in members], return_exceptions=True)
+    for m, r in zip(members, results):
+        if isinstance(r, BaseException):
+            log.debug("leave_weight_group on %s: %r", m, r)
 
 
 def open_store(world_size: int, timeout_s: float, host: str) -> tuple[Any, int]:

@@ -95,6 +95,25 @@ class RayProxy:
         return (RayProxy, (self._handle, self._role, self._index))
 
 
+class ActorCalls:
+    """`await calls.method(*args)` → `await handle.method.remote(*args)`: the RoleActor's own methods (its
+    lifecycle, the weight group's join and leave), where RayProxy reaches the role it hosts."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = getattr(self._handle, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ACTOR_CALLS.n += 1
+            return method.remote(*args, **kwargs)
+
+        return call
+
+
 async def _decoded(method: str, ref: Any) -> Any:
     return wire.decode_reply(method, await ref)
 

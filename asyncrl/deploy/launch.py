@@ -23,7 +23,7 @@ from asyncrl.control.controller import Controller
 from asyncrl.control.supervisor import RoleFailed
 from asyncrl.control.watchdog import Heartbeat, Probe
 from asyncrl.data.prompts import check_prompts
-from asyncrl.deploy.actors import RayProxy, RemoteRoleActor
+from asyncrl.deploy.actors import ActorCalls, RayProxy, RemoteRoleActor
 from asyncrl.deploy.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
 from asyncrl.deploy.build import pin_cpus
 from asyncrl.deploy.local import run_local  # noqa: F401 - its home is asyncrl/deploy/local.py (no Ray); kept importable here
@@ -32,6 +32,7 @@ from asyncrl.deploy.plan import ActorPlan, plan_resources
 from asyncrl.telemetry.metrics import ACTOR_CALLS
 from engines.base import traits
 from engines.hf import ensure_model
+from transports import group as weight_group
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +174,9 @@ class RayDeployment:
     async def setup_weight_sync(self, group_name: str = "weights") -> None:
         """Form the weight-sync group (trainer rank 0, generators 1..N). Re-formed after a generator died
         (`group_name` fresh, on the store the trainer opened first): every member leaves its old group first."""
-        world = 1 + len(self.generator_actors)
-        backend = weight_backend(self.cfg)
-        meta = await self.trainer_actor.weights_meta.remote()
-        if self._store_address is None:
-            self._store_address = await self.trainer_actor.open_weight_store.remote(world)
-        host, port = self._store_address
-        members = [self.trainer_actor, *self.generator_actors]
-        # Every member joins at once: the group's rendezvous blocks until all ranks arrive.
-        await asyncio.gather(*[a.join_weight_group.remote(host, port, rank, world, backend, meta, group_name)
-                               for rank, a in enumerate(members)])
+        self._store_address = await weight_group.form(
+            ActorCalls(self.trainer_actor), [ActorCalls(a) for a in self.generator_actors],
+            backend=weight_backend(self.cfg), group_name=group_name, store_address=self._store_address)
 
     def where(self) -> dict[str, dict[str, Any]]:
         """Where each actor runs, by role name ("trainer", "generator 0", ...): its node, process and device
@@ -252,11 +246,7 @@ class RayDeployment:
 
     async def leave_weight_groups(self) -> None:
         """A generator died: every live member ends its group (sends and armed receives on it raise)."""
-        members = [self.trainer_actor, *self.generator_actors]
-        results = await asyncio.gather(*[a.leave_weight_group.remote() for a in members], return_exceptions=True)
-        for a, r in zip(members, results):  # the dead one cannot answer
-            if isinstance(r, BaseException):
-                log.debug("leave_weight_group on %s: %r", a, r)
+        await weight_group.leave_all([ActorCalls(a) for a in [self.trainer_actor, *self.generator_actors]])
 
     async def restart(self, kind: str, index: int) -> None:
         """Replace the dead actor of generator or scorer `index` with a fresh one; its proxy now calls the

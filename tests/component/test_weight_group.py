@@ -116,3 +116,57 @@ def test_the_sglang_engines_header_read_gives_the_version_and_refuses_another_me
         read_header(store, "g", 0, other)
     with pytest.raises(TimeoutError, match="no header 'asyncrl-sglang/g/1'"):
         read_header(store, "g", 1, meta)
+
+
+def test_the_drivers_form_opens_the_store_once_and_re_forms_the_group_on_it_and_leave_all_tolerates_the_dead():
+    """`form` / `leave_all` as a deployment's driver calls them, with members standing for the actors: each joins
+    through this module in a thread of its own, as RoleActor does in its process."""
+    import asyncio
+
+    meta = plan_buckets(_state(0), bucket_bytes=256)
+
+    class Member:
+        def __init__(self) -> None:
+            self.opened, self.joined, self.member, self.store = 0, [], None, None
+
+        async def weights_meta(self):
+            return meta
+
+        async def open_weight_store(self, world: int):
+            self.opened += 1
+            self.store, port = group.open_store(world, 10.0, "127.0.0.1")
+            return "127.0.0.1", port
+
+        async def join_weight_group(self, host, port, rank, world, backend, meta_, name):
+            self.joined.append((rank, name))
+            if rank == 0:
+                self.member = await asyncio.to_thread(
+                    lambda: group.join_trainer(transport="bucketed", backend=backend, store=self.store, host=host,
+                                               port=port, world_size=world, timeout_s=10.0, meta=meta_,
+                                               group_name=name))
+            else:
+                self.member = await asyncio.to_thread(
+                    lambda: group.join_generator(backend=backend, host=host, port=port, rank=rank, world_size=world,
+                                                 timeout_s=10.0, meta=meta_, group_name=name))
+
+        async def leave_weight_group(self):
+            group.leave(self.member)
+
+    class Dead:
+        async def leave_weight_group(self):
+            raise RuntimeError("the actor died")
+
+    async def main():
+        trainer, gens = Member(), [Member(), Member()]
+        address = await group.form(trainer, gens, backend="gloo")
+        await group.leave_all([trainer, *gens, Dead()])
+        again = await group.form(trainer, gens, backend="gloo", group_name="weights-1", store_address=address)
+        staged = _sync(trainer.member, [g.member for g in gens], _state(5), 3)
+        await group.leave_all([trainer, *gens])
+        return trainer, gens, address, again, staged
+
+    trainer, gens, address, again, staged = asyncio.run(asyncio.wait_for(main(), 60))
+    assert trainer.opened == 1 and again == address  # one store for every group
+    assert trainer.joined == [(0, "weights"), (0, "weights-1")] and gens[1].joined == [(2, "weights"), (2, "weights-1")]
+    for tensors, version, _ in staged:
+        assert version == 3 and torch.equal(tensors["embed.weight"], _state(5)["embed.weight"])
