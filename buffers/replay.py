@@ -388,11 +388,9 @@ class ReplayBuffer:
             # version first (the gate's own wake-up is for versions it had not heard of)
             self.gate.nudge()
 
-    async def publish(self, version: int, *, report: bool = False) -> RoleStats | None:
-        """Every generator holds `version`: the gate admits at it from now on. `report`: returns the
-        buffer's `stats()` too (its window ends here: no separate call that step)."""
+    async def publish(self, version: int) -> None:
+        """Every generator holds `version`: the gate admits at it from now on."""
         self.gate.publish(version)
-        return await self.stats() if report else None
 
     # -- checkpoint -----------------------------------------------------------------------------
     async def state(self) -> BufferState:

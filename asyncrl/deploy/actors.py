@@ -229,11 +229,10 @@ class RoleActor(NodeFiles):
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._watch_loop()
+        report = wire.wants_report(method, kwargs)
         result = await _invoke(self.role, method, args, kwargs)
-        if method == "publish" and kwargs.get("report") and self.hosted.get("scorer"):
-            # the hosted scorers' window reports ride on the buffer's publish reply too: no stats() call a step
-            # for them (StepPipeline takes {role: report})
-            return {"buffer": result, **{f"scorer/{s.scorer_id}": s.stats() for s in self.hosted["scorer"]}}
+        if report:  # the role's window report rides on the reply; the buffer's carries its hosted scorers' too
+            result = await wire.with_report(self.role, method, result, self.hosted.get("scorer", ()))
         return result
 
     async def call_hosted(self, role: str, index: int, method: str, *args: Any, **kwargs: Any) -> Any:

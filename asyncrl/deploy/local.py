@@ -15,6 +15,7 @@ from asyncrl.aio import run_loop
 from asyncrl.config.schema import Config
 from asyncrl.control.controller import Controller
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor, Probe
+from asyncrl.deploy import wire
 from asyncrl.deploy.auto import available_cpus, local_threads
 from asyncrl.deploy.build import (
     build_buffer,
@@ -34,7 +35,8 @@ from transports.local import LocalWeightChannel
 
 
 class AsyncFacade:
-    """Exposes every method of `obj` as an async method (sync ones are simply called)."""
+    """Exposes every method of `obj` as an async method (sync ones are simply called); a call asked with
+    `report=True` gets the role's window report on its reply, as from a Ray actor (asyncrl/deploy/wire.py)."""
 
     def __init__(self, obj: Any) -> None:
         self._obj = obj
@@ -45,10 +47,11 @@ class AsyncFacade:
             return attr
 
         async def call(*args: Any, **kwargs: Any) -> Any:
+            report = wire.wants_report(name, kwargs)
             result = attr(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            return result
+            return await wire.with_report(self._obj, name, result) if report else result
 
         return call
 

@@ -1,4 +1,4 @@
-"""What crosses a process edge packed: the calls whose trajectories or groups travel as one msgpack blob.
+"""What the edge between the Controller and a role adds to a call: packing, and the role's window report.
 
 Place in the dataflow: `RayProxy` (the caller's side, asyncrl/deploy/actors.py) encodes a call's argument and
 decodes its reply here; `RoleActor.call` (the callee's side) decodes the argument and encodes the reply. Ray then
@@ -9,15 +9,23 @@ is in another process.
 
 `WIRE` names each packed call: the type of its first argument that travels packed, and the type of its reply
 that does (None: as it is).
+
+Window reports (`REPORTING`): the step pipeline asks the trainer's `send_weights`, each generator's
+`receive_weights` and the buffer's `publish` with `report=True` (asyncrl/pipeline.py, `with_reports`); the edge
+that hosts the role — the Ray actor (`RoleActor.call`) or the in-process facade (asyncrl/deploy/local.py) — calls
+the role without it and attaches the role's `stats()` to the reply (`with_report`): one actor call a role a step
+fewer. The roles themselves know nothing of it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import msgspec
 
 from asyncrl.messages import Group, Trajectory
+from asyncrl.telemetry.metrics import REPORT_KEY
 
 WIRE: dict[str, tuple[Any, Any]] = {  # method: (its first argument's type, its reply's type); None = not packed
     "put_rollouts": (list[Trajectory], None),  # a generator's finished groups, to the buffer
@@ -59,3 +67,25 @@ def decode_reply(method: str, data: Any) -> Any:
     """The reply as the caller takes it."""
     reply_type = WIRE.get(method, (None, None))[1]
     return data if reply_type is None else _DECODERS[reply_type].decode(data)
+
+
+REPORTING = frozenset({"send_weights", "receive_weights", "publish"})  # replies that may carry the role's report
+
+
+def wants_report(method: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the caller asked this call's reply to carry the role's window report (taken out of `kwargs`)."""
+    return bool(kwargs.pop("report", False)) if method in REPORTING else False
+
+
+async def with_report(role: Any, method: str, result: Any, hosted: Any = ()) -> Any:
+    """`result` with `role.stats()` (its window ends here): under REPORT_KEY in a statistics reply (`send_weights`,
+    `receive_weights`); as the reply of `publish`, which has none — with the `hosted` scorers' reports beside the
+    buffer's, by role ({"buffer": ..., "scorer/<i>": ...}), where the buffer's process hosts scorers."""
+    stats = role.stats()
+    if inspect.isawaitable(stats):
+        stats = await stats
+    if method != "publish":
+        return {**result, REPORT_KEY: stats}
+    if not hosted:
+        return stats
+    return {"buffer": stats, **{f"scorer/{s.scorer_id}": s.stats() for s in hosted}}

@@ -37,7 +37,6 @@ from asyncrl.roles.sleep_gate import SleepGate
 from asyncrl.roles.weight_slot import WeightSlot
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
-    REPORT_KEY,
     Max,
     ProcessCpu,
     Rate,
@@ -177,20 +176,14 @@ class Generator:
     def swap_s_total(self) -> float:
         return self.weights.swap_s_total
 
-    async def receive_weights(self, *, armed: bool = False, group: str | None = None,
-                              report: bool = False) -> dict[str, Any]:
+    async def receive_weights(self, *, armed: bool = False, group: str | None = None) -> dict[str, Any]:
         """Take part in one broadcast: receive into staging off the event loop (generation goes on).
         Called by the step pipeline (asyncrl/pipeline.py, `StepPipeline`).
 
         `armed` (only where `can_arm_receive()`): called ahead of the trainer's send; wait for it as long as
         it takes, without the group's timeout. `group`: the group the caller made this receive for; refused
-        if this generator is in another one (a group re-formed meanwhile must not count it). `report`: the
-        reply also carries this generator's `stats()` under REPORT_KEY (its window ends with the receive: the
-        Controller asks no separate `stats()` call of it that step)."""
-        stats: dict[str, Any] = dict(await self.weights.receive(armed, group))
-        if report:
-            stats[REPORT_KEY] = self.stats()
-        return stats
+        if this generator is in another one (a group re-formed meanwhile must not count it)."""
+        return dict(await self.weights.receive(armed, group))
 
     def can_arm_receive(self) -> bool:
         """Whether `receive_weights()` may be called before the trainer sends (`WeightSlot.can_arm`)."""

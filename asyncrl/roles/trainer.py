@@ -25,7 +25,6 @@ from asyncrl.roles.evaluator import Evaluator
 from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
-    REPORT_KEY,
     Max,
     ProcessCpu,
     RoleStats,
@@ -119,14 +118,10 @@ class Trainer:
             metrics[ROLLOUTS_KEY] = train_samples(trajs, self.decode)  # rollouts.jsonl (the Controller writes it)
         return metrics
 
-    async def send_weights(self, *, report: bool = False) -> dict[str, Any]:
+    async def send_weights(self) -> dict[str, Any]:
         """The statistics of the oldest send `train_step` started and no one claimed yet; with none,
-        broadcast the current weights (stamped with the current version) now. `report`: the reply also
-        carries the trainer's `stats()` under REPORT_KEY (its window ends with the send)."""
-        sent: dict[str, Any] = dict(await self.pipeline.send_weights())
-        if report:
-            sent[REPORT_KEY] = self.stats()
-        return sent
+        broadcast the current weights (stamped with the current version) now."""
+        return dict(await self.pipeline.send_weights())
 
     async def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
