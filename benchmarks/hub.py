@@ -211,23 +211,6 @@ class PlainHubActor:
         return await _invoke(self.hub, method, args, kwargs)
 
 
-class Remote:
-    """`await Remote(handle).m(*args)` -> `await handle.m.remote(*args)` (the plain actors' calls)."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._handle, name)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await method.remote(*args, **kwargs)
-        return call
-
-    def __reduce__(self):
-        return (Remote, (self._handle,))
-
-
 def hub_config(producers: int, scorers: int, quick: bool):
     from asyncrl.config import load_config
 
@@ -267,7 +250,7 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
     """The hub actor as `asyncrl launch` builds it (gated), or the plain actor; the roles as Ray actors."""
     import ray
 
-    from asyncrl.deploy.actors import RayProxy, RemoteRoleActor
+    from asyncrl.deploy.actors import ActorCalls, RayProxy, RemoteRoleActor
     from asyncrl.deploy.launch import actor_options
     from asyncrl.deploy.plan import plan_resources
 
@@ -283,7 +266,7 @@ def run_on_ray(cfg, payload: tuple[int, int], producers: int, scorers: int, step
     # the roles in actors of their own: trajectories and groups cross as blobs (RayProxy), as between asyncrl's roles
     prods = [ray.remote(Producer).options(**opts).remote(hub, i, payload, gated) for i in range(producers)]
     scs = [ray.remote(Scorer).options(**opts).remote(hub, i) for i in range(scorers)]
-    consumer = ray.remote(Consumer).options(**opts).remote(hub, [Remote(p) for p in prods])
+    consumer = ray.remote(Consumer).options(**opts).remote(hub, [ActorCalls(p) for p in prods])
     loops: list[Any] = []
     try:
         loops = [a.run.remote() for a in [*prods, *scs]]  # they run until their actors are killed below

@@ -113,6 +113,9 @@ class ActorCalls:
 
         return call
 
+    def __reduce__(self):  # travels to other actors as the handle it wraps
+        return (ActorCalls, (self._handle,))
+
 
 async def _decoded(method: str, ref: Any) -> Any:
     return wire.decode_reply(method, await ref)
