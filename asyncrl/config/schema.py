@@ -212,6 +212,12 @@ class TrainerConfig(Section):
         _d("optimizer steps per epoch over the step's samples; must divide prompts_per_step*group_size", ge=1),
     ] = 1
     micro_batch_size: Annotated[int, _d("samples per forward/backward (gradient accumulation)", ge=1)] = 64
+    max_tokens_per_micro_batch: Annotated[
+        int,
+        _d("a token budget per forward/backward instead of micro_batch_size (0: off): samples sorted by length "
+           "share a micro-batch while samples x longest (prompt + response) stays within it, so padding stays "
+           "small when lengths spread; a longer sample runs alone (verl's dynamic batch size)", ge=0),
+    ] = 0
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
     lr_scheduler: Annotated[

@@ -226,7 +226,8 @@ def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
     return ReferencePolicy.load(cfg.reference.path or cfg.model.path, dtype=cfg.model.dtype,
                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
                                 micro_batch_size=cfg.trainer.micro_batch_size, device=device,
-                                mixed_precision=cfg.trainer.mixed_precision)
+                                mixed_precision=cfg.trainer.mixed_precision,
+                                max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
 
 
 def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: DataParallel | None = None) -> Learner:
@@ -239,13 +240,15 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
         critic = Critic(load_value_model(cfg.critic.path or cfg.model.path, trained_dtype(cfg)), cfg.critic,
                         pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
                         mixed_precision=cfg.trainer.mixed_precision,
-                        gradient_checkpointing=cfg.model.gradient_checkpointing)
+                        gradient_checkpointing=cfg.model.gradient_checkpointing,
+                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
     if a.kl_mode != "off" and cfg.reference.where == "trainer" and cfg.model.lora is not None \
             and not cfg.reference.path:  # the policy with its adapters off is the initial policy: no second copy
         from asyncrl.training.lora import AdapterOffReference
 
         reference = AdapterOffReference(model, pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size,
-                                        device=device, mixed_precision=cfg.trainer.mixed_precision)
+                                        device=device, mixed_precision=cfg.trainer.mixed_precision,
+                                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
     elif a.kl_mode != "off" and cfg.reference.where == "trainer":
         reference = build_reference(cfg, device)
     if a.safe_rlhf:

@@ -54,7 +54,9 @@ def derived(cfg: Config) -> dict[str, object]:
         "samples_per_step": sps,
         "optimizer_steps_per_train_step": cfg.trainer.epochs * cfg.trainer.mini_batches,
         "samples_per_mini_batch": mini,
-        "micro_batches_per_mini_batch": math.ceil(mini / cfg.trainer.micro_batch_size),
+        # by the token budget: as many as the step's lengths need (asyncrl/training/micro.py)
+        "micro_batches_per_mini_batch": (math.ceil(mini / cfg.trainer.micro_batch_size)
+                                         if not cfg.trainer.max_tokens_per_micro_batch else "by token budget"),
         "max_groups_in_flight": in_flight,
         "max_samples_in_flight": in_flight * cfg.rollout.group_size,
         "rollout_queue_capacity_samples": cfg.buffer.rollout_capacity,

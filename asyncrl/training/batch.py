@@ -45,6 +45,8 @@ class GradientStats:
     is_sum: float = 0.0
     is_max: float = 0.0
     is_min: float = math.inf
+    cells: int = 0               # B x L of every forward: the tokens computed, padding included
+    padded: int = 0              # of those, padding
 
     def record(self, batch: TokenBatch, logprobs: Tensor, entropy: Tensor, loss_stats: dict[str, Tensor],
                version: int, *, diagnose: bool, measure_ratio: bool) -> None:
@@ -52,6 +54,8 @@ class GradientStats:
         `version`: the learner's, for the on-policy logprob gap."""
         mask = batch.loss_mask
         n = int(mask.sum())
+        self.cells += batch.input_ids.numel()
+        self.padded += batch.input_ids.numel() - int(batch.attention_mask.sum())
         self.tokens += n
         self.clipped += float(loss_stats.get("clip_frac", 0.0)) * n
         self.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n

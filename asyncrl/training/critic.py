@@ -26,6 +26,7 @@ from asyncrl.config.schema import CriticConfig
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
 from asyncrl.training.batch import collate, compiled, gather_response
+from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.parallel import SingleProcess
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Critic:
 
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, pad_token_id: int,
                  micro_batch_size: int, device: str | torch.device = "cpu", mixed_precision: str = "no",
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, max_tokens_per_micro_batch: int = 0) -> None:
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)
         precision.check_autocast(self.device, self.autocast)
@@ -74,7 +75,7 @@ class Critic:
             precision.enable_gradient_checkpointing(self.model)
         self.cfg = cfg
         self.pad_token_id = pad_token_id
-        self.micro_batch_size = micro_batch_size
+        self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)  # the policy's (micro.py)
         self.dp: SingleProcess = SingleProcess()
         self.train_model = self.forward_model = self.model  # forward_model: compiled by `distribute(compile=True)`
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -102,33 +103,36 @@ class Critic:
         return torch.where(response_mask.bool(), values, 0.0)
 
     @torch.no_grad()
-    def values(self, trajectories: list[Trajectory], width: int) -> Tensor:
-        """-> [N, width] response-aligned values of the current critic (no grad)."""
+    def values(self, trajectories: list[Trajectory], width: int, parts: list[list[int]] | None = None) -> Tensor:
+        """-> [N, width] response-aligned values of the current critic (no grad); `parts`: the micro-batches
+        (indices into `trajectories`; default: cut by `self.batching`)."""
+        parts = parts if parts is not None else self.batching.split(lengths(trajectories))
         rows = []
-        for start in range(0, len(trajectories), self.micro_batch_size):
-            part = trajectories[start : start + self.micro_batch_size]
+        for idx in parts:
+            part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
             rows.append(gather_response(batch, part, self._forward(batch.input_ids, batch.attention_mask,
-                                                                    batch.response_mask), width))
-        return torch.cat(rows)
+                                                                   batch.response_mask), width))
+        return in_order(rows, parts)
 
     def compute_gradients(self, trajectories: list[Trajectory], old_values: Tensor, returns: Tensor,
-                          stats: CriticStats, global_tokens: int | None = None) -> None:
+                          stats: CriticStats, global_tokens: int | None = None,
+                          parts: list[list[int]] | None = None) -> None:
         """Accumulate the gradient of the token-mean clipped value loss of these samples (one mini-batch, or
         this rank's share of it: then `global_tokens` counts the loss tokens of the whole mini-batch).
 
-        old_values, returns [n, T] response-aligned. Does not zero grads."""
+        old_values, returns [n, T] response-aligned; `parts` as for `values`. Does not zero grads."""
         if global_tokens is None:
             global_tokens = sum(sum(t.loss_mask) for t in trajectories)
         global_tokens = max(global_tokens, 1)
         clip = self.cfg.value_clip if self.cfg.value_clip > 0 else None
         total = 0.0
         with precision.checkpointing(self.model):  # model.gradient_checkpointing: on for this pass only
-            for start in range(0, len(trajectories), self.micro_batch_size):
-                part = trajectories[start : start + self.micro_batch_size]
-                last = start + self.micro_batch_size >= len(trajectories)
-                with self.dp.sync_gradients(self.train_model, sync=last):  # reduce once, at the end
-                    sl = slice(start, start + len(part))
+            parts = parts if parts is not None else self.batching.split(lengths(trajectories))
+            for j, idx in enumerate(parts):
+                part = [trajectories[i] for i in idx]
+                with self.dp.sync_gradients(self.train_model, sync=j == len(parts) - 1):  # reduce once, at the end
+                    sl = torch.tensor(idx, dtype=torch.long)
                     batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
                                     extras={"old_values": old_values[sl], "returns": returns[sl]})
                     values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask,

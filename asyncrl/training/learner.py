@@ -17,7 +17,8 @@ One train step (ARCHITECTURE "Batch units"):
                 advantages by `[algorithm] advantage` (KL as token rewards; Safe-RLHF: A_r − λ·A_c)
                 off-policy weights and mask (proximal / behaviour, `[algorithm] correction`)
            ─► for epoch in epochs: for each of `mini_batches` mini-batches:
-                  zero grads; for each micro-batch of `micro_batch_size` samples:
+                  zero grads; for each micro-batch (`micro_batch_size` samples, or by the token budget
+                  `max_tokens_per_micro_batch`: training/micro.py):
                       forward (logits / each trajectory's temperature) → logprobs (+ entropy)
                       → `policy_loss` vs the old policy (behaviour, or proximal if decoupled)
                         × off-policy weights (+ kl_coef·KL, − entropy_coef·entropy per token)
@@ -77,6 +78,7 @@ from asyncrl.training.batch import (
     token_logprobs,
 )
 from asyncrl.training.critic import Critic, CriticStats, explained_variance
+from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
@@ -134,6 +136,7 @@ class Learner:
         self.trainer = trainer
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
+        self.batching = MicroBatching(trainer.micro_batch_size, trainer.max_tokens_per_micro_batch)
         # Look the names up now: an unknown name fails at construction, listing the known ones.
         self._advantage_fn = get_advantage(a.advantage)
         self._needs = advantage_needs(a.advantage)
@@ -190,17 +193,17 @@ class Learner:
         return logprobs[0, len(prompt_ids):].tolist()
 
     @torch.no_grad()
-    def _policy_rows(self, trajectories: list[Trajectory], width: int) -> Tensor:
-        """-> [N, width] the current policy's logprobs of every response token (no grad)."""
-        rows = []
-        mbs = self.trainer.micro_batch_size
-        for start in range(0, len(trajectories), mbs):
-            part = trajectories[start : start + mbs]
+    def _policy_rows(self, trajectories: list[Trajectory], width: int, parts: list[list[int]]) -> Tensor:
+        """-> [N, width] the current policy's logprobs of every response token (no grad), micro-batch by
+        micro-batch (`parts`: indices into `trajectories`)."""
+        rows: list[Tensor] = []
+        for idx in parts:
+            part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
             logprobs, _ = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
                                                  batch.temperature)
             rows.append(gather_response(batch, part, logprobs, width))
-        return torch.cat(rows)
+        return in_order(rows, parts)
 
     # ------------------------------------------------------------------ step preparation
 
@@ -253,9 +256,11 @@ class Learner:
                         rewards=rewards, costs=costs, metrics=metrics)
 
     def _sharded_rows(self, rows_of: Any, trajs: list[Trajectory], width: int) -> Tensor:
-        """[N, width] = rows_of(trajectories, width), each rank forwarding its share (training/parallel.py)."""
+        """[N, width] = rows_of(trajectories, width, micro-batches), each rank forwarding its share
+        (training/parallel.py) in as many micro-batches as every other rank (training/micro.py)."""
         lo, hi = self.dp.shard(0, len(trajs))
-        return self.dp.all_gather_rows(rows_of(trajs[lo:hi], width))
+        parts = self.batching.agreed(lengths(trajs), self.dp.shards(0, len(trajs)), self.dp.rank)
+        return self.dp.all_gather_rows(rows_of(trajs[lo:hi], width, parts))
 
     def _max_len(self) -> int:
         if not self.max_new_tokens:
@@ -297,9 +302,9 @@ class Learner:
                              f"policy — check [reference] where (the scorer fills them when it is 'scorer')")
         return self._sharded_rows(self._reference_forward, trajs, width)
 
-    def _reference_forward(self, trajs: list[Trajectory], width: int) -> Tensor:
+    def _reference_forward(self, trajs: list[Trajectory], width: int, parts: list[list[int]]) -> Tensor:
         assert self.reference is not None
-        rows, _ = response_rows(trajs, self.reference.response_logprobs(trajs))
+        rows, _ = response_rows(trajs, self.reference.response_logprobs(trajs, parts))
         return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
 
     def _safety(self, trajs: list[Trajectory], group_ids: Tensor, mask: Tensor, adv_reward: Tensor,
@@ -329,9 +334,11 @@ class Learner:
         measure_ratio: bool = False,
         global_counts: tuple[int, int] | None = None,
         first_pass: tuple[Tensor, Tensor] | None = None,
+        parts: list[list[int]] | None = None,
     ) -> GradientStats:
         """Accumulate into each parameter's .grad the gradient of the aggregated loss of these samples
-        (one mini-batch), one micro-batch of `micro_batch_size` samples at a time. Does not zero grads.
+        (one mini-batch), one micro-batch at a time: `parts` (indices into `trajectories`; default: cut by
+        `self.batching`, or in runs of `micro_batch_size` samples if given). Does not zero grads.
 
         trajectories (n), advantages [n] (one per sample) or [n, T] (response-aligned), rows: the
         StepData rows of these samples ([n, T] each: prox, ref, weights, keep). `diagnose` also measures
@@ -343,17 +350,21 @@ class Learner:
         """
         a = self.algorithm
         stats = stats if stats is not None else GradientStats()
-        mbs = micro_batch_size or self.trainer.micro_batch_size
+        if first_pass is not None:
+            parts = [list(range(len(trajectories)))]
+        elif parts is None:
+            batching = MicroBatching(micro_batch_size) if micro_batch_size else self.batching
+            parts = batching.split(lengths(trajectories))
         rows = rows or {}
         global_tokens, global_seqs = global_counts or _loss_counts(trajectories, rows)
         loss_total = 0.0
         # model.gradient_checkpointing and LoRA dropout: on for this pass only
         with precision.checkpointing(self.model), lora.adapter_dropout(self.model):
-            for start in range(0, len(trajectories), mbs):
-                part = trajectories[start : start + mbs]
+            for j, idx in enumerate(parts):
+                part = [trajectories[i] for i in idx]
                 # accumulate locally; only the last micro-batch's backward reduces over the ranks
-                with self.dp.sync_gradients(self.train_model, sync=start + mbs >= len(trajectories)):
-                    sl = slice(start, start + len(part))
+                with self.dp.sync_gradients(self.train_model, sync=j == len(parts) - 1):
+                    sl = torch.tensor(idx, dtype=torch.long)
                     batch = collate(part, advantages[sl], self.pad_token_id, self.device,
                                     extras={k: v[sl] for k, v in rows.items()})
                     if first_pass is not None:
@@ -415,25 +426,29 @@ class Learner:
         n, n_mini = len(trajs), self.trainer.mini_batches
         if n_mini > n:
             raise ValueError(f"trainer.mini_batches={n_mini} exceeds the {n} samples of this step")
-        first = self._first_pass(trajs) if self._prox_from_first_pass(n) else None
+        first = self._first_pass(trajs) if self._prox_from_first_pass(trajs) else None
         data = self.prepare(trajs, prox=None if first is None else first[2])
         bounds = [(i * n) // n_mini for i in range(n_mini + 1)]
+        sizes = lengths(trajs)
 
         stats, norms, cstats = GradientStats(), [], CriticStats()
         for epoch in range(self.trainer.epochs):
             for k in range(n_mini):
                 lo, hi = bounds[k], bounds[k + 1]
                 a, b = self.dp.shard(lo, hi)  # this rank's share of the mini-batch (all of it in one process)
+                parts = self.batching.agreed(sizes, self.dp.shards(lo, hi), self.dp.rank)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.compute_gradients(trajs[a:b], data.advantages[a:b], diagnose=(epoch == 0 and k == 0),
                                        stats=stats, rows=data.slice(a, b), measure_ratio=epoch == 0,
                                        global_counts=_loss_counts(trajs[lo:hi], data.slice(lo, hi)),
-                                       first_pass=first[:2] if first is not None and epoch == k == 0 else None)
+                                       first_pass=first[:2] if first is not None and epoch == k == 0 else None,
+                                       parts=parts)
                 norms.append(self._optimizer_step())
                 if self.critic is not None:
                     assert data.old_values is not None and data.returns is not None
                     self.critic.compute_gradients(trajs[a:b], data.old_values[a:b], data.returns[a:b], cstats,
-                                                  global_tokens=sum(sum(t.loss_mask) for t in trajs[lo:hi]))
+                                                  global_tokens=sum(sum(t.loss_mask) for t in trajs[lo:hi]),
+                                                  parts=parts)
                     self.critic.step(cstats)
         self.optimizer.zero_grad(set_to_none=True)
         self.dp.reduce_stats(stats)  # every rank's share -> the step's (sums, max, min)
@@ -451,15 +466,15 @@ class Learner:
         metrics["trainer/skipped_steps"] = float(skipped)
         return metrics
 
-    def _prox_from_first_pass(self, n: int) -> bool:
+    def _prox_from_first_pass(self, trajs: list[Trajectory]) -> bool:
         """Whether this step's proximal logprobs can come from its gradient pass: with one epoch of one mini-batch
         in one micro-batch, that pass runs the step's starting weights on the very batch the proximal forward would
         (the same tensors, eval mode), so its detached logprobs are the proximal ones and the no-grad forward is
         skipped. Not with LoRA (adapter dropout is on in the gradient pass only), gradient checkpointing (its
         forward belongs inside the checkpointing context) or several ranks (each forwards a share)."""
         t = self.trainer
-        return (self._need_prox and t.epochs == 1 and t.mini_batches == 1 and n <= t.micro_batch_size
-                and self.dp.world_size == 1 and not self.lora and not self._checkpointing)
+        return (self._need_prox and t.epochs == 1 and t.mini_batches == 1 and self.dp.world_size == 1
+                and not self.lora and not self._checkpointing and len(self.batching.split(lengths(trajs))) == 1)
 
     def _first_pass(self, trajs: list[Trajectory]) -> tuple[Tensor, Tensor, Tensor]:
         """-> (logprobs [N, L], entropy [N, L]) with grad, as `compute_gradients` computes them for its one
@@ -512,6 +527,7 @@ class Learner:
             "trainer/adv_abs_mean": float(data.advantages[mask].abs().mean()) if mask.any() else 0.0,
             "trainer/tokens": float(sum(sum(t.loss_mask) for t in trajs)),
             "trainer/samples": float(n),
+            "trainer/padded_share": stats.padded / max(stats.cells, 1),
             "trainer/optimizer_steps": float(steps),
             "trainer/step_s": step_s,
             "trainer/lr": self.last_lr,

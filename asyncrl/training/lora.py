@@ -186,20 +186,22 @@ class AdapterOffReference(ReferencePolicy):
     which never train. Used by the Learner on its training thread, so nothing else runs on the module meanwhile."""
 
     def __init__(self, policy: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
-                 device: str | torch.device = "cpu", mixed_precision: str = "no") -> None:
+                 device: str | torch.device = "cpu", mixed_precision: str = "no",
+                 max_tokens_per_micro_batch: int = 0) -> None:
         # not ReferencePolicy.__init__: it freezes and moves its model, and this one is the policy
         from asyncrl.training import precision
+        from asyncrl.training.micro import MicroBatching
 
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)
         self.model = policy
         self.pad_token_id = pad_token_id
-        self.micro_batch_size = micro_batch_size
+        self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)
         self.tokens_scored = 0
 
-    def response_logprobs(self, trajectories: list[Any]) -> list[list[float]]:
+    def response_logprobs(self, trajectories: list[Any], parts: list[list[int]] | None = None) -> list[list[float]]:
         with self.model.disable_adapter():
-            return super().response_logprobs(trajectories)
+            return super().response_logprobs(trajectories, parts)
 
 
 def export_lora(model: torch.nn.Module, out_dir: str | Path, *, tokenizer: Any = None,

@@ -82,6 +82,10 @@ class SingleProcess:
     def shard(self, lo: int, hi: int) -> tuple[int, int]:
         return lo, hi
 
+    def shards(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Every rank's `shard(lo, hi)`, in rank order."""
+        return [(lo, hi)]
+
     def all_gather_rows(self, rows: Tensor) -> Tensor:
         return rows
 
@@ -171,8 +175,11 @@ class DataParallel(SingleProcess):
         if n % self.world_size:
             raise ValueError(f"{n} samples do not split evenly over trainer.num_ranks={self.world_size}: make "
                              "trainer.mini_batches × trainer.num_ranks divide prompts_per_step × group_size")
-        per = n // self.world_size
-        return lo + self.rank * per, lo + (self.rank + 1) * per
+        return self.shards(lo, hi)[self.rank]
+
+    def shards(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        per = (hi - lo) // self.world_size
+        return [(lo + r * per, lo + (r + 1) * per) for r in range(self.world_size)]
 
     def all_gather_rows(self, rows: Tensor) -> Tensor:
         """[n/W, T] on each rank -> [n, T], rank order (the rows of `shard(0, n)` of every rank)."""

@@ -16,6 +16,7 @@ import torch
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
 from asyncrl.training.batch import collate, gather_response, token_logprobs
+from asyncrl.training.micro import MicroBatching, lengths
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +25,21 @@ class ReferencePolicy:
     """A frozen causal LM (no grads, eval mode) answering `response_logprobs`."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
-                 device: str | torch.device = "cpu", mixed_precision: str = "no") -> None:
+                 device: str | torch.device = "cpu", mixed_precision: str = "no",
+                 max_tokens_per_micro_batch: int = 0) -> None:
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)  # the policy's autocast (training/precision.py)
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.pad_token_id = pad_token_id
-        self.micro_batch_size = micro_batch_size
+        self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)  # the policy's (micro.py)
         self.tokens_scored = 0
 
     @classmethod
     def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
-             mixed_precision: str = "no", device: str | torch.device = "cpu") -> "ReferencePolicy":
+             mixed_precision: str = "no", device: str | torch.device = "cpu",
+             max_tokens_per_micro_batch: int = 0) -> "ReferencePolicy":
         """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
         dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
@@ -44,19 +47,23 @@ class ReferencePolicy:
         dtype = precision.reference_dtype(dtype, mixed_precision)
         log.info("reference policy: loading %s (%s)", path, dtype)
         return cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
-                   micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision)
+                   micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision,
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
     @torch.no_grad()
-    def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
-        """One list per trajectory: the reference logprob of each response token (empty for no tokens)."""
-        out: list[list[float]] = []
-        for start in range(0, len(trajectories), self.micro_batch_size):
-            part = trajectories[start : start + self.micro_batch_size]
+    def response_logprobs(self, trajectories: list[Trajectory],
+                          parts: list[list[int]] | None = None) -> list[list[float]]:
+        """One list per trajectory: the reference logprob of each response token (empty for no tokens);
+        `parts`: the micro-batches (indices into `trajectories`; default: cut by `self.batching`)."""
+        out: list[list[float]] = [[] for _ in trajectories]
+        for idx in parts if parts is not None else self.batching.split(lengths(trajectories)):
+            part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
             logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
                                          batch.response_mask, batch.temperature, autocast=self.autocast)
             width = max(len(t.response_ids) for t in part)
             rows = gather_response(batch, part, logprobs, max(width, 1))
-            out += [rows[i, : len(t.response_ids)].tolist() for i, t in enumerate(part)]
+            for k, (i, t) in enumerate(zip(idx, part)):
+                out[i] = rows[k, : len(t.response_ids)].tolist()
             self.tokens_scored += sum(len(t.response_ids) for t in part)
         return out

@@ -20,7 +20,8 @@ METRIC_KEYS = {
     "trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/entropy", "trainer/approx_kl",
     "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/ratio_mean", "trainer/ratio_max",
     "trainer/response_len", "trainer/truncation_rate", "trainer/reward_mean", "trainer/reward_std",
-    "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/optimizer_steps", "trainer/skipped_steps",
+    "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/padded_share", "trainer/optimizer_steps",
+    "trainer/skipped_steps",
     "trainer/step_s", "trainer/lr",
     # the off-policy ratio distribution is logged every step, whatever the algorithm
     "offpolicy/is_ratio_mean", "offpolicy/is_ratio_max", "offpolicy/is_ratio_min", "offpolicy/share_clipped",

@@ -246,6 +246,7 @@ def test_the_proximal_forward_stays_where_the_gradient_pass_is_not_the_steps_onl
 
     cfg = TrainerConfig(**{"micro_batch_size": 16, **trainer})
     learner = Learner(_tiny_model(), algorithm=AlgorithmConfig(decoupled=True), trainer=cfg, pad_token_id=PAD)
-    assert not learner._prox_from_first_pass(12)
+    samples = [_traj(i, 0, [5] * 3, [6] * 4) for i in range(12)]
+    assert not learner._prox_from_first_pass(samples)
     assert Learner(_tiny_model(), algorithm=AlgorithmConfig(), trainer=TrainerConfig(micro_batch_size=16),
-                   pad_token_id=PAD)._prox_from_first_pass(12) is False  # no proximal policy at all
+                   pad_token_id=PAD)._prox_from_first_pass(samples) is False  # no proximal policy at all

@@ -1,0 +1,92 @@
+"""Micro-batches: which of a mini-batch's samples share one forward (and backward).
+
+Place in the dataflow: the Learner (training/learner.py) cuts every pass over samples — the gradient passes, the
+proximal and reference forwards, the critic's — into micro-batches with one `MicroBatching`; each micro-batch is
+`collate`d into one right-padded [B, L] batch (training/batch.py), L its longest sample.
+
+Two ways to cut, by `trainer.max_tokens_per_micro_batch`:
+
+    0 (default)   consecutive runs of `trainer.micro_batch_size` samples, in the step's order;
+    > 0           a token budget, as verl's dynamic batch size: the samples sorted by length (prompt + response,
+                  longest first) and taken greedily while B x L (the padded tokens the forward computes) stays
+                  within the budget. Similar lengths share a batch, so the padding is small however widely the
+                  lengths spread; a sample longer than the budget gets a micro-batch of its own (never dropped).
+
+The loss does not depend on the cut: every micro-batch's loss divides by the counts of the whole mini-batch
+(asyncrl/algorithms/losses.py), so Σ over micro-batches is the same sum whatever sample lands where.
+
+Trainer ranks (training/parallel.py) must run equally many forwards. Every rank holds the whole step, so each one
+computes the cut of every rank's share (`agreed`) and takes the largest count; a rank that needs fewer splits its
+costliest micro-batches in two until it has as many (a share of n samples never needs more than n).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from asyncrl.messages import Trajectory
+
+
+def lengths(trajectories: Sequence[Trajectory]) -> list[int]:
+    """Each sample's tokens in a forward: prompt + response."""
+    return [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+
+
+def padded_cells(lengths_: Sequence[int], part: Sequence[int]) -> int:
+    """B x L of the micro-batch `part` (indices into `lengths_`): the tokens its padded forward computes."""
+    return len(part) * max((lengths_[i] for i in part), default=0)
+
+
+def in_order(rows: Sequence[Tensor], parts: Sequence[Sequence[int]]) -> Tensor:
+    """Each micro-batch's rows ([len(part), ...], in its part's order) -> one tensor in the samples' order."""
+    out = torch.cat(list(rows))
+    order = torch.tensor([i for part in parts for i in part], dtype=torch.long)
+    return out[torch.argsort(order)]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """max_samples: trainer.micro_batch_size; max_tokens: trainer.max_tokens_per_micro_batch (0: off)."""
+
+    max_samples: int
+    max_tokens: int = 0
+
+    def split(self, lengths_: Sequence[int], count: int | None = None) -> list[list[int]]:
+        """Sample lengths -> micro-batches as lists of indices into `lengths_`; every index exactly once.
+        `count` (>= what the budget alone gives, <= len(lengths_)): cut into exactly that many."""
+        n = len(lengths_)
+        if not self.max_tokens:
+            parts = [list(range(s, min(s + self.max_samples, n))) for s in range(0, n, self.max_samples)]
+            if count is not None and count != len(parts):
+                raise ValueError(f"{n} samples make {len(parts)} micro-batches of {self.max_samples}, not {count}")
+            return parts
+        order = sorted(range(n), key=lambda i: -lengths_[i])   # stable: equal lengths keep the step's order
+        parts: list[list[int]] = []
+        for i in order:
+            # longest first: a batch's width is its first sample's length
+            if parts and (len(parts[-1]) + 1) * lengths_[parts[-1][0]] <= self.max_tokens:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        if count is not None:
+            if not len(parts) <= count <= n:
+                raise ValueError(f"cannot cut {n} samples into {count} micro-batches (the budget gives {len(parts)})")
+            while len(parts) < count:
+                k = max((j for j in range(len(parts)) if len(parts[j]) > 1),
+                        key=lambda j: padded_cells(lengths_, parts[j]))
+                half = (len(parts[k]) + 1) // 2
+                parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
+        return parts
+
+    def agreed(self, lengths_: Sequence[int], shards: Sequence[tuple[int, int]], rank: int) -> list[list[int]]:
+        """The micro-batches of shard `rank` (indices relative to its start), as many as the share that needs the
+        most: `lengths_` covers every shard (all ranks' samples, [lo, hi) ranges into it)."""
+        lo, hi = shards[rank]
+        if len(shards) == 1:
+            return self.split(lengths_[lo:hi])
+        count = max(len(self.split(lengths_[a:b])) for a, b in shards)
+        return self.split(lengths_[lo:hi], count)
