@@ -218,6 +218,12 @@ class TrainerConfig(Section):
            "share a micro-batch while samples x longest (prompt + response) stays within it, so padding stays "
            "small when lengths spread; a longer sample runs alone (verl's dynamic batch size)", ge=0),
     ] = 0
+    logprob_chunk_tokens: Annotated[
+        int,
+        _d("response tokens per chunk of the LM head fused with the log-softmax (0: the whole head at once): the "
+           "trainer's logprobs and entropy never hold more than this many rows of full-vocabulary logits, and the "
+           "backward recomputes each chunk's (training/logprobs.py)", ge=0),
+    ] = 0
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
     lr_scheduler: Annotated[

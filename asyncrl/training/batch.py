@@ -1,9 +1,10 @@
-"""Padded token batches and the teacher-forced forward pass shared by the policy, critic and reference.
+"""Padded token batches shared by the policy, critic and reference.
 
 Place in the dataflow: the Trainer's `Learner` (policy, critic) and the Scorer's `ReferencePolicy` turn a
-few `Trajectory`s into one right-padded [B, L] batch with `collate`, run a model over it and read one
-number per response token at the same positions: position t of a response holds what the model said
-after reading tokens < t (logprob of token t, value of the state before token t).
+few `Trajectory`s into one right-padded [B, L] batch with `collate`, run a model over it (the policy's
+logprobs: training/logprobs.py) and read one number per response token at the same positions: position t of
+a response holds what the model said after reading tokens < t (logprob of token t, value of the state before
+token t).
 
 Step-level quantities (advantages, reference / proximal logprobs, values) live response-aligned as
 [N, T] tensors (row i = trajectory i, column j = its j-th response token); `collate` scatters the rows of
@@ -13,17 +14,14 @@ train step's rows, `GradientStats` the sums its gradient passes measure (the Lea
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms import approx_kl_k3, entropy_from_logits
+from asyncrl.algorithms import approx_kl_k3
 from asyncrl.messages import Group, Trajectory
-from asyncrl.training import precision
 
 
 @dataclass
@@ -170,69 +168,11 @@ def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: T
     return out
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                   temperature: float | Tensor, *, entropy_grad: bool = False,
-                   autocast: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response), temperature
-    (float or [B]) -> (logprobs [B, L], entropy [B, L]); both 0 outside response_mask.
-
-    logprobs[b, t] = log_softmax(logits[b, t-1] / T_b)[input_ids[b, t]] in float32 (float64 for a float64
-    model) over the full vocabulary (with grad if enabled); entropy of the same distribution, with grad only if
-    `entropy_grad` (the entropy bonus trains through it; the diagnostic does not). `autocast`
-    (trainer.mixed_precision): the model's forward runs under torch.autocast in that dtype; the maths on its
-    logits stays float32.
-
-    Only what the response positions read is computed: the LM head runs from the column before the earliest
-    response on (HF `logits_to_keep`, where the model takes it), and the vocabulary-wide maths (logsumexp,
-    entropy) runs on the response positions' rows alone; both are row-wise, so the values are those of the
-    full [B, L, V] computation.
-    """
-    b, width = input_ids.shape
-    mask = response_mask.bool()
-    cols = mask.any(0).nonzero()
-    first = int(cols[0]) if len(cols) else width - 1        # the earliest response position (>= 1)
-    keep = width - max(first - 1, 0) if _takes_logits_to_keep(model) else width
-    kwargs = {"logits_to_keep": keep} if keep < width else {}
-    with precision.autocast(input_ids.device, autocast):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-    start = width - logits.shape[1]                           # logits column c predicts token start + c + 1
-    read = mask[:, start + 1 :]                               # [B, K-1]: the positions that hold a logprob
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).reshape(-1, 1).expand(b, 1)
-    rows = logits[:, :-1][read]                               # [n, V]: one row per response position
-    rows = rows.to(torch.promote_types(rows.dtype, torch.float32)) / temp.expand(b, read.shape[1])[read][:, None]
-    targets = input_ids[:, start + 1 :][read].unsqueeze(-1)
-    tok_logp = rows.gather(-1, targets).squeeze(-1) - torch.logsumexp(rows, dim=-1)
-    if entropy_grad:
-        entropy = entropy_from_logits(rows)
-    else:
-        with torch.no_grad():
-            entropy = entropy_from_logits(rows)
-    # back to [B, L]: zeros, then the rows in row-major order (masked_scatter keeps the gradient)
-    pad = (start + 1, 0)
-    logprobs = torch.nn.functional.pad(tok_logp.new_zeros(read.shape).masked_scatter(read, tok_logp), pad)
-    entropy = torch.nn.functional.pad(tok_logp.new_zeros(read.shape).masked_scatter(read, entropy.to(tok_logp)), pad)
-    return logprobs, entropy
-
-
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
     """trainer.compile: `model` behind torch.compile with dynamic shapes (a step's batch size and padded width
     change from step to step: one graph for all of them rather than one per shape). The wrapper holds `model`'s own
     parameters; whatever reads or writes them (the optimizer, the weight sync, checkpoints) keeps using `model`."""
     return torch.compile(model, dynamic=True)
-
-
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper)."""
-    inner = getattr(model, "_orig_mod", model)                # torch.compile (trainer.compile)
-    inner = getattr(inner, "module", inner)                   # DDP
-    if hasattr(inner, "get_base_model"):                      # peft passes it on to the base model
-        inner = inner.get_base_model()
-    return _forward_takes(type(inner), "logits_to_keep")
-
-
-@functools.cache
-def _forward_takes(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.forward).parameters
 
 
 def flatten_groups(groups: list[Group]) -> list[Trajectory]:

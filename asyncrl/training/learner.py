@@ -75,9 +75,9 @@ from asyncrl.training.batch import (
     flatten_groups,
     gather_response,
     response_rows,
-    token_logprobs,
 )
 from asyncrl.training.critic import Critic, CriticStats, explained_variance
+from asyncrl.training.logprobs import token_logprobs
 from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
@@ -175,9 +175,11 @@ class Learner:
         self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, temperature: float | Tensor,
         *, entropy_grad: bool = False, model: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see batch.token_logprobs."""
+        """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see
+        training/logprobs.py (trainer.logprob_chunk_tokens)."""
         return token_logprobs(self.model if model is None else model, input_ids, attention_mask, response_mask,
-                              temperature, entropy_grad=entropy_grad, autocast=self.autocast)
+                              temperature, entropy_grad=entropy_grad, autocast=self.autocast,
+                              chunk=self.trainer.logprob_chunk_tokens)
 
     @torch.no_grad()
     def teacher_forced_logprobs(

@@ -15,7 +15,8 @@ import torch
 
 from asyncrl.messages import Trajectory
 from asyncrl.training import precision
-from asyncrl.training.batch import collate, gather_response, token_logprobs
+from asyncrl.training.batch import collate, gather_response
+from asyncrl.training.logprobs import token_logprobs
 from asyncrl.training.micro import MicroBatching, lengths
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class ReferencePolicy:
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
                  device: str | torch.device = "cpu", mixed_precision: str = "no",
-                 max_tokens_per_micro_batch: int = 0) -> None:
+                 max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0) -> None:
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)  # the policy's autocast (training/precision.py)
         self.model = model.to(self.device).eval()
@@ -35,11 +36,12 @@ class ReferencePolicy:
         self.pad_token_id = pad_token_id
         self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)  # the policy's (micro.py)
         self.tokens_scored = 0
+        self.chunk = logprob_chunk_tokens  # the policy's trainer.logprob_chunk_tokens (training/logprobs.py)
 
     @classmethod
     def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
              mixed_precision: str = "no", device: str | torch.device = "cpu",
-             max_tokens_per_micro_batch: int = 0) -> "ReferencePolicy":
+             max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0) -> "ReferencePolicy":
         """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
         dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
@@ -48,7 +50,7 @@ class ReferencePolicy:
         log.info("reference policy: loading %s (%s)", path, dtype)
         return cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
                    micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision,
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_chunk_tokens=logprob_chunk_tokens)
 
     @torch.no_grad()
     def response_logprobs(self, trajectories: list[Trajectory],
@@ -60,7 +62,8 @@ class ReferencePolicy:
             part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
             logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                         batch.response_mask, batch.temperature, autocast=self.autocast)
+                                         batch.response_mask, batch.temperature, autocast=self.autocast,
+                                         chunk=self.chunk)
             width = max(len(t.response_ids) for t in part)
             rows = gather_response(batch, part, logprobs, max(width, 1))
             for k, (i, t) in enumerate(zip(idx, part)):

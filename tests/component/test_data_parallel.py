@@ -50,10 +50,10 @@ def _model(seed: int = 0, cls: type = Qwen2ForCausalLM, **kw: Any) -> torch.nn.M
 
 
 def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None, compile: bool = False,
-             device: str = "cpu", max_tokens: int = 0) -> Learner:
+             device: str = "cpu", max_tokens: int = 0, chunk: int = 0) -> Learner:
     algorithm = AlgorithmConfig(**CASES[case])
     trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size,
-                            compile=compile, max_tokens_per_micro_batch=max_tokens)
+                            compile=compile, max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=chunk)
     critic = reference = None
     if algorithm.advantage == "gae":
         critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
@@ -61,7 +61,7 @@ def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = N
                         max_tokens_per_micro_batch=max_tokens)
     if algorithm.kl_mode != "off":
         reference = ReferencePolicy(_model(1), pad_token_id=PAD, micro_batch_size=micro_batch_size, device=device,
-                                    max_tokens_per_micro_batch=max_tokens)
+                                    max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=chunk)
     return Learner(_model(), algorithm=algorithm, trainer=trainer, pad_token_id=PAD, critic=critic,
                    reference=reference, parallel=parallel, device=device)
 
@@ -115,8 +115,9 @@ def _rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: A
             result[case] = ({k: v.numpy() for k, v in weights.items()}, losses)
         for case in ("token-mean", "gae-critic"):
             # a token budget of 18 (samples of 3-13 tokens): the ranks' shares need different counts of
-            # micro-batches (1 vs 2 in gradient passes, 3 vs 2 in the forwards of the first step): they agree
-            weights, losses = _train(_learner(case, 1, dp, max_tokens=18), steps)
+            # micro-batches (1 vs 2 in gradient passes, 3 vs 2 in the forwards of the first step): they agree;
+            # and the head fused with the log-softmax, 4 rows a chunk, through DDP's and FSDP2's wrappers
+            weights, losses = _train(_learner(case, 1, dp, max_tokens=18, chunk=4), steps)
             result[f"{case} by tokens"] = ({k: v.numpy() for k, v in weights.items()}, losses)
         if rank == 0:
             out.put(result)
@@ -181,15 +182,17 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
 
 
-def _lora_learner(micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+def _lora_learner(micro_batch_size: int, parallel: DataParallel | None = None, chunk: int = 0) -> Learner:
     """Rank-4 adapters on every linear layer of the float64 model (peft; the base frozen), token-mean PPO with a KL
     loss to the policy's own module with its adapters off (the reference a LoRA run gets)."""
     from asyncrl.config.schema import LoraConfig
     from asyncrl.training.lora import AdapterOffReference, apply_lora
 
     model = apply_lora(_model(), LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
-    trainer = TrainerConfig(lr=1e-2, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
-    reference = AdapterOffReference(model, pad_token_id=PAD, micro_batch_size=micro_batch_size)
+    trainer = TrainerConfig(lr=1e-2, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size,
+                            logprob_chunk_tokens=chunk)
+    reference = AdapterOffReference(model, pad_token_id=PAD, micro_batch_size=micro_batch_size,
+                                    logprob_chunk_tokens=chunk)
     return Learner(model, algorithm=AlgorithmConfig(loss_agg="token-mean", kl_mode="loss", kl_coef=0.1),
                    trainer=trainer, pad_token_id=PAD, reference=reference, parallel=parallel)
 
@@ -199,7 +202,7 @@ def _lora_rank_main(rank: int, port: int, steps: list[list[Group]], out: Any) ->
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
     dp = DataParallel.join("ddp", store=store, rank=rank, world_size=WORLD, timeout_s=60)
     try:
-        learner = _lora_learner(1, dp)
+        learner = _lora_learner(1, dp, chunk=5)  # the fused head through peft and DDP
         weights, losses = _train(learner, steps)
         adapter = {k: v.numpy() for k, v in learner.checkpoint_state()[0]["policy"].items()}
         if rank == 0:

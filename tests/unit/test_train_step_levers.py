@@ -9,7 +9,8 @@ import torch
 from asyncrl.algorithms import entropy_from_logits
 from asyncrl.messages import Group, Trajectory
 from asyncrl.training import schedule
-from asyncrl.training.batch import _takes_logits_to_keep, collate, gather_response, response_rows, token_logprobs
+from asyncrl.training.batch import collate, gather_response, response_rows
+from asyncrl.training.logprobs import _takes_logits_to_keep, token_logprobs
 from asyncrl.training.optim import match_fused
 from tests.unit.test_learner import PAD, VOCAB, _learner, _traj
 
@@ -169,24 +170,29 @@ class _NoKeywords(torch.nn.Module):
 
 
 def test_logprobs_and_entropy_from_the_response_rows_equal_the_full_vocabulary_computation():
+    """The whole head from the earliest response column (logits_to_keep), the whole head over every column, and the
+    head fused with the log-softmax in chunks of 3 rows (recomputed in the backward) give the full-vocabulary
+    computation's logprobs, entropy and gradients."""
     model = _learner().model.double()
     trajs = [t for t in _samples(9) if t.response_ids]
     batch = collate(trajs, torch.zeros(len(trajs)), PAD)
     assert _takes_logits_to_keep(model) and not _takes_logits_to_keep(_NoKeywords(model))
     results = []
-    for fn in (token_logprobs, _full_vocab_logprobs, lambda m, *a, **k: token_logprobs(_NoKeywords(m), *a, **k)):
+    for fn in (_full_vocab_logprobs, token_logprobs, lambda m, *a, **k: token_logprobs(_NoKeywords(m), *a, **k),
+               lambda m, *a, **k: token_logprobs(m, *a, chunk=3, **k)):
         model.zero_grad(set_to_none=True)
-        kw = {"entropy_grad": True} if fn is token_logprobs else {}
+        kw = {} if fn is _full_vocab_logprobs else {"entropy_grad": True}
         logprobs, entropy = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask,
                                batch.temperature.double(), **kw)
         (logprobs.sum() + entropy.sum()).backward()
         results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-    (lp, ent, grads), (want_lp, want_ent, want_grads), (plain_lp, _, _) = results
-    assert lp.shape == want_lp.shape and lp[batch.response_mask].ne(0).all()
-    assert torch.allclose(lp, want_lp, rtol=0, atol=1e-12) and torch.allclose(ent, want_ent, rtol=0, atol=1e-12)
-    assert torch.allclose(plain_lp, want_lp, rtol=0, atol=1e-12)
-    for g, want in zip(grads, want_grads, strict=True):
-        assert torch.allclose(g, want, rtol=0, atol=1e-10)
+    (want_lp, want_ent, want_grads), *others = results
+    assert "forward" not in vars(model.lm_head)  # the fused head is gone after its forward
+    for lp, ent, grads in others:
+        assert lp.shape == want_lp.shape and lp[batch.response_mask].ne(0).all()
+        assert torch.allclose(lp, want_lp, rtol=0, atol=1e-12) and torch.allclose(ent, want_ent, rtol=0, atol=1e-12)
+        for g, want in zip(grads, want_grads, strict=True):
+            assert torch.allclose(g, want, rtol=0, atol=1e-10)
 
 
 def test_the_fused_finite_check_names_the_first_non_finite_parameter_and_passes_huge_finite_ones():

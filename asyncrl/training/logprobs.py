@@ -1,0 +1,154 @@
+"""Token log-probabilities and entropy of a causal LM on its own samples, without full-vocabulary memory.
+
+Place in the dataflow: the Learner's gradient passes and proximal forwards, the frozen reference (in the trainer or
+the scorer) and the bare step of benchmarks/train_step.py call `token_logprobs` on one micro-batch (training/batch.py
+`collate`) and read one logprob per response token: position t holds log p(token t | tokens < t) under the
+sample's temperature, so position 0 never carries one.
+
+The vocabulary-wide part is the memory: a [tokens, V] float32 tensor of logits (V = 49,152 for SmolLM2: 197 KB a
+token), kept for the backward pass, plus the log-softmax and the entropy's probabilities. Two ways, by `chunk`
+(trainer.logprob_chunk_tokens):
+
+    chunk > 0   the head is fused with the log-softmax. For the span of the forward the model's output layer
+                (`get_output_embeddings()`, through DDP, FSDP2 and peft wrappers) answers with the logprob and the
+                entropy of the response positions only: it takes the last hidden states of the positions that
+                predict a response token and runs head -> / temperature -> log_softmax -> (target, entropy)
+                `chunk` rows at a time, each chunk under non-reentrant activation checkpointing, so the backward
+                recomputes one chunk's logits at a time instead of keeping all of them. Peak: one chunk's
+                [chunk, V] logits and softmax, not the sequence's; the cost: the head's matmul runs twice for the
+                gradient passes (one more forward of it, ~1/3 of its share of the step).
+    chunk = 0   the whole head at once, as HF computes it: logits from the column before the earliest response
+                position on (HF `logits_to_keep`), the log-softmax on the response positions' rows alone.
+
+Both give the same numbers (row-wise maths on the same rows); with trainer.compile the head is not patched (the
+compiled graph holds the plain head) and the second way runs. `position_ids` lets one row hold several sequences
+(packing, training/micro.py): the model's attention keeps them apart (HF builds a block-diagonal causal mask from
+position ids that restart at 0), and `temperature` may then be given per position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from asyncrl.algorithms import entropy_from_logits
+from asyncrl.training import precision
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, response_mask: Tensor,
+                   temperature: float | Tensor, *, entropy_grad: bool = False, autocast: torch.dtype | None = None,
+                   chunk: int = 0, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response; attention_mask None with
+    `position_ids` for packed rows), temperature (float, [B] or [B, L]) -> (logprobs [B, L], entropy [B, L]); both
+    0 outside response_mask.
+
+    logprobs[b, t] = log_softmax(logits[b, t-1] / T)[input_ids[b, t]] in float32 (float64 for a float64 model),
+    with grad if enabled; entropy of the same distribution, with grad only if `entropy_grad` (the entropy bonus
+    trains through it; the diagnostic does not). `autocast` (trainer.mixed_precision): the model's forward runs
+    under torch.autocast in that dtype; the maths on its logits stays float32. `chunk`: module doc.
+    """
+    b, width = input_ids.shape
+    read = response_mask.bool().clone()
+    read[:, 0] = False                                        # position 0 has nothing before it
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=input_ids.device)
+    temp = temp.reshape(b, -1).expand(b, width) if temp.dim() else temp.expand(b, width)
+    targets, temps = input_ids[read], temp[read]              # one per read position, row-major
+    head = _output_head(model) if chunk > 0 else None
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if head is not None:
+        with _fused_head(head, read[:, 1:], targets, temps, chunk, entropy_grad), \
+                precision.autocast(input_ids.device, autocast):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits   # [n, 2]
+        tok_logp, entropy = out[:, 0], out[:, 1]
+    else:
+        cols = read.any(0).nonzero()
+        first = int(cols[0]) if len(cols) else width - 1      # the earliest position that holds a logprob
+        keep = width - (first - 1) if _takes_logits_to_keep(model) else width
+        if keep < width:
+            kwargs["logits_to_keep"] = keep
+        with precision.autocast(input_ids.device, autocast):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+        start = width - logits.shape[1]                       # logits column c predicts token start + c + 1
+        rows = logits[:, :-1][read[:, start + 1 :]]           # [n, V]: one row per read position
+        tok_logp, entropy = _logprob_entropy(rows, targets, temps, entropy_grad)
+    # back to [B, L]: zeros, then the values in row-major order (masked_scatter keeps the gradient)
+    logprobs = tok_logp.new_zeros((b, width)).masked_scatter(read, tok_logp)
+    return logprobs, tok_logp.new_zeros((b, width)).masked_scatter(read, entropy.to(tok_logp))
+
+
+def _logprob_entropy(rows: Tensor, targets: Tensor, temps: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """rows [n, V] logits, targets [n], temps [n] -> (logprob of each target [n], entropy [n]), float32 or wider."""
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32)) / temps.to(rows.device)[:, None]
+    tok_logp = rows.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        entropy = entropy_from_logits(rows)
+    return tok_logp, entropy
+
+
+def _head_chunk(head_forward: Any, hidden: Tensor, targets: Tensor, temps: Tensor, entropy_grad: bool) -> Tensor:
+    """One chunk: hidden [c, H] -> [c, 2] (logprob, entropy); under checkpointing its logits are not kept."""
+    tok_logp, entropy = _logprob_entropy(head_forward(hidden), targets, temps, entropy_grad)
+    return torch.stack([tok_logp, entropy.to(tok_logp)], dim=-1)
+
+
+@contextlib.contextmanager
+def _fused_head(head: torch.nn.Module, src: Tensor, targets: Tensor, temps: Tensor, chunk: int,
+                entropy_grad: bool) -> Iterator[None]:
+    """For the span of one forward, `head(hidden [B, L, H])` -> [n, 2]: the (logprob, entropy) of the tokens read
+    at the positions after `src` ([B, L-1] bool: the hidden states that predict a read token), chunk by chunk."""
+    plain = head.forward                                      # the bound method: no hooks run twice
+
+    def fused(hidden: Tensor) -> Tensor:
+        h = hidden[:, :-1][src]                               # [n, H]
+        parts = []
+        for i in range(0, h.shape[0], chunk):
+            args = (plain, h[i : i + chunk], targets[i : i + chunk], temps[i : i + chunk], entropy_grad)
+            parts.append(checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else _head_chunk(*args))
+        if not parts:
+            return hidden.new_zeros((0, 2), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        return torch.cat(parts)
+
+    head.forward = fused                                      # an instance attribute: the state dict is untouched
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that maps the last hidden states to logits, where it can be fused: not behind torch.compile,
+    and not for models that change the logits after the head (final logit soft-capping)."""
+    if hasattr(model, "_orig_mod"):                           # trainer.compile: the graph holds the plain head
+        return None
+    inner = getattr(model, "module", model)                   # DDP
+    if hasattr(inner, "get_base_model"):                      # peft
+        inner = inner.get_base_model()
+    get = getattr(inner, "get_output_embeddings", None)
+    config = getattr(inner, "config", None)
+    if get is None or getattr(config, "final_logit_softcapping", None):
+        return None
+    return get()
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper)."""
+    inner = getattr(model, "_orig_mod", model)                # torch.compile (trainer.compile)
+    inner = getattr(inner, "module", inner)                   # DDP
+    if hasattr(inner, "get_base_model"):                      # peft passes it on to the base model
+        inner = inner.get_base_model()
+    return _forward_takes(type(inner), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
