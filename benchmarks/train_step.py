@@ -6,8 +6,14 @@ with realistic `Group`/`Trajectory` messages, and times it against the loop a us
 batch, the same model (the same initial weights) and the same torch threads:
 
     bare step = GRPO advantages from the rewards (group mean/std) -> one forward of the padded batch ->
-                logprob of each sampled token (gather - logsumexp) -> PPO-clip vs the behaviour logprobs,
-                token-mean over the loss mask -> backward -> clip_grad_norm_ -> AdamW step -> zero_grad
+                logprob of each sampled token -> PPO-clip vs the behaviour logprobs, token-mean over the loss
+                mask -> backward -> clip_grad_norm_ -> AdamW step -> zero_grad
+
+The floor is fair: the bare step computes its logprobs with the Learner's own `token_logprobs`
+(asyncrl/training/logprobs.py: the LM head from the earliest response column on, or fused with the log-softmax in
+chunks under trainer.logprob_chunk_tokens) and steps the Learner's own AdamW (asyncrl/training/optim.py `adamw`:
+the fused kernel where the Learner's is fused), so "asyncrl's step vs bare" is what the runtime adds around the
+same maths: building tensors from messages, the algorithm registry's functions, statistics and metrics.
 
 The bare side gets its padded tensors built once, before timing (a hand-written loop holds its batch as tensors
 already); asyncrl's side starts from the messages, as the Trainer does. Both train on every call (the weights
@@ -27,6 +33,7 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
     python benchmarks/train_step.py --model small     # SmolLM2-135M's shape (random init), 16 samples
     python benchmarks/train_step.py --decoupled       # decoupled PPO (a proximal policy every step)
     python benchmarks/train_step.py --model small --mixed-precision bf16  # both sides under bf16 autocast
+    python benchmarks/train_step.py --model small --logprob-chunk 256  # the head fused with the log-softmax
     python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
     python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
     python benchmarks/train_step.py --compile         # + the bare step on a torch.compile'd model, interleaved
@@ -69,6 +76,8 @@ from asyncrl.training import learner as learner_module  # noqa: E402
 from asyncrl.training import precision, schedule  # noqa: E402
 from asyncrl.training.batch import GradientStats  # noqa: E402
 from asyncrl.training.learner import Learner  # noqa: E402
+from asyncrl.training.logprobs import token_logprobs  # noqa: E402
+from asyncrl.training.optim import adamw  # noqa: E402
 
 PAD = 0
 TARGET = 1 / 1.1
@@ -131,19 +140,19 @@ class BareStep:
         width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
         self.input_ids = torch.full((len(trajs), width), PAD, dtype=torch.long)
         self.attention = torch.zeros((len(trajs), width), dtype=torch.long)
-        self.mask = torch.zeros((len(trajs), width - 1), dtype=torch.bool)   # predicting token t+1 at t
-        self.old = torch.zeros((len(trajs), width - 1))
+        self.mask = torch.zeros((len(trajs), width), dtype=torch.bool)   # the response tokens' positions
+        self.old = torch.zeros((len(trajs), width))
         for i, t in enumerate(trajs):
             p, n = len(t.prompt_ids), len(t.response_ids)
             self.input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.response_ids)
             self.attention[i, : p + n] = 1
-            self.mask[i, p - 1 : p + n - 1] = True
-            self.old[i, p - 1 : p + n - 1] = torch.tensor(t.behavior_logprobs)
+            self.mask[i, p : p + n] = True
+            self.old[i, p : p + n] = torch.tensor(t.behavior_logprobs)
+        self.temperature = torch.tensor([t.temperature for t in trajs])
         self.rewards = torch.tensor([t.reward for t in trajs]).view(len(groups), -1)
         self.model, self.algorithm, self.trainer = model, algorithm, trainer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=trainer.lr, betas=tuple(trainer.betas),
-                                           weight_decay=trainer.weight_decay)
+        self.optimizer = adamw(self.params, trainer)
         self.timer: Callable[[str], Any] = _no_timer
 
     def __call__(self) -> None:
@@ -152,10 +161,9 @@ class BareStep:
             r = self.rewards
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + self.algorithm.adv_eps)).view(-1, 1)
         with t("forward + logprobs"):
-            with precision.autocast(self.input_ids.device, precision.autocast_dtype(self.trainer.mixed_precision)):
-                logits = self.model(input_ids=self.input_ids, attention_mask=self.attention, use_cache=False).logits
-            logits = logits[:, :-1].float()
-            logp = logits.gather(-1, self.input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
+            logp, _ = token_logprobs(self.model, self.input_ids, self.attention, self.mask, self.temperature,
+                                     autocast=precision.autocast_dtype(self.trainer.mixed_precision),
+                                     chunk=self.trainer.logprob_chunk_tokens)
         with t("policy loss + agg"):
             ratio = (logp - self.old).exp()
             loss_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
@@ -367,6 +375,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                    help="trainer.mixed_precision of both sides: bf16 runs the forward (and backward) under bf16 "
                         "autocast, fp32 master weights (the bare side too)")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="trainer.logprob_chunk_tokens of both sides (0: the whole LM head at once)")
     p.add_argument("--compare", choices=sorted(LEVERS), default=None,
                    help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
     p.add_argument("--compile", action="store_true",
@@ -396,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     algorithm = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean", clip_eps=0.2,
                                 decoupled=args.decoupled)
     trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples,
-                            mixed_precision=args.mixed_precision)
+                            mixed_precision=args.mixed_precision, logprob_chunk_tokens=args.logprob_chunk)
     learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
     bare = BareStep(model, groups, algorithm, trainer)
     collections = gc_counter()
