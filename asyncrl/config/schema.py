@@ -218,6 +218,13 @@ class TrainerConfig(Section):
            "share a micro-batch while samples x longest (prompt + response) stays within it, so padding stays "
            "small when lengths spread; a longer sample runs alone (verl's dynamic batch size)", ge=0),
     ] = 0
+    pack_sequences: Annotated[
+        bool,
+        _d("the policy's forwards (gradient passes, proximal logprobs) run each micro-batch's samples packed into "
+           "one row without "
+           "padding (position ids per sample; HF's attention keeps them apart): pays with flash-attention's varlen "
+           "kernels, not with a dense mask on a CPU (training/logprobs.py)"),
+    ] = False
     logprob_chunk_tokens: Annotated[
         int,
         _d("response tokens per chunk of the LM head fused with the log-softmax (0: the whole head at once): the "

@@ -77,7 +77,7 @@ from asyncrl.training.batch import (
     response_rows,
 )
 from asyncrl.training.critic import Critic, CriticStats, explained_variance
-from asyncrl.training.logprobs import token_logprobs
+from asyncrl.training.logprobs import packed_logprobs, token_logprobs
 from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
@@ -177,9 +177,9 @@ class Learner:
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see
         training/logprobs.py (trainer.logprob_chunk_tokens)."""
-        return token_logprobs(self.model if model is None else model, input_ids, attention_mask, response_mask,
-                              temperature, entropy_grad=entropy_grad, autocast=self.autocast,
-                              chunk=self.trainer.logprob_chunk_tokens)
+        fn = packed_logprobs if self.trainer.pack_sequences else token_logprobs
+        return fn(self.model if model is None else model, input_ids, attention_mask, response_mask, temperature,
+                  entropy_grad=entropy_grad, autocast=self.autocast, chunk=self.trainer.logprob_chunk_tokens)
 
     @torch.no_grad()
     def teacher_forced_logprobs(

@@ -21,9 +21,15 @@ token), kept for the backward pass, plus the log-softmax and the entropy's proba
                 position on (HF `logits_to_keep`), the log-softmax on the response positions' rows alone.
 
 Both give the same numbers (row-wise maths on the same rows); with trainer.compile the head is not patched (the
-compiled graph holds the plain head) and the second way runs. `position_ids` lets one row hold several sequences
-(packing, training/micro.py): the model's attention keeps them apart (HF builds a block-diagonal causal mask from
-position ids that restart at 0), and `temperature` may then be given per position.
+compiled graph holds the plain head) and the second way runs.
+
+Packing (trainer.pack_sequences, `packed_logprobs`): a micro-batch's samples run as one row of their real tokens,
+no padding; position ids restart at 0 for each sample and HF's attention keeps the samples apart (a
+block-diagonal causal mask under sdpa / eager, varlen kernels under flash-attention). The per-token results go
+back to the padded [B, L] layout, so the loss, its masks and its normalisation are the padded path's. Whether it
+pays depends on the attention kernel: with sdpa on a CPU the block-diagonal mask is dense, so attention costs
+S^2 for a row of S tokens where padding costs B x L^2, and sorting by length (trainer.max_tokens_per_micro_batch)
+is the cheaper way to drop padding there.
 """
 
 from __future__ import annotations
@@ -83,6 +89,24 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     # back to [B, L]: zeros, then the values in row-major order (masked_scatter keeps the gradient)
     logprobs = tok_logp.new_zeros((b, width)).masked_scatter(read, tok_logp)
     return logprobs, tok_logp.new_zeros((b, width)).masked_scatter(read, entropy.to(tok_logp))
+
+
+def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                    temperature: float | Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` of a right-padded batch computed without its padding: the B samples' real tokens packed
+    into one row [1, S] (S = the tokens of all samples), position ids restarting at 0 for each, no attention mask
+    (HF then builds a block-diagonal causal mask from the position ids, or runs varlen attention under
+    flash-attention), and the results put back at the batch's [B, L] positions. The same numbers as the padded
+    forward: each token attends to exactly its own sequence's earlier tokens at the same positions."""
+    b, width = input_ids.shape
+    real = attention_mask.bool()
+    position_ids = (real.long().cumsum(1) - 1)[real][None]
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=input_ids.device)
+    temp = temp.reshape(b, -1).expand(b, width) if temp.dim() else temp.expand(b, width)
+    logprobs, entropy = token_logprobs(model, input_ids[real][None], None, response_mask.bool()[real][None],
+                                       temp[real][None], position_ids=position_ids, **kwargs)
+    zeros = logprobs.new_zeros((b, width))
+    return zeros.masked_scatter(real, logprobs[0]), zeros.masked_scatter(real, entropy[0])
 
 
 def _logprob_entropy(rows: Tensor, targets: Tensor, temps: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -102,3 +103,42 @@ def test_steps_by_token_budget_train_the_weights_the_padded_steps_train(algorith
         moved = min(float((a - b).abs().max()) for a, b in zip(padded.model.parameters(), start.parameters())
                     if a.dim() == 2)
     assert moved > 1e-4 and worst < 1e-12, (moved, worst)
+
+
+def test_packed_rows_give_the_padded_batchs_logprobs_entropy_and_gradients() -> None:
+    """trainer.pack_sequences: the samples' real tokens in one row, position ids per sample — each token sees only
+    its own sequence (HF's block-diagonal mask), so logprobs, entropy and gradients equal the padded forward's."""
+    from asyncrl.training.batch import collate
+    from asyncrl.training.logprobs import packed_logprobs, token_logprobs
+
+    model = _tiny_model().double()
+    samples = _spread_samples(_learner(0))
+    batch = collate(samples, torch.zeros(len(samples)), PAD)
+    results = []
+    for fn, kw in ((token_logprobs, {}), (packed_logprobs, {}), (packed_logprobs, {"chunk": 5})):
+        model.zero_grad(set_to_none=True)
+        lp, ent = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature.double(),
+                     entropy_grad=True, **kw)
+        (lp.sum() + ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (want_lp, want_ent, want_grads), *others = results
+    for lp, ent, grads in others:
+        assert torch.allclose(lp, want_lp, rtol=0, atol=1e-12) and torch.allclose(ent, want_ent, rtol=0, atol=1e-12)
+        assert all(torch.allclose(g, w, rtol=0, atol=1e-10) for g, w in zip(grads, want_grads, strict=True))
+
+
+@pytest.mark.parametrize("algorithm", [dict(loss_agg="seq-mean-token-mean", decoupled=True, correction="token_tis"),
+                                       dict(loss_agg="seq-mean-token-sum-norm", policy_loss="gspo")])
+def test_packed_steps_train_the_weights_the_padded_steps_train(algorithm) -> None:
+    padded = _learner(0, **algorithm)
+    packed = Learner(_tiny_model().double(), algorithm=AlgorithmConfig(**algorithm), pad_token_id=PAD,
+                     max_new_tokens=24, trainer=msgspec.structs.replace(padded.trainer, pack_sequences=True,
+                                                                       max_tokens_per_micro_batch=40))
+    samples = _spread_samples(padded)
+    for _ in range(2):
+        groups = [Group(group_id=g, min_version=0, trajectories=samples[3 * g : 3 * g + 3]) for g in range(4)]
+        m_pad, m_pack = padded.update(groups), packed.update(groups)
+        assert m_pack["trainer/loss"] == pytest.approx(m_pad["trainer/loss"], rel=1e-12, abs=1e-14)
+    with torch.no_grad():
+        worst = max(float((a - b).abs().max()) for a, b in zip(padded.model.parameters(), packed.model.parameters()))
+    assert worst < 1e-12
