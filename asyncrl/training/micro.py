@@ -8,9 +8,13 @@ Two ways to cut, by `trainer.max_tokens_per_micro_batch`:
 
     0 (default)   consecutive runs of `trainer.micro_batch_size` samples, in the step's order;
     > 0           a token budget, as verl's dynamic batch size: the samples sorted by length (prompt + response,
-                  longest first) and taken greedily while B x L (the padded tokens the forward computes) stays
-                  within the budget. Similar lengths share a batch, so the padding is small however widely the
-                  lengths spread; a sample longer than the budget gets a micro-batch of its own (never dropped).
+                  longest first) and cut into runs whose B x L (the padded tokens the forward computes) stays
+                  within the budget, choosing the cut that computes the fewest tokens (padding included, plus
+                  FORWARD_COST tokens' worth per forward for what every forward costs whatever its size: an exact
+                  dynamic programme over the sorted order, where the best cut is always a set of runs). Similar
+                  lengths share a batch, so the padding is small however widely the lengths spread, and a long
+                  reply does not drag a batch of short ones to its width; a sample longer than the budget gets a
+                  micro-batch of its own (never dropped).
 
 The loss does not depend on the cut: every micro-batch's loss divides by the counts of the whole mini-batch
 (asyncrl/algorithms/losses.py), so Σ over micro-batches is the same sum whatever sample lands where.
@@ -29,6 +33,10 @@ import torch
 from torch import Tensor
 
 from asyncrl.messages import Trajectory
+
+# What one more forward costs beyond its tokens (the autocast casts of the weights, the Python of a pass), in
+# tokens' worth: the cut prefers one batch with a little padding to two without.
+FORWARD_COST = 64
 
 
 def lengths(trajectories: Sequence[Trajectory]) -> list[int]:
@@ -65,13 +73,7 @@ class MicroBatching:
                 raise ValueError(f"{n} samples make {len(parts)} micro-batches of {self.max_samples}, not {count}")
             return parts
         order = sorted(range(n), key=lambda i: -lengths_[i])   # stable: equal lengths keep the step's order
-        parts: list[list[int]] = []
-        for i in order:
-            # longest first: a batch's width is its first sample's length
-            if parts and (len(parts[-1]) + 1) * lengths_[parts[-1][0]] <= self.max_tokens:
-                parts[-1].append(i)
-            else:
-                parts.append([i])
+        parts = [order[a:b] for a, b in _cheapest_runs([lengths_[i] for i in order], self.max_tokens)]
         if count is not None:
             if not len(parts) <= count <= n:
                 raise ValueError(f"cannot cut {n} samples into {count} micro-batches (the budget gives {len(parts)})")
@@ -90,3 +92,23 @@ class MicroBatching:
             return self.split(lengths_[lo:hi])
         count = max(len(self.split(lengths_[a:b])) for a, b in shards)
         return self.split(lengths_[lo:hi], count)
+
+
+def _cheapest_runs(widths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """widths sorted longest first -> the runs [a, b) covering them with (b - a) x widths[a] <= budget (a run of
+    one always allowed) whose sum of (b - a) x widths[a] + FORWARD_COST is least. O(n x the longest run)."""
+    n = len(widths)
+    best = [0.0] + [float("inf")] * n        # best[b]: the cheapest cut of widths[:b]
+    start = [0] * (n + 1)
+    for b in range(1, n + 1):
+        for a in range(b - 1, -1, -1):       # the run [a, b): its width is widths[a]
+            if a < b - 1 and (b - a) * widths[a] > budget:
+                break                        # wider still as a moves left
+            cost = best[a] + (b - a) * widths[a] + FORWARD_COST
+            if cost < best[b]:
+                best[b], start[b] = cost, a
+    runs, b = [], n
+    while b:
+        runs.append((start[b], b))
+        b = start[b]
+    return runs[::-1]

