@@ -54,6 +54,7 @@ class EnvEvaluator:
     def __init__(self, *, greedy: EpisodeRunner, sampled: EpisodeRunner, rows: list[dict[str, Any]],
                  samples: bool = False) -> None:
         self.runners = {"greedy": greedy, "sampled": sampled}
+        self.engine = greedy.engine  # both runners' (the trainer puts it to sleep between evaluations)
         self.rows = rows
         self.samples = samples
 

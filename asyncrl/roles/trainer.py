@@ -40,6 +40,7 @@ from asyncrl.training import sharded
 from asyncrl.training.learner import Learner
 from asyncrl.training.lora import export_lora
 from asyncrl.training.parallel import copy_weights
+from engines.base import SleepableEngine
 from transports.base import WeightSender
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,17 @@ class Trainer:
         t0 = self.recorder.begin("eval")
         if self.eval_model is not None:
             copy_weights(self.eval_model, dict(self.pipeline.learner.state_dict_for_sync()))
-        out = await self.evaluator.evaluate()
+        # The evaluation's K/V cache (every held-out prompt at once, to the longest reply) is the trainer's memory
+        # between evaluations: an engine that can sleep gives it back after each one and allocates it again on wake.
+        engine = getattr(self.evaluator, "engine", None)
+        sleeps = isinstance(engine, SleepableEngine)
+        if sleeps:
+            await engine.wake()
+        try:
+            out = await self.evaluator.evaluate()
+        finally:
+            if sleeps:
+                await engine.sleep()
         self.recorder.record("eval", t0, time.time(), self.learner.version)
         return out
 

@@ -244,6 +244,10 @@ def test_evaluation_runs_in_the_engines_dtype_on_a_copy_refreshed_from_the_maste
     assert "eval/greedy_reward" in out
     for (name, a), b in zip(master.named_parameters(), trainer.eval_model.parameters(), strict=True):
         assert torch.equal(a.to(torch.bfloat16), b), name
+    # between evaluations the engine sleeps: its K/V cache is the trainer's memory again; the next one wakes it
+    engine = trainer.evaluator.engine
+    assert engine.asleep and engine.scheduler.backend.slots == 0
+    assert asyncio.run(trainer.evaluate()) == out and engine.asleep  # the same policy, the same greedy replies
     for overrides in ((), ('trainer.mixed_precision="bf16"',), ('trainer.mixed_precision="bf16"',
                                                                   'rollout.dtype="bfloat16"', "model.lora.rank=4")):
         cfg = make_config(*overrides)
