@@ -144,7 +144,13 @@ def make_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_data(model_dir: str | Path = MODEL_DIR, out: str | Path = DATA_DIR) -> tuple[Path, Path]:
     """Write out/train.jsonl and out/eval.jsonl: EVAL_SIZE held-out expressions, the rest for training."""
-    rows = make_rows(arithmetic_entries())
+    return write_split(make_rows(arithmetic_entries()), out)
+
+
+def write_split(rows: list[dict[str, Any]], out: str | Path) -> tuple[Path, Path]:
+    """out/train.jsonl and out/eval.jsonl: `rows` (one per expression, in arithmetic_entries' order) shuffled with
+    SPLIT_SEED, the first EVAL_SIZE held out (examples/smollm_reasoning holds out the same expressions)."""
+    rows = list(rows)
     random.Random(SPLIT_SEED).shuffle(rows)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,56 +20,38 @@ question as the user's), `question`, `answer`, `metadata` (reasoning-gym's entry
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from examples.smollm_arith.prepare import MODEL_DIR, ensure_model, missing_packages  # noqa: E402
+from examples.smollm_arith.prepare import (  # noqa: E402
+    MODEL_DIR,
+    arithmetic_entries,
+    ensure_model,
+    missing_packages,
+    write_split,
+)
 
 log = logging.getLogger(__name__)
 
 DATA_DIR = "runs/data/smollm_reasoning"
 SYSTEM = ("Solve the problem step by step. End your reply with the final number inside answer tags, like "
           "<answer>7</answer>.")
-TASK = "basic_arithmetic"
-TASK_KWARGS = dict(min_digits=1, max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False)
-EVAL_SIZE = 100
-SPLIT_SEED = 1234
 
 
-def entries(terms: int, size: int, seed: int) -> list[dict[str, Any]]:
-    """Distinct `terms`-operand expressions of reasoning-gym's generator, in the order it first makes them."""
-    import reasoning_gym
-
-    seen: dict[str, dict[str, Any]] = {}
-    for entry in reasoning_gym.create_dataset(TASK, seed=seed, size=size, min_terms=terms, max_terms=terms,
-                                              **TASK_KWARGS):
-        seen.setdefault(entry["question"], json.loads(json.dumps(entry)))  # tuples -> lists (JSON)
-    return list(seen.values())
-
-
-def make_rows(chosen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def make_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """reasoning-gym entries -> rows: this example's instruction as the system message, the question as the user's."""
     return [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": e["question"]}],
-             "question": e["question"], "answer": e["answer"], "metadata": e["metadata"]} for e in chosen]
+             "question": e["question"], "answer": e["answer"], "metadata": e["metadata"]} for e in entries]
 
 
 def write_data(out: str | Path = DATA_DIR) -> tuple[Path, Path]:
-    """out/eval.jsonl (EVAL_SIZE expressions) and out/train.jsonl (the other 142)."""
-    rows = entries(2, 4000, seed=0)      # 4000 draws reach all 242 (a miss is below 1e-4)
-    rows.sort(key=lambda e: e["question"])
-    random.Random(SPLIT_SEED).shuffle(rows)
-    held, pool = rows[:EVAL_SIZE], rows[EVAL_SIZE:]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, part in zip(paths, (make_rows(pool), make_rows(held))):
-        path.write_text("".join(json.dumps(r) + "\n" for r in part))
-    return paths
+    """out/eval.jsonl (the EVAL_SIZE expressions examples/smollm_arith holds out) and out/train.jsonl (the other
+    142)."""
+    return write_split(make_rows(arithmetic_entries()), out)
 
 
 def main(argv: list[str] | None = None) -> None:

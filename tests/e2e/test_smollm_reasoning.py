@@ -34,7 +34,7 @@ def test_rows_ask_for_worked_steps_and_hold_out_expressions_never_trained_on(tmp
     train, held_out = prepare.write_data(tmp_path)
     train_rows = [json.loads(line) for line in train.read_text().splitlines()]
     eval_rows = [json.loads(line) for line in held_out.read_text().splitlines()]
-    assert len(eval_rows) == prepare.EVAL_SIZE and len(train_rows) == 242 - prepare.EVAL_SIZE
+    assert len(eval_rows) == arith_prepare.EVAL_SIZE and len(train_rows) == 242 - arith_prepare.EVAL_SIZE
     assert not {r["question"] for r in train_rows} & {r["question"] for r in eval_rows}
     row = eval_rows[0]
     assert row["prompt"] == [{"role": "system", "content": prepare.SYSTEM},
