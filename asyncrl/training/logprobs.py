@@ -63,8 +63,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     b, width = input_ids.shape
     read = response_mask.bool().clone()
     read[:, 0] = False                                        # position 0 has nothing before it
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=input_ids.device)
-    temp = temp.reshape(b, -1).expand(b, width) if temp.dim() else temp.expand(b, width)
+    temp = _per_position(temperature, b, width, input_ids.device)
     targets, temps = input_ids[read], temp[read]              # one per read position, row-major
     head = _output_head(model) if chunk > 0 else None
     kwargs: dict[str, Any] = {"use_cache": False}
@@ -101,12 +100,17 @@ def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
     b, width = input_ids.shape
     real = attention_mask.bool()
     position_ids = (real.long().cumsum(1) - 1)[real][None]
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=input_ids.device)
-    temp = temp.reshape(b, -1).expand(b, width) if temp.dim() else temp.expand(b, width)
+    temp = _per_position(temperature, b, width, input_ids.device)
     logprobs, entropy = token_logprobs(model, input_ids[real][None], None, response_mask.bool()[real][None],
                                        temp[real][None], position_ids=position_ids, **kwargs)
     zeros = logprobs.new_zeros((b, width))
     return zeros.masked_scatter(real, logprobs[0]), zeros.masked_scatter(real, entropy[0])
+
+
+def _per_position(temperature: float | Tensor, b: int, width: int, device: torch.device) -> Tensor:
+    """A temperature (float, [B] or [B, L]) -> [B, L], one per position."""
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    return temp.reshape(b, -1).expand(b, width) if temp.dim() else temp.expand(b, width)
 
 
 def _logprob_entropy(rows: Tensor, targets: Tensor, temps: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:
