@@ -98,15 +98,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from asyncrl.aio import discard, retrieve
 from asyncrl.messages import Group
 from asyncrl.telemetry.metrics import REPORT_KEY, RoleStats
 from asyncrl.telemetry.spans import SpanRecorder
 from transports.base import WeightSender
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 

@@ -171,7 +171,8 @@ def cluster_toml(args: argparse.Namespace) -> str:
 
 
 def run(name: str, args: argparse.Namespace, root: Path, overrides: list[str]) -> dict[str, float]:
-    from asyncrl.deploy.launch import run_local, run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
+    from asyncrl.deploy.local import run_local
 
     text = CONFIG.format(cluster=cluster_toml(args), model_dir=root / "model", run_dir=root / name,
                          hidden=args.hidden, layers=args.layers, mlp=args.hidden * 2, prompts=args.prompts,
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Ray starts its workers at niceness 15 by default; with other jobs on the machine they would
         # lose the cores to them while the driver (the Controller) does not. Same priority for all.
         if args.pin:  # the driver (Controller) and the cluster it starts: see PINNED
-            from asyncrl.deploy.build import pin_cpus
+            from asyncrl.deploy.auto import pin_cpus
 
             pin_cpus(PINNED["controller"], "controller")
         ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",

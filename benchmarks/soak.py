@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from asyncrl.config import load_config
-    from asyncrl.deploy.launch import run_local, run_with_ray
+    from asyncrl.deploy.launch import run_with_ray
+    from asyncrl.deploy.local import run_local
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(EXAMPLE, [*OVERRIDES, f"trainer.total_steps={args.steps}",

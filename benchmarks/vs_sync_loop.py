@@ -288,7 +288,8 @@ def role_threads(cfg) -> tuple[int, int]:
 def measure_floor(cfg, reps: int) -> dict[str, float]:
     """G_alone, T_alone: asyncrl's engine and Learner on one step's batch, each alone at its role's threads."""
     from asyncrl.data.rows import load_rows
-    from asyncrl.deploy.build import build_learner, derive_seed, set_torch_threads, training_sampling
+    from asyncrl.deploy.auto import set_torch_threads
+    from asyncrl.deploy.build import build_learner, derive_seed, training_sampling
     from asyncrl.messages import Group, Trajectory
     from asyncrl.rewards import call_reward
     from asyncrl.rewards.rules import RULES

@@ -21,9 +21,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,18 @@ class ModelSpec(Protocol):
     build_tiny: TinyModelSpec | None
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or a torch.dtype) -> torch.dtype."""
+    import torch  # here and below, where a tensor is made: the launcher finds model folders without torch
+
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -150,6 +152,8 @@ def _quiet_transformers() -> None:
 
 def build_tiny_model(path: str | Path, cfg: TinyModelSpec) -> None:
     """Write a tiny random-initialised HF causal LM + char tokenizer into `path` (deterministic in cfg.seed)."""
+    import torch
+
     _quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -178,11 +182,41 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     return model.to(device).eval()
 
 
+# Model types for which AutoTokenizer loads a folder whose tokenizer_config.json names the generic backend class
+# with `TokenizersBackend.from_pretrained` itself: none is in transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+# (those get the model's registered class instead) or maps to MistralCommonBackend (tests/unit/test_hf_tokenizer.py
+# holds this list to the installed transformers' registry).
+GENERIC_TOKENIZER_TYPES = frozenset({"llama", "gpt2", "gemma", "gemma2", "granite", "olmo2", "phi", "qwen3",
+                                     "smollm3"})
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(path: str | Path):
-    """The tokenizer saved in `path` (local files only)."""
+    """The tokenizer saved in `path` (local files only): the class AutoTokenizer would choose. Where that class is
+    knowably the generic Rust backend (`generic_tokenizer`), it is loaded directly: AutoTokenizer's registry
+    imports every model family's configuration and torch, about 3 s of CPU in each process that starts (the
+    launcher, every generator, the trainer)."""
+    if generic_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast  # transformers 5: TokenizersBackend, by this name too
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def generic_tokenizer(path: str | Path) -> bool:
+    """Whether AutoTokenizer loads `path` as `TokenizersBackend.from_pretrained(path)`: a tokenizer.json, a
+    tokenizer_config.json naming the generic backend with no custom code (`auto_map`), and a model type of
+    GENERIC_TOKENIZER_TYPES."""
+    folder = Path(path)
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return ((folder / "tokenizer.json").is_file() and "auto_map" not in tok_cfg
+            and tok_cfg.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES and model_type in GENERIC_TOKENIZER_TYPES)
 
 
 def ensure_model(model_cfg: ModelSpec) -> Path:

@@ -3,33 +3,23 @@
 open the store, join, leave, the in-process channel); the receiving halves an engine's own workers use (vllm: a
 worker's membership; sglang: an update's header). See each module's docstring for its place in the dataflow."""
 
-from transports.base import WeightReceiver, WeightSender, sync_stats
-from transports.bucketing import pack_bucket, plan_buckets, unpack_bucket
-from transports.collective import (
-    CollectiveReceiver,
-    CollectiveSender,
-    WeightSyncGroup,
-    create_store,
-    join_group,
-    resolve_backend,
-)
-from transports.ipc import IpcReceiver, IpcSender
-from transports.local import LocalWeightChannel
+import importlib
+from typing import Any
 
-__all__ = [
-    "CollectiveReceiver",
-    "CollectiveSender",
-    "IpcReceiver",
-    "IpcSender",
-    "LocalWeightChannel",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightSyncGroup",
-    "create_store",
-    "join_group",
-    "pack_bucket",
-    "plan_buckets",
-    "resolve_backend",
-    "sync_stats",
-    "unpack_bucket",
-]
+# name -> the module that defines it. Imported when first asked for (PEP 562): `transports.group`, which the launcher
+# uses to form the weight group, and `transports.base` need no torch; the transports themselves do.
+_HOMES = {
+    "WeightReceiver": "base", "WeightSender": "base", "sync_stats": "base",
+    "pack_bucket": "bucketing", "plan_buckets": "bucketing", "unpack_bucket": "bucketing",
+    "CollectiveReceiver": "collective", "CollectiveSender": "collective", "WeightSyncGroup": "collective",
+    "create_store": "collective", "join_group": "collective", "resolve_backend": "collective",
+    "IpcReceiver": "ipc", "IpcSender": "ipc",
+    "LocalWeightChannel": "local",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'transports' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"transports.{_HOMES[name]}"), name)

@@ -31,11 +31,12 @@ Stats returned by both sides (one meaning each; docs/metrics.md defines the per-
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 STAT_SECONDS = "sync/seconds"
 STAT_BYTES = "sync/bytes"

@@ -47,13 +47,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import numpy as np
-import safetensors.torch
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+# torch and safetensors' torch half are imported where tensors are read or written: the launcher and the buffer's
+# process find, verify and read the state of checkpoints without them (their import is over a second of CPU)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +130,8 @@ def save(root: str | Path, *, step: int, version: int, config_text: str,
         if write is not None:  # first: what it returns joins the state
             state = {**(state or {}), **(write(tmp) or {})}
             files = _seal_tree(tmp, reserved={STATE, MANIFEST, *(f"{g}{TENSOR_SUFFIX}" for g in tensors or {})})
+        if tensors:
+            import safetensors.torch
         for group, named in (tensors or {}).items():
             if not _GROUP_NAME.fullmatch(group):
                 raise CheckpointError(f"tensor group name {group!r} must match {_GROUP_NAME.pattern}")
@@ -231,6 +237,8 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 def load(path: str | Path) -> Checkpoint:
     """Verify the checkpoint at `path`, then read every tensor group (onto CPU) and the state."""
+    import safetensors.torch
+
     path = Path(path)
     manifest = verify(path)
     tensors = {rel.removesuffix(TENSOR_SUFFIX): safetensors.torch.load_file(str(path / rel))
@@ -255,6 +263,8 @@ def read_state(path: str | Path, *, verified: bool = False) -> tuple[Manifest, d
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """optimizer.state_dict() split into tensors (`state.<param>.<key>`, `param_groups.<i>.<key>`; the
     optimizer's own tensors, not copies) and a msgspec-encodable meta with everything else."""
+    from torch import Tensor
+
     sd = optimizer.state_dict()
     tensors: dict[str, Tensor] = {}
     per_param: dict[str, dict[str, Any]] = {}
@@ -313,6 +323,8 @@ def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
 def rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This process's torch (CPU, and every CUDA device when CUDA is available), Python `random` and
     numpy global RNG states, as tensors and a msgspec-encodable meta."""
+    import torch
+
     tensors = {"torch.cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors.update({f"torch.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -327,6 +339,8 @@ def rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
     """The inverse of `rng_state`. CUDA states are set for the devices present; a mismatch is logged."""
+    import torch
+
     torch.set_rng_state(tensors["torch.cpu"])
     cuda_names = sorted((k for k in tensors if k.startswith("torch.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
     cuda = [tensors[k] for k in cuda_names]
@@ -378,6 +392,8 @@ def export_hf(model: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: 
 def _for_disk(group: str, named: dict[str, Tensor]) -> dict[str, Tensor]:
     """CPU, contiguous, detached tensors that share no storage (safetensors refuses shared ones, e.g.
     tied embeddings): a second tensor on an already seen storage is cloned."""
+    from torch import Tensor
+
     out, seen = {}, set()
     for name, t in named.items():
         if not isinstance(t, Tensor):

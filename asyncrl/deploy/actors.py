@@ -17,6 +17,7 @@ import gc
 import inspect
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -27,28 +28,24 @@ from asyncrl.checkpoints.transfer import NodeFiles
 from asyncrl.config.schema import Config
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor
 from asyncrl.deploy import wire
-from asyncrl.deploy.auto import available_cpus, decide_threads, lower_priority, scorers_in_buffer, thread_candidates
-from asyncrl.deploy.build import (
-    build_buffer,
-    build_generator,
-    build_scorer,
-    build_trainer,
-    build_trainer_rank,
-    export_dtype,
+from asyncrl.deploy.auto import (
+    available_cpus,
+    decide_threads,
+    lower_priority,
     pin_cpus,
+    scorers_in_buffer,
     set_torch_threads,
-    sync_dtype,
+    thread_candidates,
 )
 from asyncrl.deploy.placement import require_device
-from asyncrl.deploy.thread_tuner import ThreadTuner, TunedUpdater, trainer_layouts
 from asyncrl.messages import WeightsMeta
-from asyncrl.roles.trainer_ranks import RankedLearner
 from asyncrl.telemetry.metrics import ACTOR_CALLS, ProcessCpu
 from asyncrl.telemetry.spans import SpanRecorder
 from engines.base import CollectiveWeightEngine, weight_transport
-from transports import group as weight_group
-from transports.bucketing import plan_buckets
-from transports.collective import create_store  # the trainer ranks' own group (trainer.num_ranks > 1)
+
+# The launcher imports this module, and the buffer's process hosts its role with it: neither needs torch, whose
+# import (with the role builders, the trainer's parallelism, the weight transports) is 1.5-2 s of CPU in each
+# process that starts. What pulls torch is imported where a role that needs it is built or joins a group.
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +119,15 @@ async def _decoded(method: str, ref: Any) -> Any:
 
 
 def _build(kind: str, cfg: Config, index: int, buffer: Any) -> Any:
-    builders: dict[str, Callable[[], Any]] = {
-        "buffer": lambda: build_buffer(cfg),
-        "generator": lambda: build_generator(cfg, index, buffer),
-        "scorer": lambda: build_scorer(cfg, index, buffer),
-        "trainer": lambda: build_trainer(cfg, buffer),
-    }
-    return builders[kind]()
+    from asyncrl.deploy.build_scoring import build_buffer, build_scorer
+
+    if kind == "buffer":
+        return build_buffer(cfg)
+    if kind == "scorer":
+        return build_scorer(cfg, index, buffer)
+    from asyncrl.deploy.build import build_generator, build_trainer
+
+    return build_generator(cfg, index, buffer) if kind == "generator" else build_trainer(cfg, buffer)
 
 
 async def _invoke(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
@@ -158,6 +157,8 @@ def tune_threads(cfg: Config, kind: str, role: Any, spread: list[int] | None = N
     `spread` (the trainer pinned by the automatic affinity): every CPU of the run, a layout the trainer tries too.
     Not the trainer with `trainer.compile`: its compiled code is specialised to the thread count, so each count
     tried would compile the model again; it keeps the count it starts with."""
+    from asyncrl.deploy.thread_tuner import ThreadTuner, TunedUpdater, trainer_layouts
+
     cpus = available_cpus()
     candidates = thread_candidates(cfg, len(cpus), kind)
     if kind == "trainer" and cfg.trainer.compile:
@@ -183,7 +184,8 @@ class RoleActor(NodeFiles):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
         self.nice = lower_priority(cfg, kind)  # a generator beside the light roles (cluster.generator_nice)
-        set_torch_threads(decide_threads(cfg, len(available_cpus()), kind))  # after pinning: the CPUs it may use
+        # after pinning: the CPUs it may use
+        set_torch_threads(decide_threads(cfg, len(available_cpus()), kind), light=kind == "buffer")
         self.kind = kind
         self.cfg = cfg
         self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
@@ -201,6 +203,8 @@ class RoleActor(NodeFiles):
         self.hosted: dict[str, list[Any]] = {}
         if kind == "buffer" and scorers_in_buffer(cfg):
             # in-process: the scorers await the buffer's methods directly (same event loop, no actor calls)
+            from asyncrl.deploy.build_scoring import build_scorer
+
             self.hosted["scorer"] = [build_scorer(cfg, i, self.role) for i in range(cfg.reward.num_scorers)]
         self._store = None  # keeps the TCPStore master alive on the trainer
         self._trainer_store: Any = None  # the trainer group's store (rank 0: the master)
@@ -216,14 +220,15 @@ class RoleActor(NodeFiles):
 
     def placement(self) -> dict[str, Any]:
         """Where this actor runs: its device, the GPU ids Ray gave it, and whether it initialised CUDA (a role
-        with no GPU must not)."""
-        import torch
-
+        with no GPU must not). A process that never imported torch (the buffer's) is not made to."""
+        torch = sys.modules.get("torch")
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "device": self.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "cuda_initialized": torch.cuda.is_initialized(),
+                "cuda_initialized": torch is not None and torch.cuda.is_initialized(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "torch_threads": torch.get_num_threads(), "cpus": available_cpus(), "nice": self.nice,
+                # the buffer's process without torch: the count set_torch_threads left for it in OMP_NUM_THREADS
+                "torch_threads": torch.get_num_threads() if torch is not None else int(os.environ["OMP_NUM_THREADS"]),
+                "cpus": available_cpus(), "nice": self.nice,
                 "gc_frozen": gc.get_freeze_count()}  # objects no collection walks (asyncrl/heap.py)
 
     def pid(self) -> int:
@@ -265,6 +270,8 @@ class RoleActor(NodeFiles):
     # -- the trainer group (trainer.num_ranks > 1; asyncrl/roles/trainer_ranks.py) ----------------
     def open_trainer_store(self, world_size: int) -> tuple[str, int]:
         """Trainer rank 0: start the trainer group's TCPStore master; return (host, port) for the other ranks."""
+        from transports.collective import create_store  # the trainer ranks' own group (trainer.num_ranks > 1)
+
         host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
         self._trainer_store, port = create_store(world_size, self.cfg.weight_sync.timeout_s, host)
         return host, port
@@ -275,6 +282,7 @@ class RoleActor(NodeFiles):
         import torch
         import torch.distributed as dist
 
+        from asyncrl.deploy.build import build_trainer, build_trainer_rank
         from asyncrl.training.parallel import DataParallel
 
         timeout_s = self.cfg.weight_sync.timeout_s
@@ -292,6 +300,8 @@ class RoleActor(NodeFiles):
 
     async def attach_trainer_ranks(self, handles: list[Any]) -> None:
         """Trainer rank 0, once every rank built its role: drive the other ranks' actors from now on."""
+        from asyncrl.roles.trainer_ranks import RankedLearner
+
         ranks = RankedLearner(self.role.learner, [RayProxy(h) for h in handles], asyncio.get_running_loop())
         await self.role.attach_ranks(ranks)
 
@@ -300,6 +310,9 @@ class RoleActor(NodeFiles):
         """The bucket plan of the broadcast, describing the tensors in the engines' dtype (rollout.dtype): the
         sender converts the trainer's (float32 under mixed precision) as it packs each bucket. With several
         trainer ranks: the weights gathered after the last change (never a gather of rank 0 alone)."""
+        from asyncrl.deploy.build import sync_dtype
+        from transports.bucketing import plan_buckets
+
         tensors = self.role.pipeline.learner.state_dict_for_sync()
         return plan_buckets(tensors, int(self.cfg.weight_sync.bucket_mb * 2**20), dtype=sync_dtype(self.cfg))
 
@@ -307,6 +320,8 @@ class RoleActor(NodeFiles):
         """Trainer only: start the TCPStore master; return (host, port) for the other members."""
         # A local cluster keeps everything on loopback; on a multi-node cluster peers need our node IP. The
         # store listens on that address only.
+        from transports import group as weight_group
+
         host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
         self._store, port = weight_group.open_store(world_size, self.cfg.weight_sync.timeout_s, host)
         return host, port
@@ -315,6 +330,8 @@ class RoleActor(NodeFiles):
                                 backend: str, meta: WeightsMeta, group_name: str = "weights") -> None:
         """Blocks until every member has joined: the controller calls all members together. A group re-formed
         after a generator died has a fresh `group_name` (its own announcements, its count from 0)."""
+        from transports import group as weight_group
+
         engine = getattr(self.role, "engine", None)
         if rank > 0 and isinstance(engine, CollectiveWeightEngine):
             # vLLM / SGLang: the engine's worker processes are the group member, not this actor.
@@ -337,6 +354,8 @@ class RoleActor(NodeFiles):
     def leave_weight_group(self) -> None:
         """A generator died: end this member's group (a send or an armed receive in flight on it raises), so
         that every member can join the re-formed one. The trainer's next sends wait for the new group."""
+        from transports import group as weight_group
+
         if self.kind == "trainer":
             old = self.role.pipeline.drop_sender()
         else:
@@ -346,6 +365,7 @@ class RoleActor(NodeFiles):
     async def save_checkpoint(self, path: str) -> str:
         """On a worker thread: writing a large model must not block the actor's event loop (the watch would
         take it for a stalled role)."""
+        from asyncrl.deploy.build import export_dtype
         from engines.hf import load_tokenizer
 
         return await asyncio.to_thread(self.role.save_checkpoint, path, load_tokenizer(self.cfg.model.path),

@@ -34,6 +34,7 @@ placement and affinity decisions into the config the actors get; each actor then
 from __future__ import annotations
 
 import os
+import sys
 
 import msgspec
 
@@ -194,3 +195,39 @@ def lower_priority(cfg: Config, kind: str) -> int:
         return 0
     os.nice(nice)
     return nice
+
+
+def pin_cpus(cpus: list[int], who: str) -> None:
+    """Pin every thread of this process to `cpus` (`cluster.affinity.<who>`); threads started later inherit
+    it from their creator. Nothing happens for an empty list."""
+    if not cpus:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError(f"cluster.affinity.{who}: CPU pinning needs Linux (os.sched_setaffinity)")
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            raise RuntimeError(f"cluster.affinity.{who} = {cpus}: {exc.strerror or exc}") from None
+
+
+def set_torch_threads(n: int, *, light: bool = False) -> None:
+    """One actor, `n` intra-op threads, one inter-op thread: two roles really share two cores. `light`: a process
+    that may never need torch (the buffer's, its scorers' reward a plain function) is not made to import it: `n`
+    goes into OMP_NUM_THREADS, which torch reads for its intra-op threads if something there imports it later."""
+    if light and "torch" not in sys.modules:
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        return
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (inter-op pool started); harmless
+        pass

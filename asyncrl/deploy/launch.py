@@ -24,9 +24,7 @@ from asyncrl.control.supervisor import RoleFailed
 from asyncrl.control.watchdog import Heartbeat, Probe
 from asyncrl.data.prompts import check_prompts
 from asyncrl.deploy.actors import ActorCalls, RayProxy, RemoteRoleActor
-from asyncrl.deploy.auto import available_cpus, resolve_ray, scorers_in_buffer, trainer_spread
-from asyncrl.deploy.build import pin_cpus
-from asyncrl.deploy.local import run_local  # noqa: F401 - its home is asyncrl/deploy/local.py (no Ray); kept importable here
+from asyncrl.deploy.auto import available_cpus, pin_cpus, resolve_ray, scorers_in_buffer, trainer_spread
 from asyncrl.deploy.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.deploy.plan import ActorPlan, plan_resources
 from asyncrl.telemetry.metrics import ACTOR_CALLS

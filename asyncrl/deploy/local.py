@@ -16,7 +16,7 @@ from asyncrl.config.schema import Config
 from asyncrl.control.controller import Controller
 from asyncrl.control.watchdog import Heartbeat, LoopMonitor, Probe
 from asyncrl.deploy import wire
-from asyncrl.deploy.auto import available_cpus, local_threads
+from asyncrl.deploy.auto import available_cpus, local_threads, set_torch_threads
 from asyncrl.deploy.build import (
     build_buffer,
     build_generator,
@@ -24,7 +24,6 @@ from asyncrl.deploy.build import (
     build_trainer,
     engine_dtype,
     export_dtype,
-    set_torch_threads,
     sync_dtype,
     trained_dtype,
 )

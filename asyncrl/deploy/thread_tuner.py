@@ -35,8 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from asyncrl.deploy.auto import available_cpus
-from asyncrl.deploy.build import pin_cpus
+from asyncrl.deploy.auto import available_cpus, pin_cpus
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from asyncrl.messages import Group, Trajectory
 from asyncrl.rewards.base import Call, Rewards
@@ -39,8 +39,10 @@ from asyncrl.roles.decoding import decode_many
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import Max, ProcessCpu, Rate, RoleStats, Sum, Total, Window, process_cpu_metrics, rss_mb
 from asyncrl.telemetry.spans import SpanRecorder
-from asyncrl.training.reference import ReferencePolicy
 from buffers.grouping import GroupAssembler
+
+if TYPE_CHECKING:
+    from asyncrl.training.reference import ReferencePolicy
 
 log = logging.getLogger(__name__)
 

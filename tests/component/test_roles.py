@@ -160,7 +160,7 @@ def test_scorer_scores_the_generators_text_and_decodes_only_what_arrives_without
 
 def test_the_scorers_lazy_decode_loads_no_tokenizer_until_a_completion_arrives_without_text(tiny_model_dir,
                                                                                             monkeypatch):
-    from asyncrl.deploy import build
+    from asyncrl.deploy import build_scoring as build
 
     loads = []
     real = build.tokenizer_fns

@@ -48,7 +48,7 @@ def check_colocated_run(cfg, run_dir, steps: int) -> None:
 
 
 def test_colocated_in_process_run_never_generates_while_it_trains_or_evaluates(make_config, tmp_path):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     run_dir = tmp_path / "colocated"
     cfg = make_config('cluster.placement="colocated"', "trainer.total_steps=4", "rollout.num_generators=2",

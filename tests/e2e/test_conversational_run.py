@@ -47,7 +47,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_local_run_trains_on_conversational_rows_through_the_chat_template(make_config, tiny_model_dir, tmp_path):
     from asyncrl.deploy.build import build_generator
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
     from engines.hf import load_tokenizer
 
     model = _templated_model(tiny_model_dir, tmp_path)

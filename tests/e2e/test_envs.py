@@ -148,7 +148,7 @@ def test_concurrent_episodes_share_the_engines_decode_batches(env_model_dir):
 
 
 def test_guess_env_trains_in_process_and_reports_env_metrics(env_model_dir, tmp_path):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = env_config(tmp_path, env_model_dir, "guess", "asyncrl.envs.builtin:guess_rows")
     rows = run_local(cfg)
@@ -198,7 +198,7 @@ def rows(split, seed):
 
 
 def test_user_env_by_import_path_trains_and_faulty_episodes_are_counted(env_model_dir, tmp_path, monkeypatch):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     (tmp_path / "user_envs_mod.py").write_text(textwrap.dedent(USER_ENV))
     monkeypatch.syspath_prepend(str(tmp_path))

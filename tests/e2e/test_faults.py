@@ -44,7 +44,7 @@ def _train_rows(rows):
 @pytest.mark.timeout(180)  # a hang fails the test instead of the suite
 def test_raising_reward_is_contained_and_every_admitted_group_is_accounted_for(make_config, tmp_path,
                                                                                monkeypatch):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     (tmp_path / "flaky_reward_mod.py").write_text(FLAKY_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -90,7 +90,7 @@ def rows_with_a_set(split="train", seed=0):
 def test_a_run_whose_every_group_fails_ends_with_one_error_naming_the_reason(make_config, tmp_path, monkeypatch,
                                                                              cause, overrides, reason):
     from asyncrl.control.watchdog import RunStalled
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     (tmp_path / "no_progress_mod.py").write_text(NO_PROGRESS_MOD)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -119,7 +119,7 @@ def test_an_env_step_that_blocks_the_event_loop_ends_the_in_process_run_with_whe
     # In process every role shares one event loop: the block (3 s, once) stops them all. The watch reads the
     # stall once the loop runs again; without it, the run would just go on after the block.
     from asyncrl.control.watchdog import RunStalled
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = make_config(*BLOCKING_ENV, "env.kwargs.seconds=3.0", "run.role_timeout_s=1.0", "trainer.total_steps=50",
                       f'run.output_dir="{tmp_path / "blocked"}"')

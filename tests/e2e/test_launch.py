@@ -67,7 +67,7 @@ def test_scorers_hosted_in_the_buffer_actor_score_every_sample(ray_cluster, make
 
 
 def test_on_policy_k0_trains_only_on_data_of_the_current_version(make_config, tmp_path):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = make_config("staleness.max_staleness=0", "trainer.total_steps=4", "trainer.eval_every=0",
                       "rollout.num_generators=2", f'run.output_dir="{tmp_path / "k0"}"')
@@ -83,7 +83,7 @@ def test_in_flight_updates_yield_trajectories_that_span_versions_within_the_boun
     mid-sequence when a swap lands: trained trajectories carry tokens of two versions — and staleness
     (from min_version) still never exceeds k. (That a swap lands exactly between two decode steps with
     exact per-token stamps is tested deterministically at the engine level.)"""
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = make_config("staleness.max_staleness=2", "rollout.concurrency=2", "rollout.max_new_tokens=24",
                       "trainer.total_steps=6", "trainer.eval_every=0", "rollout.weight_update=\"in_flight\"",
@@ -96,7 +96,7 @@ def test_in_flight_updates_yield_trajectories_that_span_versions_within_the_boun
 
 
 def test_between_requests_updates_never_mix_versions_in_a_trajectory(make_config, tmp_path):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     cfg = make_config("staleness.max_staleness=1", "rollout.max_new_tokens=24", "trainer.total_steps=4",
                       "trainer.eval_every=0", "rollout.weight_update=\"between_requests\"",

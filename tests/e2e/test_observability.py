@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # whole runs, a sweep and the overlap benchmark
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir):
     from asyncrl.config import load_config
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
     from tests.conftest import TINY_TOML
 
     root = tmp_path_factory.mktemp("obs")

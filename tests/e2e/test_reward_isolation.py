@@ -44,7 +44,7 @@ def _check(rows: list[dict]) -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_an_in_process_run_scores_through_reward_workers_and_leaves_none_behind(make_config, tmp_path):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     assert reward_workers() == []
     cfg = make_config('reward.isolation="process"', "reward.workers=2", "trainer.eval_every=2",

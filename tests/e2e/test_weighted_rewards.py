@@ -19,7 +19,7 @@ FUNCTIONS = ('[{fn="prefix_match", name="prefix", weight=1.0}, '
 
 
 def test_a_local_run_logs_each_weighted_component_and_their_sum(make_config, tiny_model_dir, tmp_path, monkeypatch):
-    from asyncrl.deploy.launch import run_local
+    from asyncrl.deploy.local import run_local
 
     monkeypatch.syspath_prepend(str(DATA))
     rm = build_reward_model(tiny_model_dir, tmp_path / "rm")

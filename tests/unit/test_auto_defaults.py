@@ -16,13 +16,13 @@ from asyncrl.deploy.auto import (
     decide_threads,
     local_threads,
     lower_priority,
+    pin_cpus,
     resolve_ray,
     scorers_in_buffer,
     split_cores,
     thread_candidates,
     trainer_spread,
 )
-from asyncrl.deploy.build import pin_cpus
 from asyncrl.deploy.thread_tuner import Layout, ThreadTuner, TunedUpdater, trainer_layouts
 
 

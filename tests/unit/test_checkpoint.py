@@ -147,7 +147,9 @@ def test_an_oserror_anywhere_in_a_save_keeps_the_previous_checkpoints_and_create
     save(tmp_path, 1)
     save(tmp_path, 2)
     module, name = where.rsplit(".", 1)
-    target = {"safetensors.torch": ck.safetensors.torch, "os": os}[module]
+    import safetensors.torch  # the module store.save imports when it writes tensors
+
+    target = {"safetensors.torch": safetensors.torch, "os": os}[module]
     real, calls = getattr(target, name), []
 
     def fail_late(*args, **kwargs):  # let the first call through, so the save fails halfway

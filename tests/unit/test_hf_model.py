@@ -40,6 +40,46 @@ def test_llama_folder_tokenizes_like_the_qwen2_folder(model_dir, tmp_path):
     assert hf.load_tokenizer(tmp_path).encode(text) == hf.load_tokenizer(model_dir).encode(text)
 
 
+def test_generic_tokenizer_types_are_the_ones_autotokenizer_loads_with_the_generic_backend():
+    """engines.hf.GENERIC_TOKENIZER_TYPES against the installed transformers' registry: none of them gets the model's
+    registered class instead of the hub's (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) or Mistral's backend."""
+    from transformers.models.auto import tokenization_auto
+
+    assert not hf.GENERIC_TOKENIZER_TYPES & tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert all(tokenization_auto.TOKENIZER_MAPPING_NAMES.get(t) != "MistralCommonBackend"
+               for t in hf.GENERIC_TOKENIZER_TYPES)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_load_tokenizer_gives_what_autotokenizer_gives(arch, tmp_path):
+    """The direct load of a generic tokenizer (a llama folder) and AutoTokenizer's (a qwen2 folder: transformers
+    gives it Qwen2Tokenizer) give AutoTokenizer's class, ids, specials and chat rendering."""
+    hf.build_tiny_model(tmp_path, TinyModelConfig(**{**_fields(TINY), "arch": arch}))
+    assert hf.generic_tokenizer(tmp_path) == (arch == "llama")
+    ours, auto = hf.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert type(ours) is type(auto)
+    text = "a , b= 12?"
+    assert ours.encode(text) == auto.encode(text) and ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id, ours.padding_side) == \
+        (auto.eos_token_id, auto.pad_token_id, auto.bos_token_id, auto.padding_side)
+    assert ours.init_kwargs == auto.init_kwargs
+
+
+def test_load_tokenizer_leaves_a_custom_or_specific_tokenizer_to_autotokenizer(model_dir, tmp_path):
+    import json
+    import shutil
+
+    for change in ({"auto_map": {"AutoTokenizer": ["x.Tok", None]}}, {"tokenizer_class": "GPT2Tokenizer"}):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(model_dir, folder)
+        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                        "model_type": "llama"}))
+        tok_cfg = folder / "tokenizer_config.json"
+        tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), **change}))
+        assert not hf.generic_tokenizer(folder), change
+    assert not hf.generic_tokenizer(tmp_path / "missing")
+
+
 def test_tokenizer_encodes_one_token_per_character_without_special_tokens(model_dir):
     tok = hf.load_tokenizer(model_dir)
     ids = tok.encode("ab 1")

@@ -252,3 +252,16 @@ def test_the_layer_check_sees_an_upward_import():
     graph = {"asyncrl.config.loader": {"asyncrl.deploy.launch", "asyncrl.registry"},
              "asyncrl.deploy.launch": {"asyncrl.config.loader", "asyncrl.deploy.actors"}}
     assert _upward(graph) == ["asyncrl.config.loader (layer 1) imports asyncrl.deploy.launch (layer 10)"]
+
+
+def test_the_launcher_and_the_buffers_process_start_without_torch_or_transformers():
+    """What every run starts with imports neither torch nor transformers (together 3-5 s of CPU per process on
+    these machines): the launcher's modules, and the buffer's actor with its scorers' builders and a model folder's
+    tokenizer check. Only the roles that need them import them, when they are built."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import asyncrl.deploy.launch, asyncrl.deploy.actors, asyncrl.deploy.build_scoring, "
+            "engines.hf; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

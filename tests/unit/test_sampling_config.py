@@ -60,7 +60,7 @@ def test_pin_cpus_pins_every_thread_and_names_the_role_on_error():
 
     import pytest
 
-    from asyncrl.deploy.build import pin_cpus
+    from asyncrl.deploy.auto import pin_cpus
 
     before = os.sched_getaffinity(0)
     cpu = min(before)
