@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -255,6 +256,7 @@ def _config_errors(err: ConfigError) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The `asyncrl` command. `argv` None: this process's own command line (the console script, `python -m
     asyncrl.cli`), so a launch may tune the process for its one run (asyncrl/heap.py); a list: a caller's."""
+    launched_at = time.time()  # the run's start-up is counted from here (summary.json "startup_s")
     own_process = argv is None
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if own_process:  # this process drives one run: its imports are never walked by a full collection again
         heap.settle()
     try:
-        rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume))
+        rows = runner(cfg, config_text=config_to_toml(cfg), resume=bool(resume), launched_at=launched_at)
     except KeyboardInterrupt:  # Ctrl-C before the run's loop took the signal (setup)
         print("interrupted; actors stopped", file=sys.stderr)
         return 130

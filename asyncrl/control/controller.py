@@ -103,8 +103,11 @@ class RunStopped(RuntimeError):
 
 class Controller:
     def __init__(self, cfg: Config, deployment: Deployment, *, run_dir: str | Path | None = None,
-                 config_text: str | None = None, resume: bool = False) -> None:
+                 config_text: str | None = None, resume: bool = False, launched_at: float | None = None) -> None:
         self.cfg = cfg
+        # start-up: from `launched_at` (the launch; default: this run's start) to the generators' first requests
+        self.launched_at = launched_at
+        self.startup_s: float | None = None
         self.d = deployment
         self.run_dir = Path(run_dir or cfg.run.output_dir)
         self.config_text = config_text
@@ -183,6 +186,8 @@ class Controller:
             if self.colocated:  # the first evaluation before any generation: the engines hold no cache yet
                 await self._first_eval(sinks, first_step, t_start)
             self.supervisor.start_loops()
+            self.startup_s = time.time() - (t_start if self.launched_at is None else self.launched_at)
+            log.info("generating %.1f s after the launch (Ray, actors, model loads, weight sync)", self.startup_s)
             self.watch.probes = d.probes()
             self._watching = asyncio.ensure_future(self.watch.run())
             if not self.colocated:
@@ -547,7 +552,7 @@ class Controller:
         await self.supervisor.stop(unresponsive=unanswered)  # their loops will not end either: not waited for
 
     def _summary(self, t_start: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {"wall_s": time.time() - t_start}
+        out: dict[str, Any] = {"wall_s": time.time() - t_start, "startup_s": self.startup_s}
         out.update(summarize_rows(rows))
         out["setting"] = {"num_generators": self.cfg.rollout.num_generators,
                           "max_staleness": self.cfg.staleness.max_staleness,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -292,13 +293,16 @@ class RayDeployment:
 
 
 def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = False,
-                 beside: Callable[[Controller, RayDeployment], Awaitable[None]] | None = None) -> list[dict[str, Any]]:
+                 beside: Callable[[Controller, RayDeployment], Awaitable[None]] | None = None,
+                 launched_at: float | None = None) -> list[dict[str, Any]]:
     """Run `cfg` on Ray; returns the metrics rows. Stops the cluster if this call started it.
 
     A dead trainer or buffer ends the Controller's run with RoleFailed; when a valid checkpoint exists the
     roles are started afresh and the run resumes from it, up to `run.max_resumes` times. `beside(controller,
     deployment)`, when given, runs on the Controller's loop beside each attempt's run and is cancelled when
-    the run ends (a monitor; benchmarks/faults.py injects its kills with it)."""
+    the run ends (a monitor; benchmarks/faults.py injects its kills with it). `launched_at`: the time the run's
+    start-up counts from (summary.json "startup_s"; `asyncrl launch` passes its own start; default: now)."""
+    launched_at = time.time() if launched_at is None else launched_at
     ensure_model(cfg.model)
     # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/deploy/auto.py)
     resolved = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
@@ -319,7 +323,7 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
             except BaseException:
                 asyncio.run(deployment.shutdown())
                 raise
-            controller = Controller(cfg, deployment, config_text=config_text, resume=resume)
+            controller = Controller(cfg, deployment, config_text=config_text, resume=resume, launched_at=launched_at)
             try:
                 return run_loop(_run_beside(controller, deployment, beside))
             except RoleFailed as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import Any
 
 from asyncrl.aio import run_loop
@@ -148,7 +149,10 @@ class LocalDeployment:
             s.rewards.close()
 
 
-def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
+def run_local(cfg: Config, *, config_text: str | None = None, resume: bool = False,
+              launched_at: float | None = None) -> list[dict[str, Any]]:
     """Run `cfg` with every role in this process (no Ray); returns the metrics rows."""
     ensure_model(cfg.model)
-    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text, resume=resume).run())
+    launched_at = time.time() if launched_at is None else launched_at
+    return run_loop(Controller(cfg, LocalDeployment(cfg), config_text=config_text, resume=resume,
+                               launched_at=launched_at).run())

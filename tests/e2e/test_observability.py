@@ -93,6 +93,7 @@ def test_run_metrics_answer_the_overlap_question(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["setting"]["max_staleness"] == 1
     assert 0.0 <= summary["overlap_ratio"] <= 1.0 and summary["throughput/samples_per_s"] > 0
+    assert 0.0 < summary["startup_s"] < 60.0  # from run_local's call to the generators' first requests
     assert sum(summary["staleness_hist"].values()) == 4 * 4 * 4  # steps x prompts x group size
 
 
