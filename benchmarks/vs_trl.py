@@ -1,0 +1,278 @@
+"""asyncrl against TRL's GRPOTrainer on the same job, judged by one shared evaluator.
+
+    python benchmarks/vs_trl.py                            # the README job (examples/smollm_arith), seeds 0 1 2
+    python benchmarks/vs_trl.py --job reasoning --seeds 0  # the long-reply example (examples/smollm_reasoning)
+    python benchmarks/vs_trl.py --settings                 # print the TRL settings the job maps to; run nothing
+
+TRL is not a dependency of the project: it is installed into an environment of its own (--trl-venv, default
+runs/trl-venv; made on first use: torch==2.13.0 first, then trl, and the transformers and reasoning-gym versions
+this environment has) and trains there, in its own process; asyncrl trains with `asyncrl launch`, as a user runs
+it. The two run one after the other, never side by side, on every core of the machine.
+
+The same job for both (`trl_settings`): the model folder, the train rows (TRL's conversational form, rendered by
+the model's chat template in both), the reward function (reward.fn, called with each row's fields), prompts per
+step x group size, one optimizer step per step, the learning rate and its constant schedule, AdamW's betas and
+weight decay, gradient clipping, steps, max new tokens, the sampling temperature, the clip epsilon, no KL term,
+the loss aggregation (token-mean is TRL's "dapo"), group-normalised advantages, bf16 autocast where asyncrl's
+config asks for it, torch threads. What differs is the frameworks: TRL generates with HF `generate` and trains
+strictly on-policy, step after step; asyncrl generates with its own engine, overlapped with training at the
+config's max_staleness. Neither evaluates during the run (asyncrl's trainer.eval_every is set to 0).
+
+The shared evaluator (`evaluate`): HF `generate` in this environment, in float32, on the job's held-out rows, all
+at once with left padding: greedy, and sampled at T = 1 with a fixed seed; each completion scored by the job's
+reward. It judges the base model once and each final model (asyncrl's export, TRL's saved model).
+
+Figures per framework and seed: wall (the process, launch to exit), start-up (launch to the first step: asyncrl's
+summary.json startup_s; TRL's on_train_begin), s/step (mean over steps after the first), held-out greedy and
+sampled reward, the trainer's peak resident memory. The last line is JSON: value = TRL's mean wall / asyncrl's
+(the speed-up, target 2.0), baseline = TRL's mean wall in seconds; "greedy"/"sampled" carry both frameworks'
+means and spreads over the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = {"readme": ROOT / "examples/smollm_arith/config.toml",
+        "reasoning": ROOT / "examples/smollm_reasoning/config.toml"}
+PREPARE = {"readme": "examples.smollm_arith.prepare", "reasoning": "examples.smollm_reasoning.prepare"}
+TRL_VERSION = "1.16.0"
+# asyncrl's loss aggregation -> TRL's loss_type of the same normalisation
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+
+
+def trl_settings(cfg: Any) -> dict[str, Any]:
+    """The GRPOConfig keyword arguments of asyncrl config `cfg`'s job; ValueError for a job TRL cannot mirror."""
+    a, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
+    problems = [what for what, bad in (
+        ("algorithm.advantage must be 'grpo'", a.advantage != "grpo"),
+        ("algorithm.policy_loss must be 'ppo_clip'", a.policy_loss != "ppo_clip"),
+        (f"algorithm.loss_agg must be one of {sorted(LOSS_TYPES)}", a.loss_agg not in LOSS_TYPES),
+        ("algorithm.kl_mode must be 'off'", a.kl_mode != "off"),
+        ("trainer.mini_batches and trainer.epochs must be 1", t.mini_batches != 1 or t.epochs != 1),
+        ("trainer.lr_scheduler must be 'constant'", t.lr_scheduler != "constant"),
+        ("rollout.top_p must be 1 and rollout.top_k 0", r.top_p != 1.0 or r.top_k > 0),
+    ) if bad]
+    if problems:
+        raise ValueError("TRL's GRPOTrainer cannot run this job the same way: " + "; ".join(problems))
+    return {
+        "learning_rate": t.lr, "lr_scheduler_type": "constant", "weight_decay": t.weight_decay,
+        "adam_beta1": t.betas[0], "adam_beta2": t.betas[1], "max_grad_norm": t.grad_clip,
+        "max_steps": t.total_steps, "per_device_train_batch_size": t.prompts_per_step * r.group_size,
+        "gradient_accumulation_steps": 1, "num_generations": r.group_size, "num_iterations": 1,
+        "max_completion_length": r.max_new_tokens, "temperature": r.temperature, "top_p": 1.0, "top_k": 0,
+        "beta": 0.0, "epsilon": a.clip_eps, "loss_type": LOSS_TYPES[a.loss_agg], "scale_rewards": "group",
+        "bf16": t.mixed_precision == "bf16", "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "use_cpu": True, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+        "dataloader_num_workers": 0,
+    }
+
+
+def trl_python(venv: Path) -> Path:
+    """TRL's environment's interpreter, made on first use."""
+    python = venv / "bin" / "python"
+    check = f"import trl; assert trl.__version__ == {TRL_VERSION!r}"
+    if python.exists() and subprocess.run([python, "-c", check], capture_output=True).returncode == 0:
+        return python
+    print(f"making TRL's environment in {venv} (trl {TRL_VERSION}; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU wheel first: trl's requirements then keep it
+    subprocess.run([*pip, f"trl=={TRL_VERSION}", f"transformers=={metadata.version('transformers')}",
+                    f"reasoning-gym=={metadata.version('reasoning-gym')}"], check=True)
+    return python
+
+
+def trl_worker(spec: dict[str, Any]) -> None:
+    """In TRL's environment: train the job with GRPOTrainer, save the final model, write the timings."""
+    import importlib
+
+    import torch
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(spec["threads"])
+    module, name = spec["reward"].split(":")
+    reward = getattr(importlib.import_module(module), name)
+    dataset = load_dataset("json", data_files=spec["train"], split="train")
+    fields = [c for c in dataset.column_names if c != "prompt"]
+
+    def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        out = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            out.append(float(reward(question, text, **{f: columns[f][i] for f in fields if f in columns})))
+        return out
+
+    times: dict[str, Any] = {"steps": []}
+
+    class Times(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            times["train_begin"] = time.time()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            times["step_begin"] = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times["steps"].append(time.time() - times["step_begin"])
+
+    args = GRPOConfig(output_dir=spec["out"], seed=spec["seed"], **spec["settings"])
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                          callbacks=[Times()])
+    trainer.train()
+    trainer.save_model(str(Path(spec["out"]) / "final"))
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    Path(spec["out"], "times.json").write_text(json.dumps({**times, "train_rewards": rewards, "peak_gb": peak_gb}))
+
+
+def evaluate(model_dir: Path, tokenizer_dir: Path, rows: list[dict[str, Any]], reward: Any, max_new_tokens: int,
+             seed: int) -> dict[str, float]:
+    """The shared evaluator: mean reward of greedy and of sampled (T = 1) completions on `rows`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out: dict[str, float] = {}
+    for mode, kwargs in (("greedy", {"do_sample": False}),
+                         ("sampled", {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0})):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
+        replies = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        fields = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+        scores = [float(reward(r["prompt"][-1]["content"], c, **f)) for r, c, f in zip(rows, replies, fields)]
+        out[mode] = sum(scores) / len(scores)
+    return out
+
+
+def run_asyncrl(config: Path, seed: int, out: Path, threads: int) -> dict[str, Any]:
+    cmd = ["asyncrl", "launch", str(config), "--set", f"run.seed={seed}", "--set", f'run.output_dir="{out}"',
+           "--set", "trainer.eval_every=0", "--set", "logging.live=false"]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   stdout=subprocess.DEVNULL)
+    wall = time.time() - t0
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    steps = [r["time/step_s"] for r in rows if "reward/mean" in r]
+    padded = [r["trainer/padded_share"] for r in rows if "trainer/padded_share" in r]
+    return {"wall_s": wall, "startup_s": summary["startup_s"], "step_s": statistics.mean(steps[1:] or steps),
+            "peak_gb": summary.get("memory/trainer_peak_gb"),
+            "padded_share": statistics.mean(padded) if padded else None,
+            "train_rewards": [r["reward/mean"] for r in rows if "reward/mean" in r], "model": out / "checkpoint"}
+
+
+def run_trl(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    subprocess.run([str(python), __file__, "--trl-worker", json.dumps(spec)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    wall = time.time() - t0
+    times = json.loads((out / "times.json").read_text())
+    steps = times["steps"]
+    return {"wall_s": wall, "startup_s": times["train_begin"] - t0, "step_s": statistics.mean(steps[1:] or steps),
+            "peak_gb": times["peak_gb"], "padded_share": None, "train_rewards": times["train_rewards"],
+            "model": out / "final"}
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", choices=sorted(JOBS), default="readme")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--trl-venv", type=Path, default=ROOT / "runs" / "trl-venv")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "vs_trl")
+    parser.add_argument("--eval-seed", type=int, default=1234)
+    parser.add_argument("--settings", action="store_true", help="print the TRL settings of the job; run nothing")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(args.trl_worker))
+        return
+    os.chdir(ROOT)  # the example configs' folders are relative to the repository root
+
+    import importlib
+
+    from asyncrl.config import load_config
+    from asyncrl.registry import import_path
+
+    cfg = load_config(JOBS[args.job], [])
+    settings = trl_settings(cfg)
+    if args.settings:
+        print(json.dumps(settings, indent=1))
+        return
+    if not Path(cfg.data.path).exists() or not Path(cfg.data.eval_path).exists():
+        importlib.import_module(PREPARE[args.job]).main()
+    threads = int(cfg.cluster.torch_threads) if cfg.cluster.torch_threads != "auto" else os.cpu_count() or 1
+    python = trl_python(args.trl_venv)
+    reward = import_path(cfg.reward.fn)
+    held_out = [json.loads(line) for line in Path(cfg.data.eval_path).open()][: cfg.trainer.eval_prompts]
+    model = Path(cfg.model.path)
+
+    def judge(path: Path) -> dict[str, float]:
+        return evaluate(path, model, held_out, reward, cfg.rollout.max_new_tokens, args.eval_seed)
+
+    base = judge(model)
+    print(f"base model: held-out greedy {base['greedy']:.3f}, sampled {base['sampled']:.3f} "
+          f"({len(held_out)} rows)", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {"asyncrl": [], "trl": []}
+    for seed in args.seeds:
+        runs = (("asyncrl", lambda: run_asyncrl(JOBS[args.job], seed, args.out / f"asyncrl-{seed}", threads)),
+                ("trl", lambda: run_trl(python, {"out": str(args.out / f"trl-{seed}"), "seed": seed,
+                                                  "threads": threads, "settings": settings,
+                                                  "model": str(model), "train": str(cfg.data.path),
+                                                  "reward": cfg.reward.fn})))
+        for name, run in runs if seed % 2 == 0 else reversed(runs):  # alternate which goes first
+            result = run()
+            result.update(judge(result.pop("model")))
+            results[name].append(result)
+            print(f"seed {seed} {name:8s} wall {result['wall_s']:6.1f} s  start-up {result['startup_s']:5.1f} s  "
+                  f"{result['step_s']:5.2f} s/step  held-out greedy {result['greedy']:.3f} sampled "
+                  f"{result['sampled']:.3f}  peak {result['peak_gb'] or 0:.2f} GB", flush=True)
+
+    print(f"\n{args.job} job, seeds {args.seeds}: mean ± sd over seeds")
+    print("| framework | wall s | start-up s | s/step | held-out greedy | held-out sampled | trainer peak GB |"
+          " padded share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rs in results.items():
+        padded = [r["padded_share"] for r in rs if r["padded_share"] is not None]
+        print(f"| {name} | {_spread([r['wall_s'] for r in rs])} | {_spread([r['startup_s'] for r in rs])} | "
+              f"{_spread([r['step_s'] for r in rs])} | {_spread([r['greedy'] for r in rs])} | "
+              f"{_spread([r['sampled'] for r in rs])} | {_spread([r['peak_gb'] for r in rs])} | "
+              f"{_spread(padded) if padded else '-'} |")
+    print(f"| base model | | | | {base['greedy']:.3f} | {base['sampled']:.3f} | | |")
+    ours, theirs = results["asyncrl"], results["trl"]
+    speedup = statistics.mean(r["wall_s"] for r in theirs) / statistics.mean(r["wall_s"] for r in ours)
+    print(json.dumps({"benchmark": f"vs_trl_{args.job}", "value": round(speedup, 3), "unit": "x",
+                      "baseline": round(statistics.mean(r["wall_s"] for r in theirs), 1),
+                      "ratio": round(speedup / 2.0, 3), "target": 2.0,
+                      "greedy": {n: [round(r["greedy"], 3) for r in rs] for n, rs in results.items()},
+                      "sampled": {n: [round(r["sampled"], 3) for r in rs] for n, rs in results.items()},
+                      "seeds": args.seeds}))
+
+
+if __name__ == "__main__":
+    main()

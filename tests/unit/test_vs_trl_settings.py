@@ -1,0 +1,40 @@
+"""benchmarks/vs_trl.py gives TRL's GRPOTrainer the job asyncrl's config describes, and refuses a job TRL would run
+differently. (The benchmark itself installs TRL into an environment of its own: not run here.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_and_long_reply_jobs_map_onto_grpoconfig_field_by_field(monkeypatch):
+    from asyncrl.config import load_config
+
+    bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
+    for job, steps, new_tokens, checkpointing in (("readme", 10, 12, False), ("reasoning", 20, 256, True)):
+        cfg = load_config(bench.JOBS[job], [])
+        s = bench.trl_settings(cfg)
+        assert (s["learning_rate"], s["lr_scheduler_type"], s["max_steps"]) == (cfg.trainer.lr, "constant", steps)
+        # one optimizer step per step over prompts_per_step x group_size completions, generated for that step
+        assert s["per_device_train_batch_size"] == cfg.trainer.prompts_per_step * cfg.rollout.group_size == 32
+        assert (s["gradient_accumulation_steps"], s["num_iterations"], s["num_generations"]) == (1, 1, 8)
+        assert (s["max_completion_length"], s["gradient_checkpointing"]) == (new_tokens, checkpointing)
+        assert (s["temperature"], s["top_p"], s["top_k"], s["beta"], s["epsilon"]) == (1.0, 1.0, 0, 0.0, 0.2)
+        assert (s["loss_type"], s["scale_rewards"], s["bf16"], s["max_grad_norm"]) == ("dapo", "group", True, 1.0)
+        assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.999, 0.0)
+
+
+def test_a_job_trl_would_run_differently_is_refused_with_every_reason(monkeypatch):
+    from asyncrl.config import load_config
+
+    bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
+    cfg = load_config(bench.JOBS["readme"], ['algorithm.advantage="rloo"', 'trainer.lr_scheduler="cosine"'])
+    with pytest.raises(ValueError, match="advantage must be 'grpo'.*lr_scheduler must be 'constant'"):
+        bench.trl_settings(cfg)
+    sets = ['algorithm.loss_agg="seq-mean-token-sum-norm"']
+    assert bench.trl_settings(load_config(bench.JOBS["readme"], sets))["loss_type"] == "dr_grpo"
