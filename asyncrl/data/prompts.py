@@ -3,8 +3,8 @@
 Place in the dataflow: `asyncrl/deploy/build.py` gives every generator and the trainer's evaluator a
 `PromptEncoder` (row -> `Prompt`) and screens their rows with `screen_rows` (`data.overlong`) before a
 `PromptStream` hands them out; `asyncrl validate` and the Ray launch call `check_prompts`, so an over-long
-prompt is one line before any actor starts. (Environment episodes render their own observations:
-asyncrl/envs/transcript.py.)
+prompt is one line, not an actor's death (the launch checks while its actors start). (Environment episodes
+render their own observations: asyncrl/envs/transcript.py.)
 
 A row becomes a prompt in four steps, each set in `[data]`:
 1. The prompt: `prompt_template` formatted with the row's fields (`{question}`, dotted paths such as
@@ -259,7 +259,7 @@ def prompt_rows(cfg: Config, split: Split, encoder: PromptEncoder) -> tuple[list
 
 def check_prompts(cfg: Config, tokenizer: Any | None = None) -> list[str]:
     """Error lines for the run's prompts with the model's tokenizer (`asyncrl validate`, and the Ray launch
-    before any actor starts): every train row (and eval row, with evaluation on) loads, renders and, with
+    while its actors start): every train row (and eval row, with evaluation on) loads, renders and, with
     data.overlong = 'error', fits max_prompt_len. None for [env] runs (episodes render their own
     observations), or without `tokenizer` when model.path holds no tokenizer yet (a tiny model not built)."""
     if cfg.env is not None:

@@ -307,9 +307,6 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     # scorer placement and, for a local cluster it starts on a small machine, affinity (asyncrl/deploy/auto.py)
     resolved = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
     spread, cfg = trainer_spread(cfg, resolved), resolved
-    problems = check_prompts(cfg)  # an over-long or unrenderable prompt: one line here, not an actor's death
-    if problems:
-        raise ValueError("\n".join(problems))
     before = available_cpus()  # the driver's CPUs: start_ray may pin it (cluster.affinity.controller)
     started = start_ray(cfg)
     try:
@@ -317,6 +314,10 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
         while True:
             deployment = RayDeployment(cfg, trainer_spread=spread)
             try:
+                if not resumes:  # while the actors start (their constructors run meanwhile): the run's prompts
+                    problems = check_prompts(cfg)  # an over-long or unrenderable one: one line, not an actor's death
+                    if problems:
+                        raise ValueError("\n".join(problems))
                 deployment.wait_ready()
                 write_placement(cfg, deployment.where())
                 deployment.relay_checkpoints(fresh=not resume)

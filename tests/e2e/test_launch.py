@@ -104,3 +104,24 @@ def test_between_requests_updates_never_mix_versions_in_a_trajectory(make_config
     rows = _train_rows(run_local(cfg))
     assert len(rows) == 4
     assert all(r["rollout/multi_version_share"] == 0 for r in rows)
+
+
+def test_an_over_long_prompt_ends_the_launch_with_one_line_and_no_actor_left(ray_cluster, make_config, tmp_path):
+    """The Ray launch checks the run's prompts while its actors start: an over-long one (data.overlong = "error")
+    is a ValueError of one line per split, and the actors it started are gone."""
+    from ray._private.state import actors  # `ray.util.state` needs ray[default]
+
+    from asyncrl.deploy.launch import run_with_ray
+
+    def alive() -> set[str]:
+        return {a for a, info in actors().items() if info["State"] != "DEAD"}
+
+    before = alive()
+    cfg = make_config("data.max_prompt_len=2", 'data.overlong="error"', "trainer.total_steps=1",
+                      f'run.output_dir="{tmp_path / "run"}"')
+    with pytest.raises(ValueError, match="max_prompt_len") as err:
+        run_with_ray(cfg)
+    lines = str(err.value).splitlines()  # one per split: train, and eval (evaluation is on)
+    assert len(lines) == 2 and all(line.startswith("data.max_prompt_len: ") for line in lines), lines
+    left = alive() - before
+    assert not left, left
