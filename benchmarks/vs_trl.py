@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                            # the README job (examples/smollm_arith), seeds 0 1 2
     python benchmarks/vs_trl.py --job reasoning --seeds 0  # the long-reply example (examples/smollm_reasoning)
     python benchmarks/vs_trl.py --settings                 # print the TRL settings the job maps to; run nothing
+    python benchmarks/vs_trl.py --seeds 0 --set trainer.total_steps=2   # a config override, for both frameworks
 
 TRL is not a dependency of the project: it is installed into an environment of its own (--trl-venv, default
 runs/trl-venv; made on first use: torch==2.13.0 first, then trl, and the transformers and reasoning-gym versions
@@ -16,7 +17,9 @@ weight decay, gradient clipping, steps, max new tokens, the sampling temperature
 the loss aggregation (token-mean is TRL's "dapo"), group-normalised advantages, bf16 autocast where asyncrl's
 config asks for it, torch threads. What differs is the frameworks: TRL generates with HF `generate` and trains
 strictly on-policy, step after step; asyncrl generates with its own engine, overlapped with training at the
-config's max_staleness. Neither evaluates during the run (asyncrl's trainer.eval_every is set to 0).
+config's max_staleness. Neither evaluates during the run (asyncrl's trainer.eval_every is set to 0), and both
+write the final model only (asyncrl's export; its durable checkpoint after the last step, run.save_every_s, is
+off: TRL's save_strategy is "no").
 
 The shared evaluator (`evaluate`): HF `generate` in this environment, in float32, on the job's held-out rows, all
 at once with left padding: greedy, and sampled at T = 1 with a fixed seed; each completion scored by the job's
@@ -79,6 +82,17 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
     }
 
 
+def row_fields(fn: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """The row's fields `fn` takes (all of them if it takes **kwargs), as asyncrl passes them to a reward."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return {k: v for k, v in row.items() if k != "prompt"}
+    names = {p.name for p in params} - {"prompt", "completion"}
+    return {k: v for k, v in row.items() if k in names}
+
+
 def trl_python(venv: Path) -> Path:
     """TRL's environment's interpreter, made on first use."""
     python = venv / "bin" / "python"
@@ -114,7 +128,8 @@ def trl_worker(spec: dict[str, Any]) -> None:
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             text = completion[-1]["content"] if isinstance(completion, list) else completion
             question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-            out.append(float(reward(question, text, **{f: columns[f][i] for f in fields if f in columns})))
+            row = {f: columns[f][i] for f in fields if f in columns}
+            out.append(float(reward(question, text, **row_fields(reward, row))))
         return out
 
     times: dict[str, Any] = {"steps": []}
@@ -158,15 +173,15 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, rows: list[dict[str, Any]], r
         with torch.no_grad():
             ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
         replies = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        fields = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
-        scores = [float(reward(r["prompt"][-1]["content"], c, **f)) for r, c, f in zip(rows, replies, fields)]
+        scores = [float(reward(r["prompt"][-1]["content"], c, **row_fields(reward, r))) for r, c in zip(rows, replies)]
         out[mode] = sum(scores) / len(scores)
     return out
 
 
-def run_asyncrl(config: Path, seed: int, out: Path, threads: int) -> dict[str, Any]:
-    cmd = ["asyncrl", "launch", str(config), "--set", f"run.seed={seed}", "--set", f'run.output_dir="{out}"',
-           "--set", "trainer.eval_every=0", "--set", "logging.live=false"]
+def run_asyncrl(config: Path, sets: list[str], seed: int, out: Path) -> dict[str, Any]:
+    cmd = ["asyncrl", "launch", str(config), *[a for s in sets for a in ("--set", s)], "--set", f"run.seed={seed}",
+           "--set", f'run.output_dir="{out}"', "--set", "trainer.eval_every=0", "--set", "logging.live=false",
+           "--set", "run.save_every_s=0"]  # the final model only, as TRL's run here: no durable checkpoint
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                    stdout=subprocess.DEVNULL)
@@ -206,6 +221,8 @@ def main() -> None:
     parser.add_argument("--trl-venv", type=Path, default=ROOT / "runs" / "trl-venv")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "vs_trl")
     parser.add_argument("--eval-seed", type=int, default=1234)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the job, both frameworks (e.g. trainer.total_steps=2)")
     parser.add_argument("--settings", action="store_true", help="print the TRL settings of the job; run nothing")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -213,13 +230,14 @@ def main() -> None:
         trl_worker(json.loads(args.trl_worker))
         return
     os.chdir(ROOT)  # the example configs' folders are relative to the repository root
+    sys.path.insert(0, str(ROOT))  # and their reward functions import from it (`asyncrl launch` gets PYTHONPATH)
 
     import importlib
 
     from asyncrl.config import load_config
     from asyncrl.registry import import_path
 
-    cfg = load_config(JOBS[args.job], [])
+    cfg = load_config(JOBS[args.job], args.set)
     settings = trl_settings(cfg)
     if args.settings:
         print(json.dumps(settings, indent=1))
@@ -240,7 +258,7 @@ def main() -> None:
           f"({len(held_out)} rows)", flush=True)
     results: dict[str, list[dict[str, Any]]] = {"asyncrl": [], "trl": []}
     for seed in args.seeds:
-        runs = (("asyncrl", lambda: run_asyncrl(JOBS[args.job], seed, args.out / f"asyncrl-{seed}", threads)),
+        runs = (("asyncrl", lambda: run_asyncrl(JOBS[args.job], args.set, seed, args.out / f"asyncrl-{seed}")),
                 ("trl", lambda: run_trl(python, {"out": str(args.out / f"trl-{seed}"), "seed": seed,
                                                   "threads": threads, "settings": settings,
                                                   "model": str(model), "train": str(cfg.data.path),
