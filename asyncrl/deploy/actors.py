@@ -33,6 +33,7 @@ from asyncrl.deploy.auto import (
     decide_threads,
     lower_priority,
     pin_cpus,
+    run_cpus,
     scorers_in_buffer,
     set_torch_threads,
     thread_candidates,
@@ -182,10 +183,12 @@ class RoleActor(NodeFiles):
     def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
                  incarnation: int = 0, spread: list[int] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        pin_cpus(getattr(cfg.cluster.affinity, kind), kind)  # the kinds are cluster.affinity's role names
+        pinned = getattr(cfg.cluster.affinity, kind)  # the kinds are cluster.affinity's role names
+        if pinned:  # its start-up (imports, model loads) may use every CPU of the run; its work, its own (below)
+            pin_cpus(run_cpus(cfg.cluster.affinity), kind)
         self.nice = lower_priority(cfg, kind)  # a generator beside the light roles (cluster.generator_nice)
-        # after pinning: the CPUs it may use
-        set_torch_threads(decide_threads(cfg, len(available_cpus()), kind), light=kind == "buffer")
+        # the CPUs it will work on
+        set_torch_threads(decide_threads(cfg, len(pinned) or len(available_cpus()), kind), light=kind == "buffer")
         self.kind = kind
         self.cfg = cfg
         self.device = require_device(cfg, kind)  # "cuda": the GPU Ray gave this actor (cluster.<kind>_gpus)
@@ -195,6 +198,7 @@ class RoleActor(NodeFiles):
         # trainer.num_ranks > 1: every trainer rank builds its role once the trainer group formed (join_trainer_group)
         ranked = kind == "trainer" and cfg.trainer.num_ranks > 1
         self.role = None if ranked else _build(kind, cfg, index, self._buffer)
+        pin_cpus(pinned, kind)  # every thread the build started too
         if kind in ("generator", "scorer"):  # a late call of a dead incarnation must not count as this one's
             self.role.holder = f"{kind}/{index}#{incarnation}"
         if self.role is not None:

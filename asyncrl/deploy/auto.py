@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import msgspec
 
@@ -197,6 +198,11 @@ def lower_priority(cfg: Config, kind: str) -> int:
     return nice
 
 
+def run_cpus(affinity: Any) -> list[int]:
+    """Every CPU `cluster.affinity` pins some role to: where a pinned actor may start up before it keeps to its own."""
+    return sorted({c for kind in AFFINITY_ROLES for c in getattr(affinity, kind)})
+
+
 def pin_cpus(cpus: list[int], who: str) -> None:
     """Pin every thread of this process to `cpus` (`cluster.affinity.<who>`); threads started later inherit
     it from their creator. Nothing happens for an empty list."""
@@ -231,3 +237,26 @@ def set_torch_threads(n: int, *, light: bool = False) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set (inter-op pool started); harmless
         pass
+
+
+def pin_local_cluster(cpus: list[int], skip: set[int]) -> None:
+    """Pin this process and the local Ray cluster it started (its descendants: GCS, raylet, agents, idle workers;
+    each thread), except the processes in `skip` (the actors, which pin themselves), to `cpus`
+    (`cluster.affinity.controller`). Workers Ray forks later inherit the raylet's CPUs. Nothing for an empty list."""
+    if not cpus:
+        return
+    import psutil  # Ray's own dependency
+
+    pin_cpus(cpus, "controller")
+    for process in psutil.Process().children(recursive=True):
+        if process.pid in skip:
+            continue
+        try:
+            threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task")]
+        except OSError:  # it ended meanwhile
+            continue
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, set(cpus))
+            except (ProcessLookupError, PermissionError):
+                continue

@@ -25,7 +25,14 @@ from asyncrl.control.supervisor import RoleFailed
 from asyncrl.control.watchdog import Heartbeat, Probe
 from asyncrl.data.prompts import check_prompts
 from asyncrl.deploy.actors import ActorCalls, RayProxy, RemoteRoleActor
-from asyncrl.deploy.auto import available_cpus, pin_cpus, resolve_ray, scorers_in_buffer, trainer_spread
+from asyncrl.deploy.auto import (
+    available_cpus,
+    pin_cpus,
+    pin_local_cluster,
+    resolve_ray,
+    scorers_in_buffer,
+    trainer_spread,
+)
 from asyncrl.deploy.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.deploy.plan import ActorPlan, plan_resources
 from asyncrl.telemetry.metrics import ACTOR_CALLS
@@ -45,9 +52,8 @@ def start_ray(cfg: Config) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, log_to_driver=True)
         return False
-    # before ray.init: the local cluster's processes (raylet, GCS, workers) start from this one and inherit
-    # its CPUs and environment; each actor then pins itself to its role's own (cluster.affinity)
-    pin_cpus(cfg.cluster.affinity.controller, "controller")
+    # cluster.affinity.controller: this process and the cluster's own (raylet, GCS, ...) are pinned once the actors
+    # started (`pin_local_cluster`): Ray's start-up and the actors' use every core meanwhile
     ray.init(
         address="local",  # a cluster of its own, even where another runs on this machine (`ray start`)
         num_cpus=max(1, int(round(cfg.cluster.num_cpus))),
@@ -319,7 +325,10 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
                     if problems:
                         raise ValueError("\n".join(problems))
                 deployment.wait_ready()
-                write_placement(cfg, deployment.where())
+                where = deployment.where()
+                if started and not resumes:  # each actor pins itself (RoleActor); Ray's own processes: here
+                    pin_local_cluster(cfg.cluster.affinity.controller, skip={w["pid"] for w in where.values()})
+                write_placement(cfg, where)
                 deployment.relay_checkpoints(fresh=not resume)
             except BaseException:
                 asyncio.run(deployment.shutdown())
