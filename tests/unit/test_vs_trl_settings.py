@@ -12,12 +12,20 @@ from tests.conftest import load_benchmark
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_and_long_reply_jobs_map_onto_grpoconfig_field_by_field(monkeypatch):
+@pytest.fixture
+def folders(tiny_model_dir, tmp_path) -> list[str]:
+    """The examples' model and data folders are made by their prepare.py: stand-ins, so that the configs load."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1 + 1", "answer": "2"}\n')
+    return [f'model.path="{tiny_model_dir}"', f'data.path="{rows}"', f'data.eval_path="{rows}"']
+
+
+def test_the_readme_and_long_reply_jobs_map_onto_grpoconfig_field_by_field(monkeypatch, folders):
     from asyncrl.config import load_config
 
     bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
     for job, steps, new_tokens, checkpointing in (("readme", 10, 12, False), ("reasoning", 20, 256, True)):
-        cfg = load_config(bench.JOBS[job], [])
+        cfg = load_config(bench.JOBS[job], folders)
         s = bench.trl_settings(cfg)
         assert (s["learning_rate"], s["lr_scheduler_type"], s["max_steps"]) == (cfg.trainer.lr, "constant", steps)
         # one optimizer step per step over prompts_per_step x group_size completions, generated for that step
@@ -29,12 +37,12 @@ def test_the_readme_and_long_reply_jobs_map_onto_grpoconfig_field_by_field(monke
         assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.999, 0.0)
 
 
-def test_a_job_trl_would_run_differently_is_refused_with_every_reason(monkeypatch):
+def test_a_job_trl_would_run_differently_is_refused_with_every_reason(monkeypatch, folders):
     from asyncrl.config import load_config
 
     bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
-    cfg = load_config(bench.JOBS["readme"], ['algorithm.advantage="rloo"', 'trainer.lr_scheduler="cosine"'])
+    cfg = load_config(bench.JOBS["readme"], [*folders, 'algorithm.advantage="rloo"', 'trainer.lr_scheduler="cosine"'])
     with pytest.raises(ValueError, match="advantage must be 'grpo'.*lr_scheduler must be 'constant'"):
         bench.trl_settings(cfg)
-    sets = ['algorithm.loss_agg="seq-mean-token-sum-norm"']
+    sets = [*folders, 'algorithm.loss_agg="seq-mean-token-sum-norm"']
     assert bench.trl_settings(load_config(bench.JOBS["readme"], sets))["loss_type"] == "dr_grpo"
