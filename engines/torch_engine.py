@@ -197,6 +197,7 @@ class TorchEngine:
             "engine/decode_forwards": float(steps),
             "engine/tokens": float(s.tokens_generated),
             "engine/decode_batch/mean": s.decode_tokens_total / steps if steps else 0.0,
+            "engine/decode_tokens": float(s.decode_tokens_total),  # sum of decode batch sizes, since the start
             "engine/step_s/mean": sum(times) / len(times) if times else 0.0,
             "engine/swap_pause_s/max": s.swap_pause_s_max,
             "engine/swap_pause_s/sum": s.swap_pause_s_sum,

@@ -38,6 +38,8 @@ from asyncrl.roles.weight_slot import WeightSlot
 from asyncrl.telemetry.memory import peak_memory_metrics
 from asyncrl.telemetry.metrics import (
     Max,
+    Mean,
+    Metric,
     ProcessCpu,
     Rate,
     RoleStats,
@@ -501,6 +503,14 @@ class Generator:
         samples = self._window.take("samples", self.samples_generated)
         truncated = self._window.take("prompts_truncated", self.prompts_truncated)
         own = f"generator/{self.generator_id}"
+        occupancy: dict[str, Metric] = {}
+        if "engine/decode_forwards" in engine_stats and "engine/decode_tokens" in engine_stats:
+            forwards = self._window.take("decode_forwards", engine_stats["engine/decode_forwards"])
+            batch = self._window.take("decode_tokens", engine_stats["engine/decode_tokens"]) / max(forwards, 1.0)
+            slots = self.concurrency * self.sampling.n  # sequences the generator may hold at once
+            if forwards:  # weighted by decode forwards: a mean over every decode step of every generator
+                occupancy = {"generation/decode_batch": Mean(batch, weight=forwards),
+                             "generation/occupancy": Mean(batch / slots, weight=forwards)}
         loop = getattr(self.engine, "scheduler", None)  # the native engine's: its threads, where a tuner picks them
         threads = loop.num_threads if getattr(loop, "tuner", None) is not None else 0
         return RoleStats(metrics={
@@ -510,6 +520,7 @@ class Generator:
             "generation/stall_s": Sum(stall),
             "generation/stall_s_total": Total(stall),
             "generation/stall_share": Share(stall),  # of the generators' time in the step's window
+            **occupancy,
             "generator/rss_mb": Max(rss_mb()),
             **process_cpu_metrics("generator", self.process_cpu),
             **({"generator/torch_threads": Max(threads)} if threads else {}),

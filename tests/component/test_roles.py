@@ -17,7 +17,7 @@ from asyncrl.data.prompts import Prompt
 from asyncrl.messages import Completion, SamplingParams, Trajectory
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.scorer import Scorer
-from asyncrl.telemetry.metrics import Rate, Share, Sum, Total
+from asyncrl.telemetry.metrics import Mean, Rate, Share, Sum, Total
 from engines.base import RolloutEngine
 from tests.component import score_fakes
 from tests.fakes import ThreadRewards
@@ -642,3 +642,30 @@ def test_generator_notes_a_received_version_before_the_swap_lands_and_samples_at
     # no group was sampled at an older version than the one it was admitted at (the gate's bound)
     assert all(t.min_version >= buffer.admitted_at[t.group_id] for t in buffer.rollouts)
     assert {t.min_version for t in buffer.rollouts} == {0, 3}
+
+
+class DecodingEngine(FakeEngine):
+    """An engine that counts decode forwards and the sequences they carried, since the start (as TorchEngine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.decode_tokens = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"engine/decode_forwards": float(self.forwards), "engine/decode_tokens": float(self.decode_tokens)}
+
+
+def test_generator_reports_the_windows_decode_batch_and_its_share_of_the_slots():
+    engine = DecodingEngine()
+    gen = make_generator(FakeBuffer(), engine)
+    slots = gen.concurrency * gen.sampling.n
+    engine.forwards, engine.decode_tokens = 4, 4 * slots  # full: every slot decoding
+    first = gen.stats().metrics
+    assert first["generation/decode_batch"] == Mean(slots, weight=4)
+    assert first["generation/occupancy"] == Mean(1.0, weight=4)
+    engine.forwards, engine.decode_tokens = 10, 4 * slots + 6  # 6 more forwards of one sequence each: the tail
+    second = gen.stats().metrics
+    assert second["generation/decode_batch"] == Mean(1.0, weight=6)
+    assert second["generation/occupancy"] == Mean(1 / slots, weight=6)
+    assert "generation/decode_batch" not in gen.stats().metrics  # no decode step in the window: no value
