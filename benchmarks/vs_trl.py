@@ -12,7 +12,8 @@ it. The two run one after the other, never side by side, on every core of the ma
 
 The same job for both (`trl_settings`): the model folder, the train rows (TRL's conversational form, rendered by
 the model's chat template in both), the reward function (reward.fn, called with each row's fields), prompts per
-step x group size, one optimizer step per step, the learning rate and its constant schedule, AdamW's betas and
+step x group size, one optimizer step per step (over gradient-accumulated micro-batches where asyncrl's config
+micro-batches: `micro_batch`), the learning rate and its constant schedule, AdamW's betas and
 weight decay, gradient clipping, steps, max new tokens, the sampling temperature, the clip epsilon, no KL term,
 the loss aggregation (token-mean is TRL's "dapo"), group-normalised advantages, bf16 autocast where asyncrl's
 config asks for it, torch threads. What differs is the frameworks: TRL generates with HF `generate` and trains
@@ -69,17 +70,30 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
     ) if bad]
     if problems:
         raise ValueError("TRL's GRPOTrainer cannot run this job the same way: " + "; ".join(problems))
+    batch = t.prompts_per_step * r.group_size
+    longest = cfg.data.max_prompt_len + r.max_new_tokens
+    micro = micro_batch(batch, t.micro_batch_size, t.max_tokens_per_micro_batch, longest)
     return {
         "learning_rate": t.lr, "lr_scheduler_type": "constant", "weight_decay": t.weight_decay,
         "adam_beta1": t.betas[0], "adam_beta2": t.betas[1], "max_grad_norm": t.grad_clip,
-        "max_steps": t.total_steps, "per_device_train_batch_size": t.prompts_per_step * r.group_size,
-        "gradient_accumulation_steps": 1, "num_generations": r.group_size, "num_iterations": 1,
+        "max_steps": t.total_steps, "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": batch // micro, "num_generations": r.group_size, "num_iterations": 1,
         "max_completion_length": r.max_new_tokens, "temperature": r.temperature, "top_p": 1.0, "top_k": 0,
         "beta": 0.0, "epsilon": a.clip_eps, "loss_type": LOSS_TYPES[a.loss_agg], "scale_rewards": "group",
         "bf16": t.mixed_precision == "bf16", "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "use_cpu": True, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "dataloader_num_workers": 0,
     }
+
+
+def micro_batch(batch: int, micro_batch_size: int, token_budget: int, longest: int) -> int:
+    """TRL's samples per forward for asyncrl's micro-batching: `micro_batch_size`, or under a token budget as many
+    samples of the longest possible length (prompt + reply) as fit in it: TRL pads to the longest and cannot group
+    by length, so its micro-batches are sized for the worst case. The largest divisor of the step's batch at most
+    that (gradient accumulation over the rest: one optimizer step on the whole batch, its tokens normalised
+    together by TRL's "dapo" loss as by asyncrl's token-mean)."""
+    cap = max(1, token_budget // longest) if token_budget > 0 else micro_batch_size
+    return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= cap)
 
 
 def row_fields(fn: Any, row: dict[str, Any]) -> dict[str, Any]:

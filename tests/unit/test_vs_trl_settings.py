@@ -24,17 +24,27 @@ def test_the_readme_and_long_reply_jobs_map_onto_grpoconfig_field_by_field(monke
     from asyncrl.config import load_config
 
     bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
-    for job, steps, new_tokens, checkpointing in (("readme", 10, 12, False), ("reasoning", 20, 256, True)):
+    jobs = (("readme", 10, 12, False, 32), ("reasoning", 20, 256, True, 4))
+    for job, steps, new_tokens, checkpointing, micro in jobs:
         cfg = load_config(bench.JOBS[job], folders)
         s = bench.trl_settings(cfg)
         assert (s["learning_rate"], s["lr_scheduler_type"], s["max_steps"]) == (cfg.trainer.lr, "constant", steps)
-        # one optimizer step per step over prompts_per_step x group_size completions, generated for that step
-        assert s["per_device_train_batch_size"] == cfg.trainer.prompts_per_step * cfg.rollout.group_size == 32
-        assert (s["gradient_accumulation_steps"], s["num_iterations"], s["num_generations"]) == (1, 1, 8)
+        # one optimizer step per step over prompts_per_step x group_size completions, generated for that step; the
+        # long-reply job's 2048-token budget holds 4 samples of the longest length (96 + 256): 8 accumulated forwards
+        assert cfg.trainer.prompts_per_step * cfg.rollout.group_size == 32
+        assert (s["per_device_train_batch_size"], s["gradient_accumulation_steps"]) == (micro, 32 // micro)
+        assert (s["num_iterations"], s["num_generations"]) == (1, 8)
         assert (s["max_completion_length"], s["gradient_checkpointing"]) == (new_tokens, checkpointing)
         assert (s["temperature"], s["top_p"], s["top_k"], s["beta"], s["epsilon"]) == (1.0, 1.0, 0, 0.0, 0.2)
         assert (s["loss_type"], s["scale_rewards"], s["bf16"], s["max_grad_norm"]) == ("dapo", "group", True, 1.0)
         assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"]) == (0.9, 0.999, 0.0)
+
+
+def test_trl_micro_batches_follow_the_micro_batch_size_or_the_worst_case_under_the_token_budget(monkeypatch):
+    bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
+    assert bench.micro_batch(32, 32, 0, 352) == 32 and bench.micro_batch(32, 12, 0, 352) == 8  # a divisor of 32
+    assert bench.micro_batch(32, 32, 2048, 352) == 4 and bench.micro_batch(32, 32, 4096, 128) == 32
+    assert bench.micro_batch(24, 32, 100, 352) == 1  # a budget below one sample: one at a time
 
 
 def test_a_job_trl_would_run_differently_is_refused_with_every_reason(monkeypatch, folders):
