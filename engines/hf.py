@@ -42,6 +42,8 @@ class TinyModelSpec(Protocol):
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    num_experts: int
+    experts_per_token: int
     max_positions: int
     init_std: float
     seed: int
@@ -112,6 +114,33 @@ def build_char_tokenizer(vocab: str):
     )
 
 
+# The tiny mixture-of-experts architectures: model type -> (config class, model class, the config's name for its
+# expert count). Each expert is an MLP of `intermediate_size`; qwen2_moe adds its shared expert of the same width.
+MOE_ARCHS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "num_experts"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_local_experts"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "num_experts"),
+}
+
+
+def _build_moe(cfg: TinyModelSpec, common: dict[str, Any]):
+    import transformers
+
+    config_name, model_name, experts_key = MOE_ARCHS[cfg.arch]
+    extra: dict[str, Any] = {experts_key: cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+                             "tie_word_embeddings": False, "output_router_logits": False}
+    if cfg.arch in ("qwen3_moe", "qwen2_moe"):
+        extra["moe_intermediate_size"] = cfg.intermediate_size
+        extra["norm_topk_prob"] = True  # each token's chosen experts' weights sum to 1, as in Mixtral and OLMoE
+    if cfg.arch == "qwen3_moe":
+        extra["head_dim"] = cfg.hidden_size // cfg.num_heads  # Qwen3's default is 128 whatever the width
+    if cfg.arch == "qwen2_moe":
+        extra["shared_expert_intermediate_size"] = cfg.intermediate_size
+    config = getattr(transformers, config_name)(**common, **extra)
+    return getattr(transformers, model_name)(config)
+
+
 def _build_model(cfg: TinyModelSpec, vocab_size: int):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -135,7 +164,12 @@ def _build_model(cfg: TinyModelSpec, vocab_size: int):
         )
     # Small Qwen2 checkpoints tie the LM head to the embeddings, Llama ones do not: keep both shapes
     # so that weight loading is exercised with and without tied names.
-    if cfg.arch == "qwen2":
+    if cfg.arch in MOE_ARCHS:
+        if cfg.experts_per_token > cfg.num_experts:
+            raise ValueError(f"tiny model: experts_per_token ({cfg.experts_per_token}) is more than num_experts "
+                             f"({cfg.num_experts})")
+        model = _build_moe(cfg, common)
+    elif cfg.arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))

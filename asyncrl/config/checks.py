@@ -123,6 +123,9 @@ def _check_model(cfg: Config) -> list[str]:
         if tiny.num_heads % tiny.num_kv_heads:
             errors.append(f"model.build_tiny.num_kv_heads: {tiny.num_kv_heads} does not divide "
                           f"model.build_tiny.num_heads = {tiny.num_heads}")
+        if tiny.experts_per_token > tiny.num_experts:
+            errors.append(f"model.build_tiny.experts_per_token: {tiny.experts_per_token} is more than "
+                          f"model.build_tiny.num_experts = {tiny.num_experts}")
     return errors
 
 

@@ -27,12 +27,19 @@ from asyncrl.config.trackers import (  # noqa: F401 (re-exported)
 class TinyModelConfig(Section):
     """A tiny random-initialised model written to `model.path` when that folder does not exist."""
 
-    arch: Annotated[Literal["qwen2", "llama"], _d("architecture of the tiny model")] = "qwen2"
+    arch: Annotated[
+        Literal["qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"],
+        _d("architecture of the tiny model: dense (qwen2, llama) or a mixture of experts (qwen3_moe, qwen2_moe with "
+           "its shared expert, mixtral, olmoe)"),
+    ] = "qwen2"
     hidden_size: Annotated[int, _d("hidden size, e.g. 64", ge=8)] = 64
     num_layers: Annotated[int, _d("number of transformer layers", ge=1)] = 2
     num_heads: Annotated[int, _d("attention heads; must divide hidden_size", ge=1)] = 4
     num_kv_heads: Annotated[int, _d("key/value heads; must divide num_heads", ge=1)] = 2
-    intermediate_size: Annotated[int, _d("MLP width", ge=8)] = 128
+    intermediate_size: Annotated[int, _d("MLP width (each expert's, in a mixture of experts)", ge=8)] = 128
+    num_experts: Annotated[int, _d("experts per MoE layer (the MoE architectures only)", ge=2)] = 4
+    experts_per_token: Annotated[int, _d("experts each token is routed to, top-k (the MoE architectures only)",
+                                         ge=1)] = 2
     vocab: Annotated[
         str,
         _d("characters of the tiny char-level tokenizer (besides special tokens)", min_length=1),

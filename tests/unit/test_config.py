@@ -131,6 +131,8 @@ CASES = [
      "model.build_tiny.num_heads: head size hidden_size / num_heads = 9 must be even"),
     ("kv_heads_not_dividing_heads", {"model.build_tiny.num_kv_heads": 3},
      "model.build_tiny.num_kv_heads: 3 does not divide model.build_tiny.num_heads = 4"),
+    ("more_experts_per_token_than_experts", {"model.build_tiny.experts_per_token": 5},
+     "model.build_tiny.experts_per_token: 5 is more than model.build_tiny.num_experts = 4"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
     ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
      "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),

@@ -1,0 +1,116 @@
+"""Mixture-of-experts policies (issue 41, first part): the tiny MoE folders of each family build offline, load
+through the HF Auto* path, generate on the native engine (its HF path) with the trainer's log-probabilities, and
+train in the Learner, whose weights then reach the engine as a dense model's do."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from asyncrl.config.schema import AlgorithmConfig, TinyModelConfig, TrainerConfig
+from asyncrl.messages import Group, SamplingParams, Trajectory
+from asyncrl.training.learner import Learner
+from engines import hf
+from engines.torch_engine import TorchEngine
+
+torch.set_num_threads(1)
+
+ARCHS = sorted(hf.MOE_ARCHS)
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16], [20]]
+
+
+def tiny_moe(arch: str, **kw) -> TinyModelConfig:
+    return TinyModelConfig(arch=arch, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                           intermediate_size=32, num_experts=4, experts_per_token=2, init_std=0.2, **kw)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def moe_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf.build_tiny_model(path, tiny_moe(request.param))
+    return path
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def test_a_tiny_moe_folder_loads_with_its_experts_and_router_per_layer(moe_dir):
+    model = hf.load_model(moe_dir)
+    assert model.config.model_type == moe_dir.name.rstrip("0123456789")
+    rs = routers(model)
+    assert len(rs) == 2 and all((r.num_experts, r.top_k) == (4, 2) for r in rs)
+    assert all(r.weight.shape == (4, 32) for r in rs)
+    tok = hf.load_tokenizer(moe_dir)
+    assert tok.decode(tok.encode("12+3=15")) == "12+3=15"
+
+
+def teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    return logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_the_native_engine_samples_an_moe_with_the_models_own_logprobs(moe_dir):
+    """Prompts of different lengths in one batch: each token's logprob is an unpadded teacher-forced pass's (fp32):
+    padding rows are routed too, but no token's experts depend on another's."""
+    engine = TorchEngine(str(moe_dir), seed=0)
+    model = hf.load_model(moe_dir)
+    out = asyncio.run(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=10, seed=1)))
+    checked = 0
+    for prompt, group in zip(PROMPTS, out):
+        for c in group:
+            torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced(model, prompt, c.response_ids),
+                                       atol=1e-5, rtol=0)
+            checked += len(c.response_ids)
+    assert checked > 20
+    asyncio.run(engine.close())
+
+
+def _bandit_group(learner: Learner, prompt: list[int], target: int, n: int, gen: torch.Generator,
+                  group_id: int) -> Group:
+    with torch.no_grad():
+        logp = learner.model(input_ids=torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    tokens = torch.multinomial(logp.exp(), n, replacement=True, generator=gen).tolist()
+    trajs = [Trajectory(seq_id=group_id * n + i, group_id=group_id, group_size=n, prompt_ids=prompt,
+                        response_ids=[tok], loss_mask=[True], behavior_logprobs=[float(logp[tok])],
+                        versions=[learner.version], min_version=learner.version, max_version=learner.version,
+                        finish_reason="stop", reward=float(tok == target))
+             for i, tok in enumerate(tokens)]
+    return Group(group_id=group_id, min_version=learner.version, trajectories=trajs)
+
+
+def test_the_learner_trains_an_moe_router_and_experts_and_the_engine_takes_its_weights(moe_dir):
+    model = hf.load_model(moe_dir).train()
+    learner = Learner(model, algorithm=AlgorithmConfig(), pad_token_id=hf.PAD_ID,
+                      trainer=TrainerConfig(lr=2e-2, grad_clip=1.0, micro_batch_size=64))
+    before = {k: v.clone() for k, v in learner.state_dict_for_sync().items()}
+    prompt, target, gen = [5, 6, 7], 9, torch.Generator().manual_seed(0)
+    p0 = math.exp(learner.teacher_forced_logprobs(prompt, [target], 1.0)[0])
+    for step in range(25):
+        learner.update([_bandit_group(learner, prompt, target, 16, gen, step)])
+    assert math.exp(learner.teacher_forced_logprobs(prompt, [target], 1.0)[0]) > max(0.8, 4 * p0)
+    after = learner.state_dict_for_sync()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    assert any(k.endswith("mlp.gate.weight") for k in moved)  # the router trains
+    assert any(".experts." in k for k in moved)  # and the experts
+    engine = TorchEngine(str(moe_dir), seed=0)
+    engine.load_weights(dict(after), version=1)
+    out = asyncio.run(engine.generate([prompt], SamplingParams(n=4, max_new_tokens=4, seed=2)))
+    for c in out[0]:
+        torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced(learner.model.eval(), prompt,
+                                                                            c.response_ids), atol=1e-5, rtol=0)
+        assert c.versions == [1] * len(c.response_ids)
+
+
+def test_a_tiny_moe_with_more_experts_per_token_than_experts_is_refused():
+    with pytest.raises(ValueError, match="experts_per_token .3. is more than num_experts .2."):
+        hf._build_model(TinyModelConfig(**{**_fields(tiny_moe("qwen3_moe")), "num_experts": 2, "experts_per_token": 3}),
+                        vocab_size=16)
+
+
+def _fields(cfg: TinyModelConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__struct_fields__}
