@@ -58,6 +58,10 @@ class Completion(Message):
     prompt_truncated: bool = False  # the prompt was cut to the engine's max prompt length
     kv_reused: bool = False         # KV computed under older weights was kept across an in-flight swap, so
                                     # later logprobs belong to a mixture of versions (opt-in; see engine)
+    routed_experts: bytes = b""     # an MoE model's routing when the engine records it: int16, row-major
+                                    # [positions, layers, top_k], the forward's input positions in order
+                                    # (prompt, then each fed response token); engines/routing.py
+    routing_shape: list[int] = []   # [layers, top_k] of routed_experts; [] = none recorded
 
 
 class Trajectory(Message):
@@ -83,6 +87,10 @@ class Trajectory(Message):
     row_json: bytes = b""            # the dataset row, JSON-encoded; user fields are schemaless, so only
                                      # the scorer decodes them (to call the reward function)
     kv_reused: bool = False          # KV computed under older weights was kept across an in-flight swap
+    routed_experts: bytes = b""      # an MoE engine's routing of each position of prompt + response (the last
+                                     # response token never fed: no row), int16 [positions, layers, top_k];
+                                     # the trainer replays it (algorithm.routing_replay; engines/routing.py)
+    routing_shape: list[int] = []    # [layers, top_k] of routed_experts; [] = none recorded
     generator_id: int = 0
     reward: float = 0.0              # filled by the scorer: the weighted sum of its reward components
     reward_components: dict[str, float] = {}  # each named component, unweighted (metrics reward/<name>); {}

@@ -2,18 +2,21 @@
 
 Place in the dataflow: `TorchEngine` picks this backend when `engines.torch_model.unsupported_reason`
 names something the fast `SlotDecoder` does not compute (another architecture, rope scaling, sliding
-windows) or when built with `fast=False`; `engines.scheduler` drives it through the same slot contract
-(capacity / prefill / decode / move / refresh / release, see engines/torch_model.py). Each slot holds its own
-DynamicCache and every decode step runs one HF forward per sequence: correct for any model, slower.
+windows), when built with `fast=False` or when it records an MoE model's routing (`record_routing`);
+`engines.scheduler` drives it through the same slot contract (capacity / prefill / decode / move / refresh /
+release, see engines/torch_model.py). Each slot holds its own DynamicCache and every decode step runs one HF
+forward per sequence: correct for any model, slower.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from engines.routing import Routing, stack_layers
 
 
 @contextmanager
@@ -29,9 +32,13 @@ def _eval_mode(model: torch.nn.Module):
 class HFDecoder:
     """Fallback backend: the HF module's own forward, one DynamicCache and one forward per sequence."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, record_routing: bool = False) -> None:
         self.model = model
         self.device = device
+        # an MoE model's routing per forward (engines/routing.py): after `prefill`, `routing_out[c]` is context
+        # c's [len, layers, k]; after `decode`, `routing_out[j]` is slot j's [1, layers, k]; None: not recorded
+        self.routing = Routing(model) if record_routing else None
+        self.routing_out: list[torch.Tensor] = []
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._caches: list = []
@@ -64,14 +71,17 @@ class HFDecoder:
     def _step(self, ids: list[int], start: int, cache) -> torch.Tensor:
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         ids_t = torch.tensor([ids], device=self.device)
-        with _eval_mode(self.model):
+        with _eval_mode(self.model), (self.routing.recording() if self.routing else nullcontext()) as rec:
             out = self.model(input_ids=ids_t, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        if self.routing is not None:
+            self.routing_out.extend(stack_layers(rec, len(self.routing.routers)))
         return out.logits[0, -1]
 
     def prefill(
         self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
     ) -> torch.Tensor | None:
         out, slot = [], start
+        self.routing_out = []
         for ctx, r in zip(contexts, repeats):
             cache = self._new_cache()
             out.append(self._step(ctx, 0, cache))
@@ -83,6 +93,7 @@ class HFDecoder:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         out = []
+        self.routing_out = []
         for j, tok in enumerate(tokens.tolist()):
             out.append(self._step([tok], self._lens[j], self._caches[j]))
             self._lens[j] += 1

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from asyncrl.messages import Completion, SamplingParams
+from engines.routing import pack_routing
 
 
 @dataclass(eq=False)
@@ -68,6 +69,9 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     kv_reused: bool = False      # kept K/V computed under older weights across a swap
     finish: str | None = None
+    # an MoE model's routing (record_routing): [positions, layers, k] chunks in position order, the prompt's
+    # from its prefill (shared by the n samples), then one per decode step (the position of the token it fed)
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def prompt(self) -> list[int]:
@@ -91,6 +95,7 @@ class Sequence:
             prompt_ids=list(self.prompt), response_ids=self.tokens, logprobs=self.logprobs,
             versions=self.versions, finish_reason=self.finish or "abort",
             prompt_truncated=self.req.truncated[self.prompt_idx], kv_reused=self.kv_reused,
+            **(pack_routing(torch.cat(self.routing)) if self.routing else {}),
         )
 
 

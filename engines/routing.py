@@ -128,3 +128,24 @@ def stack_layers(recorded: Sequence[torch.Tensor], layers: int) -> list[torch.Te
     if len(recorded) % layers:
         raise ValueError(f"routing: {len(recorded)} layer records is not a whole number of {layers}-layer forwards")
     return [torch.stack(list(recorded[i : i + layers]), dim=1) for i in range(0, len(recorded), layers)]
+
+
+def pack_routing(routing: torch.Tensor) -> dict:
+    """[positions, layers, k] -> the `routed_experts` / `routing_shape` fields of a Completion or Trajectory."""
+    if routing.dim() != 3:
+        raise ValueError(f"routing: want [positions, layers, top_k], got shape {tuple(routing.shape)}")
+    data = routing.to(ROUTING_DTYPE).contiguous().cpu().numpy().astype("<i2").tobytes()
+    return {"routed_experts": data, "routing_shape": [int(routing.shape[1]), int(routing.shape[2])]}
+
+
+def unpack_routing(data: bytes, shape: Sequence[int]) -> torch.Tensor:
+    """`routed_experts` bytes with their `routing_shape` [layers, k] -> [positions, layers, k] (`ROUTING_DTYPE`)."""
+    import numpy as np
+
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"routing: routing_shape must be [layers, top_k], got {list(shape)}")
+    row = 2 * shape[0] * shape[1]
+    if len(data) % row:
+        raise ValueError(f"routing: {len(data)} bytes is not a whole number of positions of {list(shape)} int16")
+    flat = np.frombuffer(data, dtype="<i2").astype(np.int16)
+    return torch.from_numpy(flat.copy()).view(-1, shape[0], shape[1])

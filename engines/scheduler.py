@@ -373,11 +373,16 @@ class Scheduler:
         need_len = max(max(len(s.prompt), self.max_prompt_len) + s.req.params.max_new_tokens for s in new)
         self.backend.capacity(self._slot_capacity(start + len(new)), -(-need_len // 64) * 64)
         repeats = [s.req.params.n for s in new if s.sample_idx == 0]
-        logits = []
+        logits, routing = [], []
         for a, b in self._chunks([len(c) for c in contexts]):
             first = start + sum(repeats[:a])
             logits.append(self.backend.prefill(contexts[a:b], first, repeats[a:b]))
+            routing.extend(getattr(self.backend, "routing_out", ()))
             self.num_prefill_forwards += 1
+        if routing:  # each prompt's, to its n samples (a recompute's prefill after a swap records nothing: each
+            # position keeps the routing of the forward that sampled from it)
+            for s, r in zip(new, [r for r, n in zip(routing, repeats) for _ in range(n)]):
+                s.routing.append(r)
         rep = torch.tensor(repeats, device=self.device)
         self._active.extend(new)
         self._rows = None
@@ -394,6 +399,8 @@ class Scheduler:
         batch = len(self._active)
         tokens = torch.tensor([s.tokens[-1] for s in self._active], device=self.device)
         logits = self.backend.decode(tokens)
+        for s, r in zip(self._active, getattr(self.backend, "routing_out", ())):
+            s.routing.append(r)
         self.num_decode_forwards += 1
         self.decode_tokens_total += batch
         self.decode_batch_sizes.append(batch)

@@ -46,6 +46,7 @@ from engines import hf
 from engines.base import check_prompts
 from engines.hf_fallback import HFDecoder
 from engines.requests import Request, Swap
+from engines.routing import moe_routers
 from engines.scheduler import Scheduler
 from engines.torch_model import SlotDecoder, unsupported_reason
 
@@ -64,6 +65,8 @@ class EngineOptions:
     max_prefill_tokens: int = 8192     # padded tokens per prefill forward (bounds prefill memory)
     cuda_graphs: bool | None = None    # None: on for a CUDA device on the fast path; decode steps replay a
                                        # CUDA graph per batch bucket (engines.torch_model._StaticDecode)
+    record_routing: bool = False       # an MoE model: each completion carries the experts every position was
+                                       # routed to (Completion.routed_experts; engines/routing.py)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -146,6 +149,11 @@ class TorchEngine:
         self._detokenize = detokenize
         self._vocab_size = model.get_input_embeddings().num_embeddings
         reason = unsupported_reason(model) if options.fast is not False else "fast=False"
+        if options.record_routing:
+            if not moe_routers(model):
+                raise ValueError("TorchEngine record_routing: the model has no MoE router (a dense model routes "
+                                 "nothing; turn routing replay off)")
+            reason = reason or "record_routing (the HF path records each forward's routing)"
         if options.cuda_graphs and device.type != "cuda":
             raise ValueError(f"TorchEngine cuda_graphs=True needs a CUDA device, got {device}")
         if reason is None:
@@ -153,7 +161,7 @@ class TorchEngine:
             backend = SlotDecoder(model, device, fuse=self._model_path is not None, graphs=graphs)
         else:
             log.warning("TorchEngine: HF fallback path (one forward per sequence and step): %s", reason)
-            backend = HFDecoder(model, device)
+            backend = HFDecoder(model, device, record_routing=options.record_routing)
         self.fast = reason is None
         self.scheduler = Scheduler(
             backend, vocab_size=self._vocab_size, device=device, seed=seed, max_batch=options.max_batch,

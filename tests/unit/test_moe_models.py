@@ -114,3 +114,38 @@ def test_a_tiny_moe_with_more_experts_per_token_than_experts_is_refused():
 
 def _fields(cfg: TinyModelConfig) -> dict:
     return {f: getattr(cfg, f) for f in cfg.__struct_fields__}
+
+
+def test_the_engine_records_each_positions_experts_and_replaying_them_gives_its_logprobs(moe_dir):
+    """record_routing: a completion carries the routing of every position the engine fed (the prompt's from its
+    prefill, then each response token but the last); the model replaying it computes the engine's logprobs."""
+    from engines.routing import Routing, unpack_routing
+
+    engine = TorchEngine(str(moe_dir), seed=0, record_routing=True)
+    model = hf.load_model(moe_dir)
+    routing = Routing(model)
+    out = asyncio.run(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=3)))
+    for prompt, group in zip(PROMPTS, out):
+        for c in group:
+            assert c.routing_shape == [2, 2]
+            recorded = unpack_routing(c.routed_experts, c.routing_shape)
+            assert recorded.shape == (len(prompt) + len(c.response_ids) - 1, 2, 2)
+            ids = torch.tensor([prompt + c.response_ids])
+            with torch.no_grad(), routing.recording() as rec:
+                model(ids)
+            own = torch.stack(rec, dim=1)[:-1]  # the trainer's own routing of the same positions (fp32: the same)
+            assert torch.equal(own, recorded)
+            forced = torch.cat([recorded, torch.full((1, 2, 2), -1, dtype=recorded.dtype)])
+            with torch.no_grad(), routing.replaying(forced):
+                logits = model(ids).logits[0].float()
+            want = logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c.response_ids)[:, None])
+            torch.testing.assert_close(torch.tensor(c.logprobs), want.squeeze(-1), atol=1e-5, rtol=0)
+    assert out[0][0].routed_experts[: 2 * 2 * 2 * 3] == out[0][1].routed_experts[: 2 * 2 * 2 * 3]  # one prefill
+    asyncio.run(engine.close())
+
+
+def test_recording_the_routing_of_a_dense_model_is_one_clear_error(tmp_path):
+    hf.build_tiny_model(tmp_path, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=32))
+    with pytest.raises(ValueError, match="record_routing: the model has no MoE router"):
+        TorchEngine(str(tmp_path), record_routing=True)
