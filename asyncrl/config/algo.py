@@ -212,3 +212,9 @@ class AlgorithmConfig(Section):
         _d("Safe-RLHF: optimise the reward advantage minus lambda times the cost advantage (reward.cost_fn), "
            "lambda updated from the measured cost against reward.cost_threshold"),
     ] = False
+    routing_replay: Annotated[
+        Literal["off", "measure", "rollout"],
+        _d("mixture-of-experts policies: 'rollout' = the engine records the experts each token was routed to and "
+           "the trainer's forwards use them (rollout routing replay); 'measure' = recorded and compared with the "
+           "trainer's own routing (routing/agreement), not replayed; 'off' = neither (docs/algorithms.md)"),
+    ] = "off"

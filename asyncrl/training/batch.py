@@ -160,6 +160,28 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_token_id: in
     return TokenBatch(*(x.to(device) for x in tensors), extras={k: v.to(device) for k, v in out_extras.items()})
 
 
+def routing_rows(trajectories: list[Trajectory], width: int, shape: tuple[int, int]) -> Tensor:
+    """The engine's routing of each sample at the batch's positions: [B, width, layers, k] (`ROUTING_DTYPE`), -1
+    where a position has no record (padding, a sample without routing, the last response token, which no forward
+    of the engine fed). ValueError for a sample whose routing does not fit the model or its tokens."""
+    from engines.routing import ROUTING_DTYPE, unpack_routing
+
+    out = torch.full((len(trajectories), width, *shape), -1, dtype=ROUTING_DTYPE)
+    for i, t in enumerate(trajectories):
+        if not t.routing_shape:
+            continue
+        if tuple(t.routing_shape) != tuple(shape):
+            raise ValueError(f"routing replay: sample {t.seq_id} was routed over {t.routing_shape[0]} layers x "
+                             f"top-{t.routing_shape[1]}; the trained model has {shape[0]} x top-{shape[1]}")
+        rows = unpack_routing(t.routed_experts, t.routing_shape)
+        tokens = len(t.prompt_ids) + len(t.response_ids)
+        if not tokens - 1 <= rows.shape[0] <= tokens:
+            raise ValueError(f"routing replay: sample {t.seq_id} carries the routing of {rows.shape[0]} positions "
+                             f"for {tokens} tokens (want {tokens - 1} or {tokens})")
+        out[i, : rows.shape[0]] = rows
+    return out
+
+
 def gather_response(batch: TokenBatch, trajectories: list[Trajectory], values: Tensor, width: int) -> Tensor:
     """values [B, L] at the batch's positions -> [B, width] response-aligned rows (0 past a response)."""
     resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)

@@ -45,6 +45,7 @@ import math
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
+from asyncrl.training.routing import RoutingReplay
 
 __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 
@@ -118,6 +120,9 @@ class Learner:
         self.model = model.to(self.device) if self.autocast is None else model.to(self.device, torch.float32)
         # Dropout off: the trainer's logprobs must be the engine's (which samples in eval mode).
         self.model.eval()
+        # algorithm.routing_replay (training/routing.py): an MoE policy's routers, patched before any wrapping
+        self.routing = RoutingReplay(self.model, algorithm.routing_replay) if algorithm.routing_replay != "off" \
+            else None
         self._checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # model.gradient_checkpointing: active in compute_gradients only
             precision.enable_gradient_checkpointing(self.model)
@@ -202,8 +207,9 @@ class Learner:
         for idx in parts:
             part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
-            logprobs, _ = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                                 batch.temperature)
+            with self._routing(part, batch):
+                logprobs, _ = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                     batch.temperature)
             rows.append(gather_response(batch, part, logprobs, width))
         return in_order(rows, parts)
 
@@ -369,32 +375,40 @@ class Learner:
                     sl = torch.tensor(idx, dtype=torch.long)
                     batch = collate(part, advantages[sl], self.pad_token_id, self.device,
                                     extras={k: v[sl] for k, v in rows.items()})
-                    if first_pass is not None:
-                        logprobs, entropy = first_pass
-                    else:
-                        logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
-                                                                   batch.response_mask, batch.temperature,
-                                                                   entropy_grad=a.entropy_coef > 0,
-                                                                   model=self.forward_model)
-                    mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
-                    old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
-                    loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask,
-                                                                self._loss_params)
-                    if "weights" in batch.extras:
-                        loss_tok = loss_tok * batch.extras["weights"]
-                    if a.kl_mode == "loss":
-                        kl = kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
-                        loss_tok = loss_tok + a.kl_coef * kl
-                    if a.entropy_coef > 0:
-                        loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
-                    loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens,
-                                             global_seqs=global_seqs, norm_len=self.max_new_tokens)
-                    loss.backward()
+                    # the replayed routing stays in place through the backward (checkpointing recomputes there)
+                    with self._routing(part, batch, count=diagnose) if first_pass is None else nullcontext():
+                        if first_pass is not None:
+                            logprobs, entropy = first_pass
+                        else:
+                            logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
+                                                                       batch.response_mask, batch.temperature,
+                                                                       entropy_grad=a.entropy_coef > 0,
+                                                                       model=self.forward_model)
+                        loss, loss_stats = self._micro_loss(batch, logprobs, entropy, global_tokens, global_seqs)
+                        loss.backward()
                     loss_total += loss.item()
                     stats.record(batch, logprobs.detach(), entropy.detach(), loss_stats, self.version,
                                  diagnose=diagnose, measure_ratio=measure_ratio and "prox" not in batch.extras)
         stats.loss += loss_total
         return stats
+
+    def _micro_loss(self, batch: TokenBatch, logprobs: Tensor, entropy: Tensor, global_tokens: int,
+                    global_seqs: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's share of the mini-batch's aggregated loss (policy loss, correction weights, KL in the
+        loss, entropy bonus), and the policy loss's statistics."""
+        a = self.algorithm
+        mask = batch.extras["keep"] if "keep" in batch.extras else batch.loss_mask
+        old = batch.extras["prox"] if a.decoupled else batch.old_logprobs
+        loss_tok, loss_stats = self._policy_loss_fn(logprobs, old, batch.advantages, mask, self._loss_params)
+        if "weights" in batch.extras:
+            loss_tok = loss_tok * batch.extras["weights"]
+        if a.kl_mode == "loss":
+            loss_tok = loss_tok + a.kl_coef * kl_estimate(logprobs, batch.extras["ref"], a.kl_estimator, mask=mask)
+        if a.entropy_coef > 0:
+            loss_tok = loss_tok - a.entropy_coef * torch.where(mask, entropy, 0.0)
+        loss = self._loss_agg_fn(loss_tok, mask, global_tokens=global_tokens, global_seqs=global_seqs,
+                                 norm_len=self.max_new_tokens)
+        return loss, loss_stats
 
     def _optimizer_step(self) -> float:
         """Clip (if grad_clip > 0) and step; returns the pre-clip grad norm. A non-finite norm skips the step."""
@@ -482,11 +496,19 @@ class Learner:
         """-> (logprobs [N, L], entropy [N, L]) with grad, as `compute_gradients` computes them for its one
         micro-batch, and the proximal rows [N, T] (their detached response-aligned copy)."""
         batch = collate(trajs, torch.zeros(len(trajs)), self.pad_token_id, self.device)
-        logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                                   batch.temperature, entropy_grad=self.algorithm.entropy_coef > 0,
-                                                   model=self.forward_model)
+        with self._routing(trajs, batch, count=True):  # no checkpointing on this path: the backward recomputes nothing
+            logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                       batch.temperature,
+                                                       entropy_grad=self.algorithm.entropy_coef > 0,
+                                                       model=self.forward_model)
         width = max(max(len(t.response_ids) for t in trajs), 1)  # response_rows' width
         return logprobs, entropy, gather_response(batch, trajs, logprobs, width)
+
+    def _routing(self, trajs: list[Trajectory], batch: TokenBatch, count: bool = False) -> Any:
+        """The context of a forward over `batch`: the MoE routing replayed and counted (algorithm.routing_replay)."""
+        if self.routing is None:
+            return nullcontext()
+        return self.routing.forward(trajs, batch, packed=self.trainer.pack_sequences, count=count)
 
     def _check_skips(self, all_skipped: bool) -> None:
         """Count train steps whose every optimizer step was skipped (non-finite gradients); stop the run
@@ -547,6 +569,8 @@ class Learner:
             out["critic/value_loss"] = cstats.loss / max(cstats.steps, 1)
             out["critic/vf_clip_frac"] = cstats.clipped / max(cstats.tokens, 1)
             out["critic/grad_norm"] = cstats.grad_norm / max(cstats.steps, 1)
+        if self.routing is not None:
+            out.update(self.routing.metrics())
         out.update(data.metrics)
         return out
 

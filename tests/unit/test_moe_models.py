@@ -149,3 +149,103 @@ def test_recording_the_routing_of_a_dense_model_is_one_clear_error(tmp_path):
                                                   intermediate_size=32))
     with pytest.raises(ValueError, match="record_routing: the model has no MoE router"):
         TorchEngine(str(tmp_path), record_routing=True)
+
+
+# ---- the trainer's side of routing replay (algorithm.routing_replay; asyncrl/training/routing.py)
+
+def _engine_group(moe_dir, prompt: list[int], n: int = 4, group_id: int = 0, **engine_kw) -> Group:
+    """A group sampled by the native engine recording its routing, as the generator hands it on."""
+    engine = TorchEngine(str(moe_dir), seed=0, record_routing=True, **engine_kw)
+    (group,) = asyncio.run(engine.generate([prompt], SamplingParams(n=n, max_new_tokens=6, seed=group_id)))
+    asyncio.run(engine.close())
+    trajs = [Trajectory(seq_id=group_id * n + i, group_id=group_id, group_size=n, prompt_ids=c.prompt_ids,
+                        response_ids=c.response_ids, loss_mask=[True] * len(c.response_ids),
+                        behavior_logprobs=c.logprobs, versions=c.versions, min_version=0, max_version=0,
+                        finish_reason=c.finish_reason, reward=float(i % 2), routed_experts=c.routed_experts,
+                        routing_shape=c.routing_shape)
+             for i, c in enumerate(group)]
+    return Group(group_id=group_id, min_version=0, trajectories=trajs)
+
+
+def _moe_learner(moe_dir, mode: str, checkpointing: bool = False, dtype=torch.float32, **trainer_kw) -> Learner:
+    model = hf.load_model(moe_dir).to(dtype)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")  # transformers' grouped_mm experts take 16- and 32-bit floats
+    return Learner(model, algorithm=AlgorithmConfig(routing_replay=mode), pad_token_id=hf.PAD_ID,
+                   trainer=TrainerConfig(**{"lr": 1e-3, "micro_batch_size": 64, **trainer_kw}),
+                   gradient_checkpointing=checkpointing)
+
+
+def _rerouted(group: Group, shift: int) -> Group:
+    """The group with every recorded expert moved by `shift` (mod 4): a routing the trainer would not choose."""
+    from engines.routing import pack_routing, unpack_routing
+
+    trajs = [t.__class__(**{**{f: getattr(t, f) for f in t.__struct_fields__},
+                            **pack_routing((unpack_routing(t.routed_experts, t.routing_shape) + shift) % 4)})
+             for t in group.trajectories]
+    return Group(group_id=group.group_id, min_version=0, trajectories=trajs)
+
+
+def test_the_trainers_forward_uses_exactly_the_recorded_experts_token_by_token(moe_dir):
+    from engines.routing import unpack_routing
+
+    learner = _moe_learner(moe_dir, "rollout")
+    group = _rerouted(_engine_group(moe_dir, [5, 6, 7]), 1)
+    seen: list[torch.Tensor] = []
+    experts = [m for m in learner.model.modules() if type(m).__name__.endswith("Experts")]
+    hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
+    metrics = learner.update([group])
+    for h in hooks:
+        h.remove()
+    trajs = group.trajectories
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    for layer in range(2):
+        used = seen[layer].view(len(trajs), width, 2)  # the step's first forward: the padded micro-batch
+        for i, t in enumerate(trajs):
+            recorded = unpack_routing(t.routed_experts, t.routing_shape)
+            assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
+    assert metrics["routing/recorded_share"] == pytest.approx(
+        sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs)
+        / sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+    assert metrics["routing/agreement"] < 0.5  # every recorded choice moved: the trainer's own router disagrees
+
+
+def test_measure_counts_agreement_and_replay_makes_the_trainer_compute_the_engines_logprobs(moe_dir):
+    group = _engine_group(moe_dir, [10, 11, 12, 13])
+    measured = _moe_learner(moe_dir, "measure").update([group])
+    assert measured["routing/agreement"] == 1.0  # fp32 engine and trainer, same weights: the same experts
+    assert measured["trainer/logprob_gap"] < 1e-5
+    moved = _rerouted(group, 2)
+    off = _moe_learner(moe_dir, "measure").update([moved])
+    on = _moe_learner(moe_dir, "rollout").update([moved])
+    assert off["routing/agreement"] < 0.5 and on["routing/agreement"] < 0.5
+    # replayed, the trainer's logprobs are the ones the moved routing gives; not replayed, its own routing's
+    assert on["trainer/logprob_gap"] != pytest.approx(off["trainer/logprob_gap"])
+
+
+@pytest.mark.parametrize("levers", [{"checkpointing": True}, {"pack_sequences": True},
+                                    {"max_tokens_per_micro_batch": 16}])
+def test_replay_gives_the_same_step_under_checkpointing_packing_and_token_budgets(moe_dir, levers):
+    groups = [_rerouted(_engine_group(moe_dir, p, group_id=g), 3) for g, p in enumerate([[5, 6], [7, 8, 9, 10]])]
+    f64 = torch.float64  # Adam's first step moves each weight by about lr whatever its gradient's size: float32
+    # rounding of another micro-batch cut would show at 1e-6
+    plain, other = _moe_learner(moe_dir, "rollout", dtype=f64), _moe_learner(moe_dir, "rollout", dtype=f64, **levers)
+    a, b = plain.update(groups), other.update(groups)
+    assert a["trainer/loss"] == pytest.approx(b["trainer/loss"], rel=1e-12)
+    for p, q in zip(plain.model.parameters(), other.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=0)
+
+
+def test_bad_routing_and_replay_on_a_dense_model_get_one_clear_error(moe_dir, tmp_path):
+    group = _engine_group(moe_dir, [5, 6, 7], n=2)
+    t = group.trajectories[0]
+    wrong = Group(group_id=0, min_version=0, trajectories=[
+        t.__class__(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "routed_experts": t.routed_experts[:8]}),
+        group.trajectories[1]])
+    with pytest.raises(ValueError, match="routing replay: sample 0 carries the routing of 1 positions"):
+        _moe_learner(moe_dir, "rollout").update([wrong])
+    hf.build_tiny_model(tmp_path, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=32))
+    with pytest.raises(ValueError, match="routing_replay = 'rollout': routing: the model has no MoE router"):
+        Learner(hf.load_model(tmp_path), algorithm=AlgorithmConfig(routing_replay="rollout"),
+                trainer=TrainerConfig(), pad_token_id=0)
