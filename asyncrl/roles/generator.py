@@ -486,6 +486,8 @@ class Generator:
             prompt_text=prompt.text,
             row_json=row_json,
             kv_reused=c.kv_reused,
+            routed_experts=c.routed_experts,
+            routing_shape=c.routing_shape,
             generator_id=self.generator_id,
         )
 

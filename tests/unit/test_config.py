@@ -133,6 +133,12 @@ CASES = [
      "model.build_tiny.num_kv_heads: 3 does not divide model.build_tiny.num_heads = 4"),
     ("more_experts_per_token_than_experts", {"model.build_tiny.experts_per_token": 5},
      "model.build_tiny.experts_per_token: 5 is more than model.build_tiny.num_experts = 4"),
+    ("routing_replay_on_a_dense_model", {"algorithm.routing_replay": "rollout"},
+     "algorithm.routing_replay: 'rollout' needs a mixture-of-experts model (qwen3_moe, qwen2_moe, mixtral, olmoe); "
+     "model.path is 'qwen2', which routes nothing"),
+    ("routing_replay_on_vllm", {"algorithm.routing_replay": "measure", "model.build_tiny.arch": "olmoe",
+                                "rollout.engine": "vllm"},
+     "algorithm.routing_replay: 'measure' needs the native engine (rollout.engine = 'torch')"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
     ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
      "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),
