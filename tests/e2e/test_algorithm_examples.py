@@ -31,9 +31,9 @@ EXPECTED = {
     "remax": ["remax/baseline_reward"],
     "safe_rlhf": ["safety/cost_mean", "safety/lambda", "safety/lambda_next", "safety/cost_threshold"],
 }
-# examples that are not one algorithm on the first task: the task itself, LoRA, environments, the real model
-NOT_ALGORITHMS = {"first_digit", "first_digit_lora", "first_digit_moe", "agent_loop", "guess", "openai_agent", "smollm_arith",
-                  "smollm_reasoning", "tool_arith"}
+# examples that are not one algorithm on the first task: the task itself, LoRA, MoE, environments, the real model
+NOT_ALGORITHMS = {"first_digit", "first_digit_lora", "first_digit_moe", "agent_loop", "guess", "openai_agent",
+                  "smollm_arith", "smollm_reasoning", "tool_arith"}
 # Each example's training reward (reward/mean, sampled at temperature 1) must rise by this much from the mean of its
 # first 10 steps to the mean of its last 10, in its own 60-step run with --local (2-4 s each). Measured on an AMD
 # EPYC (AVX512-BF16), run.seed 0 (the same figure in 4 runs) / run.seed 1: grpo +0.628 / +0.449, ppo +0.588 /

@@ -186,11 +186,10 @@ def _rerouted(group: Group, shift: int) -> Group:
     return Group(group_id=group.group_id, min_version=0, trajectories=trajs)
 
 
-def test_the_trainers_forward_uses_exactly_the_recorded_experts_token_by_token(moe_dir):
+def _assert_replayed(learner: Learner, group: Group) -> dict[str, float]:
+    """Train `group`; the step's first forward routed each recorded position to exactly the recorded experts."""
     from engines.routing import unpack_routing
 
-    learner = _moe_learner(moe_dir, "rollout")
-    group = _rerouted(_engine_group(moe_dir, [5, 6, 7]), 1)
     seen: list[torch.Tensor] = []
     experts = [m for m in learner.model.modules() if type(m).__name__.endswith("Experts")]
     hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
@@ -204,10 +203,33 @@ def test_the_trainers_forward_uses_exactly_the_recorded_experts_token_by_token(m
         for i, t in enumerate(trajs):
             recorded = unpack_routing(t.routed_experts, t.routing_shape)
             assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
+    return metrics
+
+
+def test_the_trainers_forward_uses_exactly_the_recorded_experts_token_by_token(moe_dir):
+    group = _rerouted(_engine_group(moe_dir, [5, 6, 7]), 1)
+    metrics = _assert_replayed(_moe_learner(moe_dir, "rollout"), group)
+    trajs = group.trajectories
     assert metrics["routing/recorded_share"] == pytest.approx(
         sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs)
         / sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
     assert metrics["routing/agreement"] < 0.5  # every recorded choice moved: the trainer's own router disagrees
+
+
+def test_a_resumed_run_replays_the_routing_its_checkpoint_kept(moe_dir, tmp_path):
+    """The buffer's checkpoint (accepted groups, whole) keeps each trajectory's routing bytes; the resumed trainer
+    replays them as the first run would have."""
+    import msgspec
+
+    from asyncrl.checkpoints import store
+    from buffers.replay import BufferState
+
+    group = _rerouted(_engine_group(moe_dir, [5, 6, 7, 8]), 3)
+    state = BufferState(gate=None, train=[group], env_counts={}, submitted={}, window={})
+    path = store.save(tmp_path, step=1, version=1, config_text="x", state={"buffer": state})
+    restored = msgspec.convert(store.load(path).state["buffer"]["train"], list[Group])[0]
+    assert restored == group
+    _assert_replayed(_moe_learner(moe_dir, "rollout"), restored)
 
 
 def test_measure_counts_agreement_and_replay_makes_the_trainer_compute_the_engines_logprobs(moe_dir):
@@ -249,3 +271,52 @@ def test_bad_routing_and_replay_on_a_dense_model_get_one_clear_error(moe_dir, tm
     with pytest.raises(ValueError, match="routing_replay = 'rollout': routing: the model has no MoE router"):
         Learner(hf.load_model(tmp_path), algorithm=AlgorithmConfig(routing_replay="rollout"),
                 trainer=TrainerConfig(), pad_token_id=0)
+
+
+def test_a_sequence_spanning_an_in_flight_swap_keeps_each_positions_routing_of_its_sampling_forward(moe_dir):
+    """Weights swapped after decode step 3 (K/V recomputed under the new version): the positions fed before the
+    swap keep the old version's routing, the ones after carry the new one's; the recompute records nothing."""
+    import threading
+    import time
+
+    from engines.routing import Routing, unpack_routing
+
+    engine = TorchEngine(str(moe_dir), eos_token_ids=[], record_routing=True)
+    old = hf.load_model(moe_dir)
+    gen = torch.Generator().manual_seed(1)
+    new_weights = {k: (v + 0.3 * torch.randn(v.shape, generator=gen)).detach() for k, v in old.named_parameters()}
+    new = hf.load_model(moe_dir)
+    new.load_state_dict(new_weights, strict=False)
+    swapper = threading.Thread(target=engine.load_weights, args=(new_weights, 1))
+    base = engine.num_decode_forwards
+
+    def hook(step: int) -> None:
+        if step - base == 3:
+            swapper.start()
+            deadline = time.monotonic() + 10
+            while engine.scheduler.staged_swaps() == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    engine.scheduler.on_step = hook
+    prompt, length, before = [5, 6, 7, 8], 10, 4  # 1 token from the prefill + 3 decode steps under version 0
+    (group,) = asyncio.run(engine.generate([prompt], SamplingParams(n=2, max_new_tokens=length, seed=4)))
+    swapper.join(timeout=10)
+    differs = 0
+    for c in group:
+        assert c.versions == [0] * before + [1] * (length - before)
+        recorded = unpack_routing(c.routed_experts, c.routing_shape)
+        assert recorded.shape[0] == len(prompt) + length - 1
+        ids = torch.tensor([prompt + c.response_ids])
+        own = {}
+        for name, model in (("old", old), ("new", new)):
+            routing = Routing(model)
+            with torch.no_grad(), routing.recording() as rec:
+                model(ids)
+            own[name] = torch.stack(rec, dim=1)
+            routing.remove()
+        cut = len(prompt) + before - 1  # the first position fed under version 1
+        assert torch.equal(recorded[:cut], own["old"][:cut])
+        assert torch.equal(recorded[cut:], own["new"][cut:-1])
+        differs += int((own["old"][cut:-1] != own["new"][cut:-1]).any())
+    assert differs  # the versions route differently: the record follows each position's own
+    asyncio.run(engine.close())
