@@ -230,3 +230,73 @@ def test_two_ddp_ranks_train_the_lora_adapters_one_process_trains() -> None:
     worst_adapter = max(float((torch.from_numpy(adapter[k]) - ref_adapter[k]).abs().max()) for k in ref_adapter)
     assert worst < 1e-6 and worst_adapter < 1e-6, f"2 DDP ranks differ from 1 process by {worst}, {worst_adapter}"
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+
+
+def _moe_model() -> torch.nn.Module:
+    """A tiny float64 Qwen3-MoE (2 layers of 4 experts, top-2), transformers' eager experts (grouped_mm takes no
+    float64)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True)).double()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def _moe_learner(micro_batch_size: int, parallel: DataParallel | None = None) -> Learner:
+    trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size)
+    return Learner(_moe_model(), algorithm=AlgorithmConfig(loss_agg="token-mean", routing_replay="rollout"),
+                   trainer=trainer, pad_token_id=PAD, parallel=parallel)
+
+
+def _routed_steps() -> list[list[Group]]:
+    """`_steps()` with an engine's routing on every trajectory: random top-2 experts per fed position and layer."""
+    from engines.routing import pack_routing
+
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for groups in _steps()[:2]:
+        routed = []
+        for g in groups:
+            trajs = []
+            for t in g.trajectories:
+                positions = len(t.prompt_ids) + len(t.response_ids) - 1
+                experts = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(positions * 2)])
+                fields = {f: getattr(t, f) for f in t.__struct_fields__}
+                trajs.append(Trajectory(**{**fields, **pack_routing(experts.view(positions, 2, 2))}))
+            routed.append(Group(group_id=g.group_id, min_version=g.min_version, trajectories=trajs))
+        out.append(routed)
+    return out
+
+
+def _moe_rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dp = DataParallel.join(mode, store=store, rank=rank, world_size=WORLD, timeout_s=60)  # type: ignore[arg-type]
+    try:
+        weights, losses = _train(_moe_learner(1, dp), steps)
+        if rank == 0:
+            out.put(({k: v.numpy() for k, v in weights.items()}, losses))
+    finally:
+        dp.close()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_train_an_moe_replaying_its_routing_to_the_weights_one_process_trains(mode: str) -> None:
+    """Each rank replays its share's recorded routing (its micro-batches' rows of the step): the experts and
+    routers DDP reduces and FSDP2 shards end where one process's do (within 1e-6, float64)."""
+    torch.set_num_threads(1)
+    steps = _routed_steps()
+    weights, losses = _spawn(_moe_rank_main, WORLD, mode, steps, limit_s=240)
+    ref_learner = _moe_learner(4)
+    initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
+    ref_weights, ref_losses = _train(ref_learner, steps)
+    assert set(weights) == set(ref_weights)
+    for part in ("mlp.gate.weight", "mlp.experts.gate_up_proj"):  # the routers and the experts trained
+        assert min(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights if k.endswith(part)) > 1e-4
+    worst = max(float((torch.from_numpy(weights[k]) - ref_weights[k]).abs().max()) for k in ref_weights)
+    assert worst < 1e-6, f"{mode}: 2 ranks differ from 1 process by {worst}"
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
