@@ -51,6 +51,9 @@ LINES: list[tuple[str, str, str]] = [
     ("weight sync seconds (mean)", "sync/seconds/mean", ".4f"),
     ("weight sync GB/s (mean)", "sync/gbps/mean", ".3f"),
     ("generation stall from updates (s, total)", "generation/stall_s", ".3f"),
+    ("decode batch occupancy (mean)", "generation/occupancy/mean", ".2f"),
+    ("engine-trainer logprob gap (mean)", "trainer/logprob_gap/mean", ".2e"),
+    ("MoE routing agreement, engine vs trainer (mean)", "routing/agreement/mean", ".3f"),
 ]
 
 

@@ -17,6 +17,8 @@ from typing import Any
 REWARD_KEY = "reward/mean"
 SMOOTH_STEPS = 5  # final reward and time-to-target use the mean of this many consecutive train steps
 COLOCATE_KEYS = ("colocate/sleep_s", "colocate/asleep_s", "colocate/wake_s")  # colocated placement only
+# written where they apply (MoE routing, the native engine's decode batch; docs/metrics.md): their run means too
+RUN_MEAN_KEYS = ("routing/agreement", "trainer/logprob_gap", "generation/occupancy")
 _SHARE = re.compile(r"^([a-z_]+)/(busy_share|idle_share)$")  # role *types* only, not "generator/0/..."
 
 
@@ -99,7 +101,8 @@ def summarize_rows(rows: Sequence[Mapping[str, Any]], *, target_reward: float | 
         value = _weighted(steps, key)
         if value is not None:
             out[key] = value
-    for key in ("sync/seconds", "sync/gbps", "trainer/step_s", "trainer/gate_wait_s", *COLOCATE_KEYS):
+    for key in ("sync/seconds", "sync/gbps", "trainer/step_s", "trainer/gate_wait_s", *COLOCATE_KEYS,
+                *RUN_MEAN_KEYS):
         vals = [v for r in steps if (v := _num(r, key)) is not None]
         if vals:
             out[f"{key}/mean"] = sum(vals) / len(vals)

@@ -53,3 +53,19 @@ def test_peak_memory_is_the_runs_largest_and_colocated_times_their_means():
     s = summarize_rows(steps)
     assert s["memory/trainer_peak_gb"] == 3.5
     assert s["colocate/sleep_s/mean"] == pytest.approx(0.2) and "colocate/wake_s/mean" not in s
+
+
+def test_routing_agreement_logprob_gap_and_occupancy_get_their_run_means_where_written():
+    from asyncrl.report import summary_lines
+
+    steps = rows()
+    for row, (agree, gap) in zip(steps[1:], [(1.0, 0.0), (0.8, 1e-3), (0.9, 2e-3)]):
+        row.update({"routing/agreement": agree, "trainer/logprob_gap": gap})
+    steps[2]["generation/occupancy"] = 0.25  # written in the steps whose window decoded
+    s = summarize_rows(steps)
+    assert s["routing/agreement/mean"] == pytest.approx(0.9) and s["trainer/logprob_gap/mean"] == pytest.approx(1e-3)
+    assert s["generation/occupancy/mean"] == 0.25
+    lines = summary_lines(s)
+    assert "| MoE routing agreement, engine vs trainer (mean) | 0.900 |" in lines
+    assert "| decode batch occupancy (mean) | 0.25 |" in lines
+    assert "routing/agreement/mean" not in summarize_rows(rows())  # a dense run: no routing line
