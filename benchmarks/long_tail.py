@@ -180,13 +180,8 @@ def main() -> None:
             return vs_trl.evaluate(path, Path(cfg.model.path), held_out, reward, cfg.rollout.max_new_tokens,
                                    args.eval_seed)
 
-        base_file = args.out / "base.json"
-        if base_file.exists():
-            base = json.loads(base_file.read_text())
-        else:
-            base = judge(Path(cfg.model.path))
-            args.out.mkdir(parents=True, exist_ok=True)
-            base_file.write_text(json.dumps(base))
+        base = vs_trl.cached_judge(args.out / "base.json", judge, Path(cfg.model.path), held_out,
+                                   cfg.rollout.max_new_tokens, args.eval_seed)
         print(f"base model: held-out greedy {base['greedy']:.3f}, sampled {base['sampled']:.3f}", flush=True)
         for name in args.settings:
             r = run_setting(name, args, judge)

@@ -192,6 +192,22 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, rows: list[dict[str, Any]], r
     return out
 
 
+def cached_judge(path: Path, judge: Any, model: Path, rows: list[dict[str, Any]], max_new_tokens: int,
+                 seed: int) -> dict[str, Any]:
+    """The base model's held-out rewards, kept in `path` and reused while the model folder, the rows, the token
+    limit and the seed are the same (a 256-token evaluation takes minutes on 2 cores)."""
+    key = {"model": str(model.resolve()), "rows": len(rows), "first_row": rows[0] if rows else None,
+           "max_new_tokens": max_new_tokens, "eval_seed": seed}
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if kept.get("key") == key:
+            return kept
+    result = {**judge(model), "key": key}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
 def run_asyncrl(config: Path, sets: list[str], seed: int, out: Path) -> dict[str, Any]:
     cmd = ["asyncrl", "launch", str(config), *[a for s in sets for a in ("--set", s)], "--set", f"run.seed={seed}",
            "--set", f'run.output_dir="{out}"', "--set", "trainer.eval_every=0", "--set", "logging.live=false",
@@ -267,7 +283,7 @@ def main() -> None:
     def judge(path: Path) -> dict[str, float]:
         return evaluate(path, model, held_out, reward, cfg.rollout.max_new_tokens, args.eval_seed)
 
-    base = judge(model)
+    base = cached_judge(args.out / "base.json", judge, model, held_out, cfg.rollout.max_new_tokens, args.eval_seed)
     print(f"base model: held-out greedy {base['greedy']:.3f}, sampled {base['sampled']:.3f} "
           f"({len(held_out)} rows)", flush=True)
     results: dict[str, list[dict[str, Any]]] = {"asyncrl": [], "trl": []}
