@@ -102,11 +102,13 @@ class EngineTraits:
                           # mode is CUDA-only and SGLang's release_memory_occupation needs a GPU: neither is wired
     subset_weights: bool  # loads a subset of the weights (under LoRA the ones the adapters change); False: every one
     wraps_module: bool    # can wrap the trainer's module in place, without a copy (colocated in one process)
+    records_routing: bool = False  # records an MoE model's routing per position (`record_routing`, for
+                          # algorithm.routing_replay); vLLM can return routed experts but is not wired yet
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     "torch": EngineTraits(transport="bucketed", in_process=True, ipc=True, sleeps=True, subset_weights=True,
-                          wraps_module=True),
+                          wraps_module=True, records_routing=True),
     "vllm": EngineTraits(transport="bucketed", in_process=False, ipc=False, sleeps=False, subset_weights=False,
                          wraps_module=False),
     "sglang": EngineTraits(transport="per_tensor", in_process=False, ipc=False, sleeps=False, subset_weights=False,

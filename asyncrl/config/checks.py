@@ -17,7 +17,6 @@ condition that keeps its module (and what it imports: torch, transformers, peft)
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 from pathlib import Path
@@ -164,31 +163,6 @@ def _check_affinity(cfg: Config) -> list[str]:
     return errors
 
 
-# Model types whose routers routing replay knows (engines/routing.py ROUTER_CASTS; the tiny ones: engines/hf.MOE_ARCHS)
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-
-
-def _check_routing(cfg: Config) -> list[str]:
-    mode, errors = cfg.algorithm.routing_replay, []
-    key = f"algorithm.routing_replay: {mode!r}"
-    if cfg.rollout.engine != "torch":
-        errors.append(f"{key} needs the native engine (rollout.engine = 'torch'): the {cfg.rollout.engine} engine "
-                      f"does not hand asyncrl its routing yet")
-    if cfg.env is not None:
-        errors.append(f"{key} does not follow multi-turn [env] episodes yet (each turn's routing is not joined)")
-    tiny, config = cfg.model.build_tiny, Path(cfg.model.path) / "config.json"
-    model_type = tiny.arch if tiny is not None else None
-    if model_type is None and config.is_file():
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except ValueError:
-            model_type = None
-    if model_type is not None and model_type not in MOE_MODEL_TYPES:
-        errors.append(f"{key} needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is "
-                      f"{model_type!r}, which routes nothing — set it to 'off'")
-    return errors
-
-
 # (the keys a check reads, the check or its 'module:function', when it applies: None = always)
 CHECKS: list[tuple[tuple[str, ...], Check | str, Callable[[Config], bool] | None]] = [
     (("data",), "asyncrl.data.rows:check_config", None),
@@ -219,6 +193,6 @@ CHECKS: list[tuple[tuple[str, ...], Check | str, Callable[[Config], bool] | None
     (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), "asyncrl.envs.base:check_config",
      lambda cfg: cfg.env is not None),
     (("logging",), lambda cfg: check_trackers(cfg.logging), None),
-    (("algorithm.routing_replay", "rollout.engine", "env", "model"), _check_routing,
+    (("algorithm.routing_replay", "rollout.engine", "env", "model"), "asyncrl.deploy.placement:check_routing",
      lambda cfg: cfg.algorithm.routing_replay != "off"),
 ]

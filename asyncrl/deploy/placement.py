@@ -20,6 +20,9 @@ CUDA_VISIBLE_DEVICES), in process (`--local`) the first GPU. A role with none ne
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from asyncrl.config.checks import unknown
 from asyncrl.config.schema import Config
 from engines.base import available_engines, ipc_engines, sleeping_engines, traits
@@ -190,3 +193,29 @@ def check_colocated(cfg: Config) -> list[str]:
     return [f"cluster.placement: 'colocated' needs an engine that releases its K/V cache while the trainer trains, "
             f"which rollout.engine = {cfg.rollout.engine!r} does not do in asyncrl — use rollout.engine = "
             f"{' or '.join(map(repr, sleeping))}, or cluster.placement = 'disaggregated'"]
+
+
+# Model types whose routers routing replay knows (engines/routing.py ROUTER_CASTS; the tiny ones: engines/hf.MOE_ARCHS)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def check_routing(cfg: Config) -> list[str]:
+    """algorithm.routing_replay on: an engine that records routing, no [env] episodes, an MoE model."""
+    mode, errors = cfg.algorithm.routing_replay, []
+    key = f"algorithm.routing_replay: {mode!r}"
+    if not traits(cfg.rollout.engine).records_routing:
+        errors.append(f"{key} needs an engine that records routing (the native engine, rollout.engine = 'torch'): "
+                      f"the {cfg.rollout.engine} engine does not hand asyncrl its routing yet")
+    if cfg.env is not None:
+        errors.append(f"{key} does not follow multi-turn [env] episodes yet (each turn's routing is not joined)")
+    tiny, config = cfg.model.build_tiny, Path(cfg.model.path) / "config.json"
+    model_type = tiny.arch if tiny is not None else None
+    if model_type is None and config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except ValueError:
+            model_type = None
+    if model_type is not None and model_type not in MOE_MODEL_TYPES:
+        errors.append(f"{key} needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is "
+                      f"{model_type!r}, which routes nothing — set it to 'off'")
+    return errors

@@ -138,7 +138,7 @@ CASES = [
      "model.path is 'qwen2', which routes nothing"),
     ("routing_replay_on_vllm", {"algorithm.routing_replay": "measure", "model.build_tiny.arch": "olmoe",
                                 "rollout.engine": "vllm"},
-     "algorithm.routing_replay: 'measure' needs the native engine (rollout.engine = 'torch')"),
+     "algorithm.routing_replay: 'measure' needs an engine that records routing (the native engine"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
     ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
      "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),
