@@ -42,10 +42,6 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def is_moe(model: torch.nn.Module) -> bool:
-    return bool(moe_routers(model))
-
-
 def _scores(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """The routing weights `router` gives experts `indices` [tokens, k] for its `logits` [tokens, experts]."""
     probs = F.softmax(logits, dtype=torch.float, dim=-1)

@@ -254,6 +254,8 @@ def _moe_learner(micro_batch_size: int, parallel: DataParallel | None = None) ->
 
 def _routed_steps() -> list[list[Group]]:
     """`_steps()` with an engine's routing on every trajectory: random top-2 experts per fed position and layer."""
+    import msgspec
+
     from engines.routing import pack_routing
 
     gen = torch.Generator().manual_seed(2)
@@ -265,8 +267,7 @@ def _routed_steps() -> list[list[Group]]:
             for t in g.trajectories:
                 positions = len(t.prompt_ids) + len(t.response_ids) - 1
                 experts = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(positions * 2)])
-                fields = {f: getattr(t, f) for f in t.__struct_fields__}
-                trajs.append(Trajectory(**{**fields, **pack_routing(experts.view(positions, 2, 2))}))
+                trajs.append(msgspec.structs.replace(t, **pack_routing(experts.view(positions, 2, 2))))
             routed.append(Group(group_id=g.group_id, min_version=g.min_version, trajectories=trajs))
         out.append(routed)
     return out

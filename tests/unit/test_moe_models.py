@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -108,12 +109,8 @@ def test_the_learner_trains_an_moe_router_and_experts_and_the_engine_takes_its_w
 
 def test_a_tiny_moe_with_more_experts_per_token_than_experts_is_refused():
     with pytest.raises(ValueError, match="experts_per_token .3. is more than num_experts .2."):
-        hf._build_model(TinyModelConfig(**{**_fields(tiny_moe("qwen3_moe")), "num_experts": 2, "experts_per_token": 3}),
+        hf._build_model(msgspec.structs.replace(tiny_moe("qwen3_moe"), num_experts=2, experts_per_token=3),
                         vocab_size=16)
-
-
-def _fields(cfg: TinyModelConfig) -> dict:
-    return {f: getattr(cfg, f) for f in cfg.__struct_fields__}
 
 
 def test_the_engine_records_each_positions_experts_and_replaying_them_gives_its_logprobs(moe_dir):
@@ -180,8 +177,7 @@ def _rerouted(group: Group, shift: int) -> Group:
     """The group with every recorded expert moved by `shift` (mod 4): a routing the trainer would not choose."""
     from engines.routing import pack_routing, unpack_routing
 
-    trajs = [t.__class__(**{**{f: getattr(t, f) for f in t.__struct_fields__},
-                            **pack_routing((unpack_routing(t.routed_experts, t.routing_shape) + shift) % 4)})
+    trajs = [msgspec.structs.replace(t, **pack_routing((unpack_routing(t.routed_experts, t.routing_shape) + shift) % 4))
              for t in group.trajectories]
     return Group(group_id=group.group_id, min_version=0, trajectories=trajs)
 
@@ -262,7 +258,7 @@ def test_bad_routing_and_replay_on_a_dense_model_get_one_clear_error(moe_dir, tm
     group = _engine_group(moe_dir, [5, 6, 7], n=2)
     t = group.trajectories[0]
     wrong = Group(group_id=0, min_version=0, trajectories=[
-        t.__class__(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "routed_experts": t.routed_experts[:8]}),
+        msgspec.structs.replace(t, routed_experts=t.routed_experts[:8]),
         group.trajectories[1]])
     with pytest.raises(ValueError, match="routing replay: sample 0 carries the routing of 1 positions"):
         _moe_learner(moe_dir, "rollout").update([wrong])
