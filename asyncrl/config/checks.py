@@ -195,4 +195,6 @@ CHECKS: list[tuple[tuple[str, ...], Check | str, Callable[[Config], bool] | None
     (("logging",), lambda cfg: check_trackers(cfg.logging), None),
     (("algorithm.routing_replay", "rollout.engine", "env", "model"), "asyncrl.deploy.placement:check_routing",
      lambda cfg: cfg.algorithm.routing_replay != "off"),
+    (("trainer.router_aux_loss_coef", "model"), "asyncrl.deploy.placement:check_router_aux",
+     lambda cfg: cfg.trainer.router_aux_loss_coef > 0),
 ]

@@ -238,6 +238,13 @@ class TrainerConfig(Section):
            "trainer's logprobs and entropy never hold more than this many rows of full-vocabulary logits, and the "
            "backward recomputes each chunk's (training/logprobs.py)", ge=0),
     ] = 0
+    router_aux_loss_coef: Annotated[
+        float,
+        _d("a mixture-of-experts policy's load-balancing loss, times this coefficient, added to the policy loss "
+           "(0: off): the model family's own Switch-Transformer loss (transformers' load_balancing_loss_func, with "
+           "the model's experts and top-k) over each micro-batch's tokens, weighted by its share of the step's "
+           "sequences; the model's config.json holds the coefficient it was trained with", ge=0),
+    ] = 0.0
     epochs: Annotated[int, _d("passes over each step's samples", ge=1)] = 1
     lr: Annotated[float, _d("AdamW learning rate, e.g. 1e-4", gt=0, le=1)] = 1e-4
     lr_scheduler: Annotated[

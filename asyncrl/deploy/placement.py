@@ -208,6 +208,17 @@ def check_routing(cfg: Config) -> list[str]:
                       f"the {cfg.rollout.engine} engine does not hand asyncrl its routing yet")
     if cfg.env is not None:
         errors.append(f"{key} does not follow multi-turn [env] episodes yet (each turn's routing is not joined)")
+    errors += _needs_moe(cfg, key, "'off'")
+    return errors
+
+
+def check_router_aux(cfg: Config) -> list[str]:
+    """trainer.router_aux_loss_coef > 0: an MoE model."""
+    return _needs_moe(cfg, f"trainer.router_aux_loss_coef: {cfg.trainer.router_aux_loss_coef}", "0")
+
+
+def _needs_moe(cfg: Config, key: str, off: str) -> list[str]:
+    """[one error] where the model is known (model.build_tiny, model.path's config.json) not to be an MoE."""
     tiny, config = cfg.model.build_tiny, Path(cfg.model.path) / "config.json"
     model_type = tiny.arch if tiny is not None else None
     if model_type is None and config.is_file():
@@ -216,6 +227,6 @@ def check_routing(cfg: Config) -> list[str]:
         except ValueError:
             model_type = None
     if model_type is not None and model_type not in MOE_MODEL_TYPES:
-        errors.append(f"{key} needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is "
-                      f"{model_type!r}, which routes nothing — set it to 'off'")
-    return errors
+        return [f"{key} needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is "
+                f"{model_type!r}, which routes nothing — set it to {off}"]
+    return []

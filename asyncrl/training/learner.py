@@ -83,7 +83,7 @@ from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
-from asyncrl.training.routing import RoutingReplay
+from asyncrl.training.routing import RouterAuxLoss, RoutingReplay
 
 __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 
@@ -123,6 +123,9 @@ class Learner:
         # algorithm.routing_replay (training/routing.py): an MoE policy's routers, patched before any wrapping
         self.routing = RoutingReplay(self.model, algorithm.routing_replay) if algorithm.routing_replay != "off" \
             else None
+        # trainer.router_aux_loss_coef: the MoE's load-balancing loss added to each gradient pass's loss
+        self.router_aux = RouterAuxLoss(self.model, trainer.router_aux_loss_coef) \
+            if trainer.router_aux_loss_coef > 0 else None
         self._checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # model.gradient_checkpointing: active in compute_gradients only
             precision.enable_gradient_checkpointing(self.model)
@@ -376,7 +379,8 @@ class Learner:
                     batch = collate(part, advantages[sl], self.pad_token_id, self.device,
                                     extras={k: v[sl] for k, v in rows.items()})
                     # the replayed routing stays in place through the backward (checkpointing recomputes there)
-                    with self._routing(part, batch, count=diagnose) if first_pass is None else nullcontext():
+                    with self._routing(part, batch, count=diagnose) if first_pass is None else nullcontext(), \
+                            self.router_aux.collecting() if self.router_aux is not None else nullcontext():
                         if first_pass is not None:
                             logprobs, entropy = first_pass
                         else:
@@ -385,6 +389,9 @@ class Learner:
                                                                        entropy_grad=a.entropy_coef > 0,
                                                                        model=self.forward_model)
                         loss, loss_stats = self._micro_loss(batch, logprobs, entropy, global_tokens, global_seqs)
+                        if self.router_aux is not None:  # packed: one row of real tokens, no mask
+                            mask = None if self.trainer.pack_sequences else batch.attention_mask
+                            loss = loss + self.router_aux.loss(mask, len(idx) / max(global_seqs, 1))
                         loss.backward()
                     loss_total += loss.item()
                     stats.record(batch, logprobs.detach(), entropy.detach(), loss_stats, self.version,
@@ -487,10 +494,12 @@ class Learner:
         in one micro-batch, that pass runs the step's starting weights on the very batch the proximal forward would
         (the same tensors, eval mode), so its detached logprobs are the proximal ones and the no-grad forward is
         skipped. Not with LoRA (adapter dropout is on in the gradient pass only), gradient checkpointing (its
-        forward belongs inside the checkpointing context) or several ranks (each forwards a share)."""
+        forward belongs inside the checkpointing context), several ranks (each forwards a share) or the router aux
+        loss (collected in the gradient pass)."""
         t = self.trainer
         return (self._need_prox and t.epochs == 1 and t.mini_batches == 1 and self.dp.world_size == 1
-                and not self.lora and not self._checkpointing and len(self.batching.split(lengths(trajs))) == 1)
+                and not self.lora and not self._checkpointing and self.router_aux is None
+                and len(self.batching.split(lengths(trajs))) == 1)
 
     def _first_pass(self, trajs: list[Trajectory]) -> tuple[Tensor, Tensor, Tensor]:
         """-> (logprobs [N, L], entropy [N, L]) with grad, as `compute_gradients` computes them for its one
@@ -571,6 +580,8 @@ class Learner:
             out["critic/grad_norm"] = cstats.grad_norm / max(cstats.steps, 1)
         if self.routing is not None:
             out.update(self.routing.metrics())
+        if self.router_aux is not None:
+            out.update(self.router_aux.metrics())
         out.update(data.metrics)
         return out
 

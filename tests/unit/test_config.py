@@ -136,6 +136,10 @@ CASES = [
     ("routing_replay_on_a_dense_model", {"algorithm.routing_replay": "rollout"},
      "algorithm.routing_replay: 'rollout' needs a mixture-of-experts model (qwen3_moe, qwen2_moe, mixtral, olmoe); "
      "model.path is 'qwen2', which routes nothing"),
+    ("router_aux_loss_on_a_dense_model", {"trainer.router_aux_loss_coef": 0.001},
+     "trainer.router_aux_loss_coef: 0.001 needs a mixture-of-experts model (qwen3_moe, qwen2_moe, mixtral, olmoe); "
+     "model.path is 'qwen2', which routes nothing — set it to 0"),
+    ("negative_router_aux_loss", {"trainer.router_aux_loss_coef": -0.1}, "trainer.router_aux_loss_coef"),
     ("routing_replay_on_vllm", {"algorithm.routing_replay": "measure", "model.build_tiny.arch": "olmoe",
                                 "rollout.engine": "vllm"},
      "algorithm.routing_replay: 'measure' needs an engine that records routing (the native engine"),

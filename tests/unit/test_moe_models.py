@@ -316,3 +316,57 @@ def test_a_sequence_spanning_an_in_flight_swap_keeps_each_positions_routing_of_i
         differs += int((own["old"][cut:-1] != own["new"][cut:-1]).any())
     assert differs  # the versions route differently: the record follows each position's own
     asyncio.run(engine.close())
+
+
+# ---- trainer.router_aux_loss_coef: the model family's load-balancing loss (asyncrl/training/routing.py)
+
+def _router_grads(learner: Learner, group: Group) -> list[torch.Tensor]:
+    learner.compute_gradients(group.trajectories, torch.tensor([t.reward - 0.5 for t in group.trajectories]))
+    grads = [m.weight.grad.clone() for m in routers(learner.model)]
+    learner.model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("levers", [{}, {"checkpointing": True}, {"pack_sequences": True}])
+def test_the_router_aux_loss_is_the_models_own_load_balancing_loss_and_trains_the_router(moe_dir, levers):
+    f64 = torch.float64
+    groups = [_engine_group(moe_dir, p, group_id=g) for g, p in enumerate([[5, 6], [7, 8, 9, 10]])]
+    trajs = groups[0].trajectories + groups[1].trajectories
+    both = Group(group_id=0, min_version=0, trajectories=trajs)
+    plain = _router_grads(_moe_learner(moe_dir, "off", dtype=f64), both)
+    coef = 0.25
+    aux = _moe_learner(moe_dir, "off", dtype=f64, router_aux_loss_coef=coef, **levers)
+    with_aux = _router_grads(aux, both)
+    assert aux.router_aux is not None and aux.router_aux.weight == pytest.approx(1.0)
+    # the model's own: HF's forward with output_router_logits gives the aux loss over the same padded batch
+    from asyncrl.training.batch import collate
+
+    model = _moe_learner(moe_dir, "off", dtype=f64).model
+    batch = collate(trajs, torch.zeros(len(trajs)), hf.PAD_ID, "cpu")
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True)
+    assert aux.router_aux.metrics()["trainer/router_aux_loss"] == pytest.approx(float(out.aux_loss), rel=1e-6)
+    out.aux_loss.backward()
+    for p, q, m in zip(plain, with_aux, routers(model)):
+        # float64 models, but transformers' load-balancing loss sums in float32 (and Mixtral routes in float32)
+        torch.testing.assert_close(q - p, coef * m.weight.grad, atol=1e-6 * float(q.abs().max()), rtol=0)
+        assert (q - p).abs().max() > 1e-6  # the loss reaches the router
+
+
+def test_the_router_aux_loss_of_micro_batches_is_weighted_by_their_sequences(moe_dir):
+    group = _engine_group(moe_dir, [5, 6, 7], n=4)
+    learner = _moe_learner(moe_dir, "off", router_aux_loss_coef=0.1, micro_batch_size=1)
+    whole = _moe_learner(moe_dir, "off", router_aux_loss_coef=0.1, micro_batch_size=4)
+    metrics = learner.update([group])
+    assert learner.router_aux.weight == 0.0  # reset by the step's metrics
+    assert 0 < metrics["trainer/router_aux_loss"]
+    # the same prompt, so similar micro-batches: the mean of their losses is near the whole batch's
+    assert metrics["trainer/router_aux_loss"] == pytest.approx(whole.update([group])["trainer/router_aux_loss"],
+                                                               rel=0.5)
+
+
+def test_a_router_aux_loss_on_a_dense_model_is_one_clear_error(tmp_path):
+    hf.build_tiny_model(tmp_path, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=32))
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef = 0.01: the model has no MoE router"):
+        Learner(hf.load_model(tmp_path), algorithm=AlgorithmConfig(), trainer=TrainerConfig(router_aux_loss_coef=0.01),
+                pad_token_id=0)
