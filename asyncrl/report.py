@@ -53,6 +53,7 @@ LINES: list[tuple[str, str, str]] = [
     ("generation stall from updates (s, total)", "generation/stall_s", ".3f"),
     ("decode batch occupancy (mean)", "generation/occupancy/mean", ".2f"),
     ("engine-trainer logprob gap (mean)", "trainer/logprob_gap/mean", ".2e"),
+    ("engine-trainer logprob diff, stale tokens too (mean)", "trainer/logprob_diff/mean", ".2e"),
     ("MoE routing agreement, engine vs trainer (mean)", "routing/agreement/mean", ".3f"),
 ]
 

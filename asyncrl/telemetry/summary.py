@@ -18,7 +18,7 @@ REWARD_KEY = "reward/mean"
 SMOOTH_STEPS = 5  # final reward and time-to-target use the mean of this many consecutive train steps
 COLOCATE_KEYS = ("colocate/sleep_s", "colocate/asleep_s", "colocate/wake_s")  # colocated placement only
 # written where they apply (MoE routing, the native engine's decode batch; docs/metrics.md): their run means too
-RUN_MEAN_KEYS = ("routing/agreement", "trainer/logprob_gap", "generation/occupancy")
+RUN_MEAN_KEYS = ("routing/agreement", "trainer/logprob_gap", "trainer/logprob_diff", "generation/occupancy")
 _SHARE = re.compile(r"^([a-z_]+)/(busy_share|idle_share)$")  # role *types* only, not "generator/0/..."
 
 

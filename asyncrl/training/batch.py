@@ -36,6 +36,7 @@ class GradientStats:
     entropy_sum: float = 0.0     # over loss tokens
     kl_sum: float = 0.0          # k3(behaviour || current) over loss tokens of diagnosed calls
     kl_tokens: int = 0
+    diff_sum: float = 0.0        # |current - behaviour| over the same tokens (stale ones included)
     gap_sum: float = 0.0         # |current - behaviour| over diagnosed on-policy loss tokens
     gap_tokens: int = 0
     # off-policy ratio current / behaviour, measured on first-epoch passes when no proximal policy is computed
@@ -69,6 +70,7 @@ class GradientStats:
             # Tokens were sampled from the behaviour policy, so k3(behaviour, current) estimates KL(mu || pi).
             self.kl_sum += float(approx_kl_k3(batch.old_logprobs, logprobs)[mask].sum())
             self.kl_tokens += n
+            self.diff_sum += float((logprobs - batch.old_logprobs).abs()[mask].sum())
             on_policy = mask & (batch.versions == version)
             self.gap_sum += float((logprobs - batch.old_logprobs).abs()[on_policy].sum())
             self.gap_tokens += int(on_policy.sum())

@@ -551,6 +551,7 @@ class Learner:
             "trainer/approx_kl": stats.kl_sum / max(stats.kl_tokens, 1),
             "trainer/logprob_gap": stats.gap_sum / max(stats.gap_tokens, 1),
             "trainer/logprob_gap_tokens": float(stats.gap_tokens),
+            "trainer/logprob_diff": stats.diff_sum / max(stats.kl_tokens, 1),
             "trainer/ratio_mean": stats.ratio_sum / max(stats.tokens, 1),
             "trainer/ratio_max": stats.ratio_max,
             "trainer/response_len": sum(len(t.response_ids) for t in trajs) / n,

@@ -18,7 +18,7 @@ PAD = 0
 VOCAB = 24
 METRIC_KEYS = {
     "trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/entropy", "trainer/approx_kl",
-    "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/ratio_mean", "trainer/ratio_max",
+    "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/logprob_diff", "trainer/ratio_mean", "trainer/ratio_max",
     "trainer/response_len", "trainer/truncation_rate", "trainer/reward_mean", "trainer/reward_std",
     "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/padded_share", "trainer/optimizer_steps",
     "trainer/skipped_steps",
@@ -174,7 +174,7 @@ def test_update_reports_every_metric_finite_and_counts_optimizer_steps() -> None
     assert learner.version == 1
 
 
-def test_logprob_gap_counts_only_tokens_of_the_learners_current_version() -> None:
+def test_logprob_gap_counts_only_tokens_of_the_learners_current_version_and_diff_every_token() -> None:
     learner = _learner()
     prompt, response = [1, 2], [3, 4, 5]
     exact = learner.teacher_forced_logprobs(prompt, response, 1.0)
@@ -183,6 +183,8 @@ def test_logprob_gap_counts_only_tokens_of_the_learners_current_version() -> Non
     metrics = learner.update([Group(group_id=0, min_version=-5, trajectories=[stale, fresh])])
     assert metrics["trainer/logprob_gap_tokens"] == 2
     assert metrics["trainer/logprob_gap"] < 1e-5
+    # every token: the stale sample's three are 1.0 off, the fresh one's last (stale) is exact too
+    assert metrics["trainer/logprob_diff"] == pytest.approx(3.0 / 6, abs=1e-5)
 
     only_stale = _traj(2, 1, prompt, response, versions=[0, 0, 0])  # version 0 < learner's version 1
     metrics = learner.update([Group(group_id=1, min_version=0, trajectories=[only_stale, only_stale])])
