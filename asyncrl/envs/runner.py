@@ -129,7 +129,10 @@ class EpisodeRunner:
                 ep.finish_reason, ep.error = "error", f"engine: {_why(exc)}"
                 return
             ep.prompt_truncated |= c.prompt_truncated
-            text = t.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions))
+            if c.prompt_truncated:
+                t.lose_routing()
+            routing = (c.routed_experts, c.routing_shape) if c.routing_shape else None
+            text = t.add_model_turn(list(c.response_ids), list(c.logprobs), list(c.versions), routing)
             try:
                 result = as_step_result(await asyncio.wait_for(env.step(text), lim.step_timeout_s))
             except Exception as exc:  # noqa: BLE001 — user env: contained and counted
@@ -186,6 +189,7 @@ class EpisodeRunner:
             prompt_text=ep.prompt_text, row_json=row_json, generator_id=generator_id, error=ep.error,
             env_reward=ep.reward if math.isfinite(ep.reward) else 0.0, turns=t.turns, env_error=ep.env_error,
             tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
+            **t.routing(),
         )
 
 

@@ -159,6 +159,11 @@ class Transcript:
     messages: list[Message] = field(default_factory=list)
     tools: list[dict] | None = None          # JSON schemas passed to every rendering (`start`)
     turns: int = 0
+    # an MoE engine's routing (record_routing): int16 rows of [layers, top_k], one per position fed so far, each
+    # position's from the turn whose forward fed it first (`add_model_turn`); lost with a truncated context
+    routed_experts: bytes = b""
+    routing_shape: list[int] = field(default_factory=list)
+    routing_lost: bool = False
     _last_turn: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -202,10 +207,14 @@ class Transcript:
         else:
             self.messages.insert(0, {"role": "system", "content": tools_prompt})
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> str:
-        """Append the sampled ids as they are; return the turn's text for the env."""
+    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int],
+                       routing: tuple[bytes, list[int]] | None = None) -> str:
+        """Append the sampled ids as they are; return the turn's text for the env. `routing`: the engine's record
+        of the turn (`Completion.routed_experts`, `routing_shape`), every position of context + ids but the last."""
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(f"model turn: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        if routing is not None:
+            self._join_routing(*routing, positions=len(self.context) + len(ids) - 1)
         self.response_ids += ids
         self.loss_mask += [True] * len(ids)
         self.logprobs += logprobs
@@ -215,6 +224,35 @@ class Transcript:
         text = self.codec.decode(ids)
         self.messages.append({"role": "assistant", "content": text})
         return text
+
+    def _join_routing(self, data: bytes, shape: list[int], positions: int) -> None:
+        """Keep the positions this turn fed first: the context the earlier turns fed keeps their routing (the
+        forward that sampled from it), the rest — the last turn's final token, the observations since, this
+        turn's tokens — takes this turn's. A turn without a record, or with a truncated context, ends the
+        record (the trainer's own router decides every position after it)."""
+        row = 2 * shape[0] * shape[1] if len(shape) == 2 else 0
+        if self.routing_lost:
+            return
+        if not data or not row or (self.routing_shape and list(shape) != self.routing_shape) \
+                or len(data) != positions * row:
+            self.routing_lost = True
+            return
+        self.routing_shape = list(shape)
+        self.routed_experts += data[len(self.routed_experts):]
+
+    def routing(self) -> dict[str, Any]:
+        """The Trajectory's `routed_experts` / `routing_shape`: a row per position but the last, rows of -1 (no
+        record: the trainer's router decides) where the episode ended on observations or the record ended."""
+        if not self.routed_experts:
+            return {}
+        row = 2 * self.routing_shape[0] * self.routing_shape[1]
+        want = (len(self.context) - 1) * row
+        data = self.routed_experts[:want] + b"\xff" * max(0, want - len(self.routed_experts))  # int16 -1
+        return {"routed_experts": data, "routing_shape": list(self.routing_shape)}
+
+    def lose_routing(self) -> None:
+        """The engine truncated a turn's context: its routing rows no longer line up with the transcript."""
+        self.routing_lost = True
 
     def observation_ids(self, observation: Observation) -> list[int]:
         """The ids an observation appends (not yet appended); raises ChatTemplateError in strict mode."""

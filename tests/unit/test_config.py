@@ -140,9 +140,9 @@ CASES = [
      "trainer.router_aux_loss_coef: 0.001 needs a mixture-of-experts model (qwen3_moe, qwen2_moe, mixtral, olmoe); "
      "model.path is 'qwen2', which routes nothing — set it to 0"),
     ("negative_router_aux_loss", {"trainer.router_aux_loss_coef": -0.1}, "trainer.router_aux_loss_coef"),
-    ("routing_replay_on_vllm", {"algorithm.routing_replay": "measure", "model.build_tiny.arch": "olmoe",
-                                "rollout.engine": "vllm"},
-     "algorithm.routing_replay: 'measure' needs an engine that records routing (the native engine"),
+    ("routing_replay_on_sglang", {"algorithm.routing_replay": "measure", "model.build_tiny.arch": "olmoe",
+                                  "rollout.engine": "sglang"},
+     "algorithm.routing_replay: 'measure' needs an engine that records routing (rollout.engine = 'torch', or 'vllm'"),
     ("nccl_without_cuda", {"weight_sync.backend": "nccl"}, "weight_sync.backend: 'nccl' needs CUDA"),
     ("ipc_with_vllm", {"weight_sync.backend": "ipc", "rollout.engine": "vllm"},
      "weight_sync.backend: 'ipc' is unsupported with rollout.engine = 'vllm'"),

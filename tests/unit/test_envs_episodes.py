@@ -443,3 +443,58 @@ def test_buffer_env_metrics_count_the_window_since_the_previous_stats_and_the_to
     assert (second["env/episodes_total"], second["env/errors_total"], second["env/truncated_total"]) == (3, 1, 1)
     assert (first["env/tool_calls"], first["env/tool_errors"], second["env/tool_calls"]) == (3, 1, 2)
     assert (second["env/tool_calls_total"], second["env/tool_errors_total"]) == (5, 3)
+
+
+# ---- an MoE engine's routing across turns (algorithm.routing_replay)
+
+class RoutingEngine(ScriptedEngine):
+    """Scripted turns, each with a routing record of every position fed (context + ids but the last): one layer,
+    top-2, row = [turn, position]."""
+
+    def __init__(self, turns: list[list[int]], truncate_turn: int = -1) -> None:
+        super().__init__(turns)
+        self.truncate_turn = truncate_turn
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        import msgspec
+
+        from engines.routing import pack_routing
+
+        turn = len(self.contexts)
+        (c,) = (await super().generate(prompts, params))[0]
+        import torch
+
+        rows = torch.tensor([[[turn, p]] for p in range(len(prompts[0]) + len(c.response_ids) - 1)]).view(-1, 1, 2)
+        return [[msgspec.structs.replace(c, prompt_truncated=turn == self.truncate_turn, **pack_routing(rows))]]
+
+
+def _rows(traj) -> list[list[int]]:
+    from engines.routing import unpack_routing
+
+    return unpack_routing(traj.routed_experts, traj.routing_shape)[:, 0].tolist()
+
+
+def test_an_episodes_routing_keeps_each_position_from_the_turn_that_fed_it_first():
+    codec = MergeCodec()
+    engine = RoutingEngine([[1, 2, 3], [4, 5]])
+    play = runner(engine, codec, EchoEnv, kwargs={"turns": 3}, max_turns=2)  # ends on the turn limit
+    (traj,) = asyncio.run(play.run_group(0, {"prompt": "xy"}, 1))
+    first, second = engine.contexts  # "xy"; "xy" + turn 1 + the observation "ab" (one merged token)
+    assert len(first) == 2 and len(second) == 2 + 3 + 1
+    rows = _rows(traj)
+    tokens = len(traj.prompt_ids) + len(traj.response_ids)
+    assert traj.response_ids == [1, 2, 3, codec.ids["ab"], 4, 5, codec.ids["ab"]]  # ends on the last observation
+    assert len(rows) == tokens - 1
+    fed_first = len(first) + 3 - 1  # turn 0 fed the prompt and its tokens but its last
+    assert rows[:fed_first] == [[0, p] for p in range(fed_first)]
+    fed_second = len(second) + 2 - 1  # turn 1: turn 0's last token, the observation, its own tokens but the last
+    assert rows[fed_first:fed_second] == [[1, p] for p in range(fed_first, fed_second)]
+    assert rows[fed_second:] == [[-1, -1]] * (tokens - 1 - fed_second)  # never fed: the trainer's router decides
+
+
+def test_a_truncated_turn_ends_the_episodes_routing_record():
+    engine = RoutingEngine([[1, 2, 3], [4, 5]], truncate_turn=1)
+    (traj,) = asyncio.run(runner(engine, MergeCodec(), EchoEnv, kwargs={"turns": 2}).run_group(0, {"prompt": "xy"},
+                                                                                                1))
+    rows = _rows(traj)
+    assert rows[:4] == [[0, p] for p in range(4)] and set(map(tuple, rows[4:])) == {(-1, -1)}

@@ -370,3 +370,52 @@ def test_a_router_aux_loss_on_a_dense_model_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"router_aux_loss_coef = 0.01: the model has no MoE router"):
         Learner(hf.load_model(tmp_path), algorithm=AlgorithmConfig(), trainer=TrainerConfig(router_aux_loss_coef=0.01),
                 pad_token_id=0)
+
+
+def test_an_env_episode_replays_each_positions_routing_of_the_turn_that_fed_it_across_a_weight_swap(moe_dir):
+    """Two model turns with an observation between them and new weights (version 1) swapped in after the first:
+    the positions the first turn fed keep version 0's routing, the ones fed first by the second turn carry version
+    1's (its prefill recomputes the whole context, whose routing is not the record); the trainer replays them."""
+    from asyncrl.envs.base import StepResult
+    from asyncrl.envs.runner import EpisodeLimits, EpisodeRunner
+    from asyncrl.envs.transcript import HFCodec
+    from engines.routing import Routing, unpack_routing
+
+    engine = TorchEngine(str(moe_dir), eos_token_ids=[], record_routing=True)
+    old, new = hf.load_model(moe_dir), hf.load_model(moe_dir)
+    gen = torch.Generator().manual_seed(3)
+    new.load_state_dict({k: (v + 0.3 * torch.randn(v.shape, generator=gen)).detach()
+                         for k, v in old.named_parameters()}, strict=False)
+
+    class SwapEnv:
+        async def reset(self, row):
+            return row["prompt"]
+
+        async def step(self, action):
+            if engine.version == 0:
+                await asyncio.to_thread(engine.load_weights, dict(new.named_parameters()), 1)
+                return StepResult(observation="7+", reward=0.0, done=False)
+            return StepResult(reward=1.0, done=True)
+
+    codec = HFCodec(hf.load_tokenizer(moe_dir))
+    play = EpisodeRunner(engine=engine, env_cls=SwapEnv, env_kwargs={}, codec=codec, fmt="none",
+                         sampling=SamplingParams(max_new_tokens=3, seed=5), limits=EpisodeLimits())
+    (traj,) = asyncio.run(play.run_group(0, {"prompt": "12+3"}, 1))
+    asyncio.run(engine.close())
+    assert traj.turns == 2 and traj.versions[:3] == [0, 0, 0] and traj.versions[-3:] == [1, 1, 1]
+    recorded = unpack_routing(traj.routed_experts, traj.routing_shape)
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    assert recorded.shape[0] == ids.shape[1] - 1
+    own = {}
+    for name, model in (("old", old), ("new", new)):
+        routing = Routing(model)
+        with torch.no_grad(), routing.recording() as rec:
+            model(ids)
+        own[name] = torch.stack(rec, dim=1)[:-1]
+        routing.remove()
+    cut = len(traj.prompt_ids) + 3 - 1  # the first turn fed the prompt and its tokens but the last
+    assert torch.equal(recorded[:cut], own["old"][:cut])
+    assert torch.equal(recorded[cut:], own["new"][cut:])
+    assert not torch.equal(own["old"][:cut], own["new"][:cut])  # the second turn's prefill routed them otherwise
+    _assert_replayed(_moe_learner(moe_dir, "rollout"), Group(group_id=0, min_version=0, trajectories=[
+        msgspec.structs.replace(traj, reward=1.0)]))

