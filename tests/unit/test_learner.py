@@ -18,7 +18,8 @@ PAD = 0
 VOCAB = 24
 METRIC_KEYS = {
     "trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/entropy", "trainer/approx_kl",
-    "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/logprob_diff", "trainer/ratio_mean", "trainer/ratio_max",
+    "trainer/logprob_gap", "trainer/logprob_gap_tokens", "trainer/logprob_diff", "trainer/ratio_mean",
+    "trainer/ratio_max",
     "trainer/response_len", "trainer/truncation_rate", "trainer/reward_mean", "trainer/reward_std",
     "trainer/adv_abs_mean", "trainer/tokens", "trainer/samples", "trainer/padded_share", "trainer/optimizer_steps",
     "trainer/skipped_steps",
