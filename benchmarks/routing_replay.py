@@ -4,11 +4,14 @@
     python benchmarks/routing_replay.py                 # 2 staleness x 4 settings x 30 steps, then the recording
                                                         # micro-benchmark: about 4 minutes on 2 cores
     python benchmarks/routing_replay.py --staleness 0   # k = 0 only
+    python benchmarks/routing_replay.py --experts 4 --top-k 2 --expert-width 64   # the example's own MoE
     python benchmarks/routing_replay.py --analyse       # the tables again from the kept runs (--out); runs nothing
 
-The job is examples/first_digit_moe (a tiny random-initialised Qwen3-MoE: 2 layers, 4 experts, top-2; GRPO on the
-first digit of a digit string), each run `asyncrl launch --local` of it with the engine in bfloat16 and the trainer
-in float32 — the precision split of a real deployment, where routing flips — for each max_staleness k:
+The job is examples/first_digit_moe (GRPO on the first digit of a digit string) on a tiny random-initialised
+Qwen3-MoE shaped like the real ones: many narrow experts, several per token (by default 16 experts of width 32, top-4,
+2 layers; the example's own 4 x 64, top-2, has so few near-ties that bf16 almost never flips its routing), each run
+`asyncrl launch --local` with the engine in bfloat16 and the trainer in float32 — the precision split of a real
+deployment, where routing flips — for each max_staleness k:
 
   dense      the dense example (examples/first_digit: the same shape with one 128-wide MLP per layer): the gap a
              model without routing has between the bf16 engine and the fp32 trainer
@@ -85,10 +88,18 @@ def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def moe_shape(args: argparse.Namespace) -> list[str]:
+    """The overrides that give the MoE settings the benchmark's model (built on first use, in a folder of its own)."""
+    return [f'model.path="runs/models/tiny-qwen3moe-e{args.experts}k{args.top_k}w{args.expert_width}-digits"',
+            f"model.build_tiny.num_experts={args.experts}", f"model.build_tiny.experts_per_token={args.top_k}",
+            f"model.build_tiny.intermediate_size={args.expert_width}"]
+
+
 def run_setting(name: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
     config, sets = SETTINGS[name]
     out = args.out / f"k{k}" / name
-    overrides = [*sets, f"staleness.max_staleness={k}", f"trainer.total_steps={args.steps}",
+    shape = moe_shape(args) if config == MOE else []
+    overrides = [*sets, *shape, f"staleness.max_staleness={k}", f"trainer.total_steps={args.steps}",
                  f"trainer.eval_every={args.steps}", 'rollout.dtype="bfloat16"', f"run.seed={args.seed}",
                  f'run.output_dir="{out}"', "logging.live=false", "run.save_checkpoint=false", *args.set]
     cmd = [sys.executable, "-m", "asyncrl.cli", "launch", config, "--local"]
@@ -108,68 +119,102 @@ def load_run(out: Path) -> dict[str, Any]:
     return {**run_figures(rows), "wall_s": float((out / "wall_s").read_text())}
 
 
-def recording_cost(model_dir: Path, rounds: int, prompts: int, n: int, tokens: int) -> dict[str, float]:
-    """The native engine's generate time on `model_dir` with and without record_routing (medians of alternated
-    rounds), and the routing bytes per trajectory."""
+def _sample(model_dir: Path, record: bool, prompts: list[list[int]], n: int, tokens: int,
+            seed: int) -> tuple[list[Any], float]:
+    """One generate of the native engine (bf16) on `model_dir`: (its groups of completions, its seconds)."""
+    from asyncrl.messages import SamplingParams
+    from engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(str(model_dir), dtype="bfloat16", eos_token_ids=[], seed=0, record_routing=record)
+    try:
+        start = time.perf_counter()
+        out = asyncio.run(engine.generate(prompts, SamplingParams(n=n, max_new_tokens=tokens, seed=seed)))
+        return out, time.perf_counter() - start
+    finally:
+        asyncio.run(engine.close())
+
+
+def _group(completions: list[Any], group_id: int) -> Any:
+    from asyncrl.messages import Group, Trajectory
+
+    trajs = [Trajectory(seq_id=group_id * len(completions) + i, group_id=group_id, group_size=len(completions),
+                        prompt_ids=c.prompt_ids, response_ids=c.response_ids, loss_mask=[True] * len(c.response_ids),
+                        behavior_logprobs=c.logprobs, versions=c.versions, min_version=0, max_version=0,
+                        finish_reason=c.finish_reason, reward=float(i % 2), routed_experts=c.routed_experts,
+                        routing_shape=c.routing_shape)
+             for i, c in enumerate(completions)]
+    return Group(group_id=group_id, min_version=0, trajectories=trajs)
+
+
+def _trainer_gap(model_dir: Path, groups: list[Any], replay: str) -> dict[str, float]:
+    """The float32 trainer's first pass over the engine's samples (weights = the engine's): the on-policy gap
+    |trainer - engine| logprob, and with routing the agreement (`Learner.update`'s diagnostics)."""
+    from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.training.learner import Learner
+    from engines import hf
+
+    learner = Learner(hf.load_model(model_dir, dtype="float32"), algorithm=AlgorithmConfig(routing_replay=replay),
+                      trainer=TrainerConfig(micro_batch_size=64), pad_token_id=hf.PAD_ID)
+    m = learner.update(groups)
+    return {"gap": m["trainer/logprob_gap"], "tokens": m["trainer/logprob_gap_tokens"],
+            "agreement": m.get("routing/agreement", float("nan"))}
+
+
+def paired(moe_dir: Path, dense_dir: Path, rounds: int, prompts: int, n: int, tokens: int) -> dict[str, float]:
+    """On the same samples of the bf16 engine (k = 0, before any update): the float32 trainer's logprob gap without
+    and with replay, the dense model's gap on its own samples, the engine's generate time without and with
+    recording (medians of alternated rounds) and the routing bytes a trajectory carries."""
     import msgspec
     import torch
 
-    from asyncrl.messages import SamplingParams, Trajectory
-    from engines.torch_engine import TorchEngine
-
     torch.set_num_threads(os.cpu_count() or 1)
-    batch = [[(3 * i + j) % 10 + 1 for j in range(6)] for i in range(prompts)]
-    engines = {rec: TorchEngine(str(model_dir), dtype="bfloat16", eos_token_ids=[], seed=0, record_routing=rec)
-               for rec in (False, True)}
+    batch = [[(7 * i + 3 * j) % 10 + 1 for j in range(6)] for i in range(prompts)]
     times: dict[bool, list[float]] = {False: [], True: []}
-    last = None
-    for r in range(rounds + 1):  # the first round warms both up and is not counted
-        for rec, engine in engines.items():
-            start = time.perf_counter()
-            out = asyncio.run(engine.generate(batch, SamplingParams(n=n, max_new_tokens=tokens, seed=r)))
+    for r in range(rounds + 1):  # round 0 warms up and is not counted
+        for record in (False, True):
+            out, seconds = _sample(moe_dir, record, batch, n, tokens, seed=r)
             if r:
-                times[rec].append(time.perf_counter() - start)
-            if rec:
-                last = out
-    for engine in engines.values():
-        asyncio.run(engine.close())
-    assert last is not None
-    c = last[0][0]
-    traj = Trajectory(seq_id=0, group_id=0, group_size=n, prompt_ids=c.prompt_ids, response_ids=c.response_ids,
-                      loss_mask=[True] * len(c.response_ids), behavior_logprobs=c.logprobs, versions=c.versions,
-                      min_version=0, max_version=0, finish_reason=c.finish_reason, reward=1.0)
-    plain = len(msgspec.msgpack.encode(traj))
-    routed = len(msgspec.msgpack.encode(msgspec.structs.replace(traj, routed_experts=c.routed_experts,
-                                                                routing_shape=c.routing_shape)))
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"generate_s": off, "generate_recording_s": on, "recording_cost": on / off - 1,
-            "positions": len(c.prompt_ids) + len(c.response_ids) - 1, "routing_bytes": len(c.routed_experts),
-            "trajectory_bytes": plain, "trajectory_bytes_routed": routed}
+                times[record].append(seconds)
+    groups = [_group(g, i) for i, g in enumerate(out)]  # the last round's, recorded
+    dense = [_group(g, i) for i, g in enumerate(_sample(dense_dir, False, batch, n, tokens, seed=0)[0])]
+    off, on, flat = _trainer_gap(moe_dir, groups, "measure"), _trainer_gap(moe_dir, groups, "rollout"), \
+        _trainer_gap(dense_dir, dense, "off")
+    traj = groups[0].trajectories[0]
+    plain = len(msgspec.msgpack.encode(msgspec.structs.replace(traj, routed_experts=b"", routing_shape=[])))
+    without, recording = statistics.median(times[False]), statistics.median(times[True])
+    return {"gap_off": off["gap"], "gap_on": on["gap"], "gap_dense": flat["gap"], "agreement": off["agreement"],
+            "tokens": off["tokens"], "generate_s": without, "generate_recording_s": recording,
+            "recording_cost": recording / without - 1,
+            "positions": len(traj.prompt_ids) + len(traj.response_ids) - 1, "routing_bytes": len(traj.routed_experts),
+            "trajectory_bytes": plain, "trajectory_bytes_routed": len(msgspec.msgpack.encode(traj))}
 
 
-def report(results: dict[int, dict[str, dict[str, Any]]], cost: dict[str, float] | None) -> dict[str, Any]:
-    print("\n| k | setting | agreement | gap (steps) | diff | ratio max | s/step | T s | gen tok/s | train reward |"
-          " held-out greedy |")
-    print("|---|" + "---|" * 10)
+def report(results: dict[int, dict[str, dict[str, Any]]], pair: dict[str, float] | None) -> dict[str, Any]:
+    line: dict[str, Any] = {"benchmark": "routing_replay", "unit": "logprob gap", "target": 1.0}
+    if pair:
+        print(f"\npaired, k = 0 (the bf16 engine's samples, the fp32 trainer's first pass, {pair['tokens']:.0f} "
+              f"tokens): routing agreement {pair['agreement']:.4f}; logprob gap without replay {pair['gap_off']:.3e}, "
+              f"with replay {pair['gap_on']:.3e}, dense model {pair['gap_dense']:.3e}")
+        print(f"recording (native engine, bf16): generate {pair['generate_s']:.2f} s without, "
+              f"{pair['generate_recording_s']:.2f} s with: {100 * pair['recording_cost']:+.1f}% (target <= +5%); "
+              f"{pair['routing_bytes']} routing bytes for {pair['positions']} positions, a trajectory of "
+              f"{pair['trajectory_bytes']} -> {pair['trajectory_bytes_routed']} bytes (msgpack)")
+        line.update(value=float(f"{pair['gap_on']:.4e}"), baseline=float(f"{pair['gap_dense']:.4e}"),
+                    ratio=round(pair["gap_on"] / pair["gap_dense"], 3), gap_off=float(f"{pair['gap_off']:.4e}"),
+                    agreement=round(pair["agreement"], 4), recording_cost=round(pair["recording_cost"], 4),
+                    recording_target=0.05,
+                    routing_bytes_per_position=round(pair["routing_bytes"] / pair["positions"], 1))
+    if results:
+        print("\nruns (30 steps each; means over the steps):\n")
+        print("| k | setting | agreement | gap (steps) | diff | ratio max | s/step | T s | gen tok/s | train reward |"
+              " held-out greedy |")
+        print("|---|" + "---|" * 10)
     for k, runs in results.items():
         for name, r in runs.items():
             agree = "-" if r["agreement"] != r["agreement"] else f"{r['agreement']:.3f}"
             gap = "-" if not r["gap_steps"] else f"{r['gap']:.2e} ({r['gap_steps']})"
             print(f"| {k} | {name} | {agree} | {gap} | {r['diff']:.2e} | {r['ratio_max']:.2f} | {r['step_s']:.2f} | "
                   f"{r['trainer_s']:.2f} | {r['tokens_per_s']:.0f} | {r['train_reward']:.3f} | {r['greedy']:.2f} |")
-    line: dict[str, Any] = {"benchmark": "routing_replay", "unit": "logprob gap", "target": 1.0}
-    k0 = results.get(0, {})
-    if "rollout" in k0 and "dense" in k0:
-        line.update(value=float(f"{k0['rollout']['gap']:.3e}"), baseline=float(f"{k0['dense']['gap']:.3e}"),
-                    ratio=round(k0["rollout"]["gap"] / k0["dense"]["gap"], 3))
-    if cost:
-        print(f"\nrecording (native engine, bf16): generate {cost['generate_s']:.3f} s without, "
-              f"{cost['generate_recording_s']:.3f} s with: {100 * cost['recording_cost']:+.1f}% (target <= +5%); "
-              f"{cost['routing_bytes']} routing bytes for {cost['positions']} positions, a trajectory of "
-              f"{cost['trajectory_bytes']} -> {cost['trajectory_bytes_routed']} bytes (msgpack)")
-        line["recording_cost"] = round(cost["recording_cost"], 4)
-        line["recording_target"] = 0.05
-        line["routing_bytes_per_position"] = round(cost["routing_bytes"] / cost["positions"], 1)
     line["runs"] = {f"k{k}/{name}": {key: (round(v, 6) if isinstance(v, float) else v) for key, v in r.items()}
                     for k, runs in results.items() for name, r in runs.items()}
     return line
@@ -178,10 +223,13 @@ def report(results: dict[int, dict[str, dict[str, Any]]], cost: dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--staleness", nargs="+", type=int, default=[0, 2])
+    parser.add_argument("--staleness", nargs="*", type=int, default=[0, 2], help="none: the paired part only")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds of the recording micro-benchmark")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--expert-width", type=int, default=32, help="each expert's intermediate size")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated generate rounds of the paired part")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "routing_replay")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every run")
     parser.add_argument("--analyse", action="store_true", help="report the kept runs in --out; run nothing")
@@ -189,6 +237,18 @@ def main() -> None:
     args.out = args.out.resolve()
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
+    pair_file = args.out / "paired.json"
+    if not args.analyse:
+        from asyncrl.config import load_config
+        from engines.hf import ensure_model
+
+        moe_dir = ensure_model(load_config(ROOT / MOE, moe_shape(args)).model)
+        dense_dir = ensure_model(load_config(ROOT / DENSE).model)
+        pair = paired(moe_dir, dense_dir, args.rounds, prompts=32, n=8, tokens=24)
+        pair_file.parent.mkdir(parents=True, exist_ok=True)
+        pair_file.write_text(json.dumps(pair))
+        print(f"paired: gap without replay {pair['gap_off']:.3e}, with {pair['gap_on']:.3e}, dense "
+              f"{pair['gap_dense']:.3e}; recording {100 * pair['recording_cost']:+.1f}%", flush=True)
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for k in args.staleness:
         for name in args.settings:
@@ -200,16 +260,8 @@ def main() -> None:
             r = results.setdefault(k, {})[name] = run_setting(name, k, args)
             print(f"k = {k} {name}: {r['wall_s']:.0f} s, gap {r['gap']:.2e}, diff {r['diff']:.2e}, agreement "
                   f"{r['agreement']:.3f}, held-out greedy {r['greedy']:.2f}", flush=True)
-    cost_file = args.out / "recording.json"
-    if not args.analyse:
-        from asyncrl.config import load_config
-
-        model_dir = Path(load_config(ROOT / MOE).model.path)  # built by the runs above
-        cost = recording_cost(model_dir, args.rounds, prompts=16, n=8, tokens=32)
-        cost_file.parent.mkdir(parents=True, exist_ok=True)
-        cost_file.write_text(json.dumps(cost))
-    cost = json.loads(cost_file.read_text()) if cost_file.exists() else None
-    print(json.dumps(report(results, cost)))
+    pair = json.loads(pair_file.read_text()) if pair_file.exists() else None
+    print(json.dumps(report(results, pair)))
 
 
 if __name__ == "__main__":

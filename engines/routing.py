@@ -61,6 +61,8 @@ class Routing:
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError("routing: the model has no MoE router (a dense model routes nothing)")
+        if any("forward" in vars(r) for r in self.routers):
+            raise ValueError("routing: the model's routers are patched already (one Routing per model)")
         self.top_k = self.routers[0].top_k
         self.num_experts = self.routers[0].num_experts
         self.forced: torch.Tensor | None = None  # [tokens, layers, k] while replaying
@@ -74,7 +76,7 @@ class Routing:
         def forward(hidden: torch.Tensor):
             logits, scores, own = own_forward(router, hidden)
             if self.recorded is not None:
-                self.recorded.append(own.detach().to(ROUTING_DTYPE))
+                self.recorded.append(own.detach())  # the router's own dtype: `stack_layers` converts once
             if self.forced is None:
                 return logits, scores, own
             forced = self.forced[:, layer].to(device=own.device, dtype=own.dtype)
@@ -92,7 +94,7 @@ class Routing:
     @contextmanager
     def recording(self) -> Iterator[list[torch.Tensor]]:
         """Keep the routers' own choices of the forwards run inside: the yielded list gets one [tokens, k] tensor
-        per layer and forward, in call order."""
+        (expert ids in the router's dtype) per layer and forward, in call order; `stack_layers` makes them records."""
         self.recorded = []
         try:
             yield self.recorded
@@ -119,11 +121,18 @@ class Routing:
 
 
 def stack_layers(recorded: Sequence[torch.Tensor], layers: int) -> list[torch.Tensor]:
-    """`Routing.recording`'s list (layer after layer, forward after forward) as one [tokens, layers, k] tensor per
-    forward."""
+    """`Routing.recording`'s list (layer after layer, forward after forward) as one [tokens, layers, k] tensor
+    (`ROUTING_DTYPE`) per forward. Forwards of one length (a decode step's: one token each) are stacked and
+    converted in one go, not forward by forward."""
     if len(recorded) % layers:
         raise ValueError(f"routing: {len(recorded)} layer records is not a whole number of {layers}-layer forwards")
-    return [torch.stack(list(recorded[i : i + layers]), dim=1) for i in range(0, len(recorded), layers)]
+    if not recorded:
+        return []
+    if len({r.shape[0] for r in recorded}) == 1:
+        every = torch.stack(list(recorded)).to(ROUTING_DTYPE)  # [forwards x layers, tokens, k]
+        return list(every.view(-1, layers, *every.shape[1:]).transpose(1, 2).unbind(0))
+    return [torch.stack(list(recorded[i : i + layers]), dim=1).to(ROUTING_DTYPE)
+            for i in range(0, len(recorded), layers)]
 
 
 def pack_routing(routing: torch.Tensor) -> dict:

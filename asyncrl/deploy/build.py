@@ -137,7 +137,8 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
                         pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
                         mixed_precision=cfg.trainer.mixed_precision,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
-                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
+                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+                        routing_replay=a.routing_replay)
     if a.kl_mode != "off" and cfg.reference.where == "trainer" and cfg.model.lora is not None \
             and not cfg.reference.path:  # the policy with its adapters off is the initial policy: no second copy
         from asyncrl.training.lora import AdapterOffReference

@@ -99,4 +99,5 @@ def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
                                 micro_batch_size=cfg.trainer.micro_batch_size, device=device,
                                 mixed_precision=cfg.trainer.mixed_precision,
                                 max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
-                                logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+                                logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                                routing_replay=cfg.algorithm.routing_replay)

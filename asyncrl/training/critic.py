@@ -28,6 +28,7 @@ from asyncrl.training import precision
 from asyncrl.training.batch import collate, compiled, gather_response
 from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.parallel import SingleProcess
+from asyncrl.training.routing import replay_on, replayed
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ class Critic:
 
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, pad_token_id: int,
                  micro_batch_size: int, device: str | torch.device = "cpu", mixed_precision: str = "no",
-                 gradient_checkpointing: bool = False, max_tokens_per_micro_batch: int = 0) -> None:
+                 gradient_checkpointing: bool = False, max_tokens_per_micro_batch: int = 0,
+                 routing_replay: str = "off") -> None:
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)
         precision.check_autocast(self.device, self.autocast)
         self.model = model.to(self.device) if self.autocast is None else model.to(self.device, torch.float32)
         self.model.eval()  # dropout off, as for the policy
+        # algorithm.routing_replay = "rollout" on an MoE backbone: the engine's experts, as in the policy's forwards
+        self.routing = replay_on(self.model, routing_replay)
         if gradient_checkpointing:
             precision.enable_gradient_checkpointing(self.model)
         self.cfg = cfg
@@ -111,8 +115,9 @@ class Critic:
         for idx in parts:
             part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
-            rows.append(gather_response(batch, part, self._forward(batch.input_ids, batch.attention_mask,
-                                                                   batch.response_mask), width))
+            with replayed(self.routing, part, batch):
+                values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask)
+            rows.append(gather_response(batch, part, values, width))
         return in_order(rows, parts)
 
     def compute_gradients(self, trajectories: list[Trajectory], old_values: Tensor, returns: Tensor,
@@ -135,12 +140,13 @@ class Critic:
                     sl = torch.tensor(idx, dtype=torch.long)
                     batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device,
                                     extras={"old_values": old_values[sl], "returns": returns[sl]})
-                    values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                          self.forward_model)
-                    loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
-                                                  batch.loss_mask, clip)
-                    loss = loss_tok.sum() / global_tokens
-                    loss.backward()
+                    with replayed(self.routing, part, batch):  # through the backward: checkpointing recomputes
+                        values = self._forward(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                               self.forward_model)
+                        loss_tok, vstats = value_loss(values, batch.extras["old_values"], batch.extras["returns"],
+                                                      batch.loss_mask, clip)
+                        loss = loss_tok.sum() / global_tokens
+                        loss.backward()
                     total += loss.item()
                     n = int(batch.loss_mask.sum())
                     stats.tokens += n

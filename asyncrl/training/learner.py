@@ -123,6 +123,9 @@ class Learner:
         # algorithm.routing_replay (training/routing.py): an MoE policy's routers, patched before any wrapping
         self.routing = RoutingReplay(self.model, algorithm.routing_replay) if algorithm.routing_replay != "off" \
             else None
+        if reference is not None and reference.model is self.model and self.routing is not None \
+                and self.routing.replay:  # LoRA's adapter-off reference is this module: its routers, this replay
+            reference.routing = self.routing
         # trainer.router_aux_loss_coef: the MoE's load-balancing loss added to each gradient pass's loss
         self.router_aux = RouterAuxLoss(self.model, trainer.router_aux_loss_coef) \
             if trainer.router_aux_loss_coef > 0 else None

@@ -199,6 +199,7 @@ class AdapterOffReference(ReferencePolicy):
         self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)
         self.tokens_scored = 0
         self.chunk = logprob_chunk_tokens
+        self.routing = None  # an MoE policy's routers carry the Learner's RoutingReplay: it hands it over (replay)
 
     def response_logprobs(self, trajectories: list[Any], parts: list[list[int]] | None = None) -> list[list[float]]:
         with self.model.disable_adapter():

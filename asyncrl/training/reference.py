@@ -18,6 +18,7 @@ from asyncrl.training import precision
 from asyncrl.training.batch import collate, gather_response
 from asyncrl.training.logprobs import token_logprobs
 from asyncrl.training.micro import MicroBatching, lengths
+from asyncrl.training.routing import RoutingReplay, replay_on, replayed
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +38,29 @@ class ReferencePolicy:
         self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)  # the policy's (micro.py)
         self.tokens_scored = 0
         self.chunk = logprob_chunk_tokens  # the policy's trainer.logprob_chunk_tokens (training/logprobs.py)
+        self.routing: RoutingReplay | None = None  # an MoE reference under routing replay (`replay_routing`)
+
+    def replay_routing(self, mode: str) -> None:
+        """algorithm.routing_replay: an MoE reference forwards each recorded position through the experts the engine
+        used, as the policy's forwards do (a dense one, or another mode: nothing changes)."""
+        self.routing = replay_on(self.model, mode)
 
     @classmethod
     def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
              mixed_precision: str = "no", device: str | torch.device = "cpu",
-             max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0) -> "ReferencePolicy":
+             max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0,
+             routing_replay: str = "off") -> "ReferencePolicy":
         """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
         dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
 
         dtype = precision.reference_dtype(dtype, mixed_precision)
         log.info("reference policy: loading %s (%s)", path, dtype)
-        return cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
-                   micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision,
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_chunk_tokens=logprob_chunk_tokens)
+        ref = cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
+                  micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision,
+                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_chunk_tokens=logprob_chunk_tokens)
+        ref.replay_routing(routing_replay)
+        return ref
 
     @torch.no_grad()
     def response_logprobs(self, trajectories: list[Trajectory],
@@ -61,9 +71,10 @@ class ReferencePolicy:
         for idx in parts if parts is not None else self.batching.split(lengths(trajectories)):
             part = [trajectories[i] for i in idx]
             batch = collate(part, torch.zeros(len(part)), self.pad_token_id, self.device)
-            logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                         batch.response_mask, batch.temperature, autocast=self.autocast,
-                                         chunk=self.chunk)
+            with replayed(self.routing, part, batch):
+                logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                             batch.response_mask, batch.temperature, autocast=self.autocast,
+                                             chunk=self.chunk)
             width = max(len(t.response_ids) for t in part)
             rows = gather_response(batch, part, logprobs, max(width, 1))
             for k, (i, t) in enumerate(zip(idx, part)):

@@ -81,6 +81,23 @@ class RoutingReplay:
         return out
 
 
+def replayed(routing: RoutingReplay | None, trajectories: list[Trajectory], batch: TokenBatch) -> Any:
+    """The context of a forward of a frozen reference or a critic over `batch` (padded rows): the engine's routing
+    of `trajectories` replayed where `routing` is set (`replay_on`), else nothing."""
+    if routing is None:
+        return ExitStack()
+    return routing.forward(trajectories, batch, packed=False)
+
+
+def replay_on(model: torch.nn.Module, mode: str) -> RoutingReplay | None:
+    """A reference policy's or critic's RoutingReplay: with algorithm.routing_replay = "rollout" and an MoE model
+    they route each recorded position as the engine did, as the policy does; None for a dense model or another
+    mode (they are not diagnosed: routing/agreement is the policy's)."""
+    if mode != "rollout" or not moe_routers(model):
+        return None
+    return RoutingReplay(model, mode)
+
+
 class RouterAuxLoss:
     """trainer.router_aux_loss_coef > 0: the load-balancing loss of `model`'s family (its modeling module's own
     `load_balancing_loss_func`: Switch Transformer's, experts x Σ_e share of top-k assignments to e x mean router

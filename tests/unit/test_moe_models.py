@@ -419,3 +419,53 @@ def test_an_env_episode_replays_each_positions_routing_of_the_turn_that_fed_it_a
     assert not torch.equal(own["old"][:cut], own["new"][:cut])  # the second turn's prefill routed them otherwise
     _assert_replayed(_moe_learner(moe_dir, "rollout"), Group(group_id=0, min_version=0, trajectories=[
         msgspec.structs.replace(traj, reward=1.0)]))
+
+
+def _experts_used(model: torch.nn.Module, run) -> list[torch.Tensor]:
+    """The top-k indices each MoE layer's experts were handed during `run()`, per call."""
+    seen: list[torch.Tensor] = []
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _check_used(seen: list[torch.Tensor], trajs: list[Trajectory]) -> None:
+    from engines.routing import unpack_routing
+
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    for layer in range(2):
+        used = seen[layer].view(len(trajs), width, 2)
+        for i, t in enumerate(trajs):
+            recorded = unpack_routing(t.routed_experts, t.routing_shape)
+            assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
+
+
+def test_an_moe_reference_and_critic_replay_the_engines_routing(moe_dir):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from asyncrl.config.schema import CriticConfig
+    from asyncrl.training.critic import Critic, load_value_model
+    from asyncrl.training.reference import ReferencePolicy
+
+    trajs = _rerouted(_engine_group(moe_dir, [5, 6, 7]), 1).trajectories  # experts the models would not choose
+    reference = ReferencePolicy.load(str(moe_dir), dtype="float32", pad_token_id=hf.PAD_ID, routing_replay="rollout")
+    _check_used(_experts_used(reference.model, lambda: reference.response_logprobs(trajs)), trajs)
+    own = ReferencePolicy.load(str(moe_dir), dtype="float32", pad_token_id=hf.PAD_ID, routing_replay="measure")
+    assert own.routing is None  # measuring is the policy's diagnostic: the reference routes on its own
+    assert own.response_logprobs(trajs) != reference.response_logprobs(trajs)
+    if type(AutoConfig.from_pretrained(moe_dir)) not in AutoModelForTokenClassification._model_mapping:
+        return  # this family has no token-classification head in transformers: no critic on it
+    critic = Critic(load_value_model(str(moe_dir)), CriticConfig(), pad_token_id=hf.PAD_ID, micro_batch_size=64,
+                    routing_replay="rollout")
+    width = max(len(t.response_ids) for t in trajs)
+    _check_used(_experts_used(critic.model, lambda: critic.values(trajs, width)), trajs)
+    from asyncrl.training.critic import CriticStats
+
+    zeros = torch.zeros(len(trajs), width)
+    seen = _experts_used(critic.model, lambda: critic.compute_gradients(trajs, zeros, zeros + 1, CriticStats()))
+    _check_used(seen, trajs)
