@@ -32,11 +32,17 @@ ROUTER_CASTS = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "OlmoeTo
                 "MixtralTopKRouter": False}
 
 
+def _family(router: torch.nn.Module) -> str | None:
+    """The router's class in `ROUTER_CASTS`, looked up along its bases (peft's LoRA on the router's weight turns the
+    class into a `Parametrized...` subclass); None if unknown."""
+    return next((c.__name__ for c in type(router).__mro__ if c.__name__ in ROUTER_CASTS), None)
+
+
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The routers of `model`'s MoE layers in forward order; [] for a dense model. ValueError for a router of a
     family whose replay is not known (`ROUTER_CASTS`)."""
     found = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    unknown = sorted({type(m).__name__ for m in found} - set(ROUTER_CASTS))
+    unknown = sorted({type(m).__name__ for m in found if _family(m) is None})
     if unknown:
         raise ValueError(f"routing: unsupported MoE router {', '.join(unknown)} (known: {', '.join(ROUTER_CASTS)})")
     return found
@@ -48,7 +54,7 @@ def _scores(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor
     top = probs.gather(-1, indices)
     if getattr(router, "norm_topk_prob", True):
         top /= top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype) if ROUTER_CASTS[type(router).__name__] else top
+    return top.to(logits.dtype) if ROUTER_CASTS[_family(router) or ""] else top
 
 
 class Routing:

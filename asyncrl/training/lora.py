@@ -107,11 +107,25 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 @torch.no_grad()
 def merged_weight(layer: torch.nn.Module) -> Tensor:
-    """W + Σ scale·B·A over the layer's active adapters (peft's delta), a new tensor: the layer is not changed."""
-    weight = layer.get_base_layer().weight.detach()
+    """W + Σ scale·B·A over the layer's active adapters (peft's delta), a new tensor: the layer is not changed. W is a
+    linear layer's weight, or the one parameter a `ParamWrapper` adapts (an MoE's fused experts, its router)."""
+    base = layer.get_param() if hasattr(layer, "parameter_name") else layer.get_base_layer().weight
+    weight = base.detach()
     for adapter in layer.active_adapters:
         weight = weight + layer.get_delta_weight(adapter)
     return weight
+
+
+def adapted_weights(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The weights the adapters change, by their base-model name, each with its LoRA layer: `<layer>.weight` of an
+    adapted linear layer; `<module>.<parameter>` of a parameter peft adapts in place (`ParamWrapper`: an MoE's
+    fused expert weights and router weight, which peft's all-linear reaches in transformers 5; nested wrappers, one
+    per parameter, under `base_layer`)."""
+    out = {}
+    for name, layer in lora_layers(model).items():
+        owner = ".".join(p for p in name.split(".") if p != "base_layer")
+        out[f"{owner}.{getattr(layer, 'parameter_name', 'weight')}"] = layer
+    return out
 
 
 class MergedWeights(Mapping[str, Tensor]):
@@ -122,18 +136,17 @@ class MergedWeights(Mapping[str, Tensor]):
     reads a plain state dict: until it releases the weights, before the next update changes them."""
 
     def __init__(self, model: torch.nn.Module, *, targeted_only: bool = False) -> None:
-        layers = lora_layers(model)
+        adapted = adapted_weights(model)
         self._entries: dict[str, Tensor | torch.nn.Module] = {}
         if targeted_only:
-            self._entries = {f"{name}.weight": layer for name, layer in layers.items()}
+            self._entries = dict(adapted)
             return
         for key, tensor in _sync_dict(model.get_base_model(), lambda t: t.detach()).items():
             parts = key.split(".")
             if any(p.startswith("lora_") for p in parts):  # lora_A, lora_B, ...: merged into the weight
                 continue
             key = ".".join(p for p in parts if p != "base_layer")
-            owner = key.rsplit(".", 1)[0]
-            self._entries[key] = layers[owner] if owner in layers and key.endswith(".weight") else tensor
+            self._entries[key] = adapted.get(key, tensor)
 
     def __getitem__(self, name: str) -> Tensor:
         entry = self._entries[name]

@@ -469,3 +469,41 @@ def test_an_moe_reference_and_critic_replay_the_engines_routing(moe_dir):
     zeros = torch.zeros(len(trajs), width)
     seen = _experts_used(critic.model, lambda: critic.compute_gradients(trajs, zeros, zeros + 1, CriticStats()))
     _check_used(seen, trajs)
+
+
+def test_lora_on_an_moe_trains_its_adapters_under_replay_and_the_engine_takes_the_merged_weights(moe_dir):
+    """peft's all-linear adapts the attention's linear layers and, through its ParamWrapper, the fused expert weights
+    and the router's weight (transformers 5's MoE parameters): replay holds through the adapted model, the
+    adapter-off reference shares its routers and replay, and the sync's merged weights (each adapted parameter with
+    its delta) reach a recording engine, which then computes the trainer's logprobs."""
+    from asyncrl.config.schema import LoraConfig
+    from asyncrl.training import lora
+
+    torch.manual_seed(0)
+    policy = lora.apply_lora(hf.load_model(moe_dir), LoraConfig(rank=4, alpha=8.0))
+    reference = lora.AdapterOffReference(policy, pad_token_id=hf.PAD_ID)
+    learner = Learner(policy, algorithm=AlgorithmConfig(routing_replay="rollout"), pad_token_id=hf.PAD_ID,
+                      trainer=TrainerConfig(lr=5e-2, micro_batch_size=64), reference=reference)
+    assert reference.routing is learner.routing
+    group = _rerouted(_engine_group(moe_dir, [5, 6, 7]), 1)
+    trajs = group.trajectories
+    _check_used(_experts_used(policy, lambda: reference.response_logprobs(trajs)), trajs)
+    before = {k: v.clone() for k, v in learner.state_dict_for_sync().items()}
+    _assert_replayed(learner, group)
+    learner.update([_engine_group(moe_dir, [8, 9], group_id=1)])
+    after = learner.state_dict_for_sync()
+    assert any(not torch.equal(after[k], before[k]) for k in after)  # the merged adapters moved the weights
+    assert set(after) == set(lora.adapted_weights(policy))  # a subset: the adapted weights only
+    experts = [k for k in after if k.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"))]
+    assert experts or any("shared_expert" in k for k in after)  # Qwen2-MoE: peft reaches its shared expert only
+    assert all(not torch.equal(after[k], before[k]) for k in experts)  # merged with their deltas
+    engine = TorchEngine(str(moe_dir), seed=0, record_routing=True)
+    try:
+        engine.load_weights(dict(after), version=2)
+        (out,) = asyncio.run(engine.generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=3)))
+    finally:
+        asyncio.run(engine.close())
+    for c in out:
+        want = torch.tensor(learner.teacher_forced_logprobs([5, 6, 7], c.response_ids, 1.0))
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+        assert c.versions == [2] * len(c.response_ids) and c.routing_shape == [2, 2]
