@@ -67,8 +67,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _mean(values: list[float]) -> float:
-    return statistics.mean(values) if values else float("nan")
+def _mean(values: list[float]) -> float | None:
+    """None for no values: the JSON line stays strict JSON (no NaN)."""
+    return statistics.mean(values) if values else None
 
 
 def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,7 +90,7 @@ def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "trainer_s": _mean([r.get("trainer/busy_share", 0.0) * r["time/step_s"] for r in steps]),
         "tokens_per_s": _mean([r["generation/tokens_per_s"] for r in steps if "generation/tokens_per_s" in r]),
         "train_reward": _mean([r["reward/mean"] for r in steps]),
-        "greedy": evals[-1]["eval/greedy_reward"] if evals else float("nan"),
+        "greedy": evals[-1]["eval/greedy_reward"] if evals else None,
     }
 
 
@@ -162,7 +163,7 @@ def _trainer_gap(model_dir: Path, groups: list[Any], replay: str) -> dict[str, f
                       trainer=TrainerConfig(micro_batch_size=64), pad_token_id=hf.PAD_ID)
     m = learner.update(groups)
     return {"gap": m["trainer/logprob_gap"], "tokens": m["trainer/logprob_gap_tokens"],
-            "agreement": m.get("routing/agreement", float("nan"))}
+            "agreement": m.get("routing/agreement")}
 
 
 def paired(moe_dir: Path, dense_dir: Path, rounds: int, prompts: int, n: int, tokens: int) -> dict[str, float]:
@@ -224,10 +225,11 @@ def report(results: dict[int, dict[str, dict[str, Any]]], pair: dict[str, float]
         print("|---|" + "---|" * 10)
     for k, runs in results.items():
         for name, r in runs.items():
-            agree = "-" if r["agreement"] != r["agreement"] else f"{r['agreement']:.3f}"
+            agree = "-" if r["agreement"] is None else f"{r['agreement']:.3f}"
             gap = "-" if not r["gap_steps"] else f"{r['gap']:.2e} ({r['gap_steps']})"
             print(f"| {k} | {name} | {agree} | {gap} | {r['diff']:.2e} | {r['ratio_max']:.2f} | {r['step_s']:.2f} | "
-                  f"{r['trainer_s']:.2f} | {r['tokens_per_s']:.0f} | {r['train_reward']:.3f} | {r['greedy']:.2f} |")
+                  f"{r['trainer_s']:.2f} | {r['tokens_per_s'] or 0:.0f} | {r['train_reward']:.3f} | "
+                  f"{'-' if r['greedy'] is None else format(r['greedy'], '.2f')} |")
     line["runs"] = {f"k{k}/{name}": {key: (round(v, 6) if isinstance(v, float) else v) for key, v in r.items()}
                     for k, runs in results.items() for name, r in runs.items()}
     return line
@@ -271,8 +273,8 @@ def main() -> None:
                     results.setdefault(k, {})[name] = load_run(out)
                 continue
             r = results.setdefault(k, {})[name] = run_setting(name, k, args)
-            print(f"k = {k} {name}: {r['wall_s']:.0f} s, gap {r['gap']:.2e}, diff {r['diff']:.2e}, agreement "
-                  f"{r['agreement']:.3f}, held-out greedy {r['greedy']:.2f}", flush=True)
+            print(f"k = {k} {name}: {r['wall_s']:.0f} s, gap {r['gap'] or 0:.2e}, diff {r['diff']:.2e}, agreement "
+                  f"{r['agreement'] or 0:.3f}, held-out greedy {r['greedy'] or 0:.2f}", flush=True)
     pair = json.loads(pair_file.read_text()) if pair_file.exists() else None
     print(json.dumps(report(results, pair)))
 
