@@ -58,6 +58,9 @@ from asyncrl.telemetry.summary import summarize_rows
 from asyncrl.telemetry.trace import TraceWriter
 from buffers.replay import BufferState
 
+# a train step's figures the trace shows as counters (docs/metrics.md): engine and trainer, how far apart
+TRACE_STEP_COUNTERS = ("trainer/logprob_gap", "trainer/logprob_diff", "routing/agreement")
+
 log = logging.getLogger(__name__)
 
 
@@ -293,6 +296,9 @@ class Controller:
             row["controller/actor_calls"] = float(calls - self._calls_mark)
         self._calls_mark = calls
         row["throughput/samples_per_s"] = metrics.get("trainer/samples", 0.0) / max(t_end - t_prev, 1e-9)
+        if self._trace is not None:  # the engine-trainer agreement on the timeline, beside the spans
+            self._trace.add_counters(t_end, {k: row[k] for k in TRACE_STEP_COUNTERS
+                                             if isinstance(row.get(k), (int, float))})
         self._window_end = t_end
         return row
 

@@ -55,6 +55,11 @@ def test_the_moe_example_learns_in_one_process_replaying_the_engines_routing(moe
     assert min(r["routing/agreement"] for r in train[1:]) < 0.9
     config = json.loads((run_dir / "checkpoint" / "config.json").read_text())
     assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
+    # the trace's counters: the agreement and the gaps, one sample a step, as the metrics rows hold them
+    events = json.loads((run_dir / "trace.json").read_text())
+    agreement = [e["args"]["value"] for e in events if e.get("name") == "routing/agreement" and e["ph"] == "C"]
+    assert agreement == pytest.approx([r["routing/agreement"] for r in train])
+    assert sum(e.get("name") == "trainer/logprob_diff" for e in events) == len(train)
 
 
 @pytest.mark.ray
