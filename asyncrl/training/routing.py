@@ -16,7 +16,7 @@ policy loss so that RL does not collapse the routing onto a few experts.
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -85,7 +85,7 @@ def replayed(routing: RoutingReplay | None, trajectories: list[Trajectory], batc
     """The context of a forward of a frozen reference or a critic over `batch` (padded rows): the engine's routing
     of `trajectories` replayed where `routing` is set (`replay_on`), else nothing."""
     if routing is None:
-        return ExitStack()
+        return nullcontext()
     return routing.forward(trajectories, batch, packed=False)
 
 

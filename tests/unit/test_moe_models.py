@@ -182,23 +182,36 @@ def _rerouted(group: Group, shift: int) -> Group:
     return Group(group_id=group.group_id, min_version=0, trajectories=trajs)
 
 
-def _assert_replayed(learner: Learner, group: Group) -> dict[str, float]:
-    """Train `group`; the step's first forward routed each recorded position to exactly the recorded experts."""
+def _experts_used(model: torch.nn.Module, run) -> list[torch.Tensor]:
+    """The top-k indices each MoE layer's experts were handed during `run()`, per call."""
+    seen: list[torch.Tensor] = []
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _check_used(seen: list[torch.Tensor], trajs: list[Trajectory]) -> None:
     from engines.routing import unpack_routing
 
-    seen: list[torch.Tensor] = []
-    experts = [m for m in learner.model.modules() if type(m).__name__.endswith("Experts")]
-    hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
-    metrics = learner.update([group])
-    for h in hooks:
-        h.remove()
-    trajs = group.trajectories
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     for layer in range(2):
-        used = seen[layer].view(len(trajs), width, 2)  # the step's first forward: the padded micro-batch
+        used = seen[layer].view(len(trajs), width, 2)
         for i, t in enumerate(trajs):
             recorded = unpack_routing(t.routed_experts, t.routing_shape)
             assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
+
+
+
+def _assert_replayed(learner: Learner, group: Group) -> dict[str, float]:
+    """Train `group`; the step's first forward routed each recorded position to exactly the recorded experts."""
+    metrics: dict[str, float] = {}
+    seen = _experts_used(learner.model, lambda: metrics.update(learner.update([group])))
+    _check_used(seen, group.trajectories)  # the step's first forward: the padded micro-batch
     return metrics
 
 
@@ -419,30 +432,6 @@ def test_an_env_episode_replays_each_positions_routing_of_the_turn_that_fed_it_a
     assert not torch.equal(own["old"][:cut], own["new"][:cut])  # the second turn's prefill routed them otherwise
     _assert_replayed(_moe_learner(moe_dir, "rollout"), Group(group_id=0, min_version=0, trajectories=[
         msgspec.structs.replace(traj, reward=1.0)]))
-
-
-def _experts_used(model: torch.nn.Module, run) -> list[torch.Tensor]:
-    """The top-k indices each MoE layer's experts were handed during `run()`, per call."""
-    seen: list[torch.Tensor] = []
-    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    hooks = [e.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for e in experts]
-    try:
-        run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
-def _check_used(seen: list[torch.Tensor], trajs: list[Trajectory]) -> None:
-    from engines.routing import unpack_routing
-
-    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    for layer in range(2):
-        used = seen[layer].view(len(trajs), width, 2)
-        for i, t in enumerate(trajs):
-            recorded = unpack_routing(t.routed_experts, t.routing_shape)
-            assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
 
 
 def test_an_moe_reference_and_critic_replay_the_engines_routing(moe_dir):
