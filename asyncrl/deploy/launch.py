@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -314,16 +315,19 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
     resolved = resolve_ray(cfg, starts_cluster=not ray.is_initialized())
     spread, cfg = trainer_spread(cfg, resolved), resolved
     before = available_cpus()  # the driver's CPUs: start_ray may pin it (cluster.affinity.controller)
+    # the run's prompts are checked beside Ray's start (its own processes leave the driver's core mostly idle)
+    # and the actors' (an over-long or unrenderable prompt: one line, not an actor's death)
+    prompts = ThreadPoolExecutor(1, thread_name_prefix="check-prompts")
+    problems = prompts.submit(check_prompts, cfg)
+    prompts.shutdown(wait=False)
     started = start_ray(cfg)
     try:
         resumes = 0
         while True:
             deployment = RayDeployment(cfg, trainer_spread=spread)
             try:
-                if not resumes:  # while the actors start (their constructors run meanwhile): the run's prompts
-                    problems = check_prompts(cfg)  # an over-long or unrenderable one: one line, not an actor's death
-                    if problems:
-                        raise ValueError("\n".join(problems))
+                if not resumes and problems.result():
+                    raise ValueError("\n".join(problems.result()))
                 deployment.wait_ready()
                 where = deployment.where()
                 if started and not resumes:  # each actor pins itself (RoleActor); Ray's own processes: here

@@ -125,3 +125,40 @@ def test_an_over_long_prompt_ends_the_launch_with_one_line_and_no_actor_left(ray
     assert len(lines) == 2 and all(line.startswith("data.max_prompt_len: ") for line in lines), lines
     left = alive() - before
     assert not left, left
+
+
+def test_the_prompts_are_checked_while_ray_starts(make_config, tmp_path, monkeypatch):
+    """Start-up (summary.json startup_s): the driver checks the run's prompts on a thread of its own while
+    `ray.init` starts the cluster (Ray's processes leave the driver's core mostly idle), not after it; a problem
+    it finds still ends the launch with its line and the deployment shut down. Ray itself is stood in for here:
+    the stand-in start returns only once the check is under way, which a check run after it never is."""
+    import threading
+
+    from asyncrl.deploy import launch
+
+    checking, events = threading.Event(), []
+
+    def check(cfg):
+        events.append(("check", threading.current_thread() is threading.main_thread()))
+        checking.set()
+        return ["data.max_prompt_len: a prompt of 9 tokens"]
+
+    def start(cfg):
+        assert checking.wait(30), "the prompt check did not start before Ray's start returned"
+        events.append(("ray started",))
+        return False
+
+    class Deployment:
+        def __init__(self, cfg, trainer_spread):
+            events.append(("actors",))
+
+        async def shutdown(self):
+            events.append(("shutdown",))
+
+    monkeypatch.setattr(launch, "check_prompts", check)
+    monkeypatch.setattr(launch, "start_ray", start)
+    monkeypatch.setattr(launch, "RayDeployment", Deployment)
+    cfg = make_config("trainer.total_steps=1", f'run.output_dir="{tmp_path / "run"}"')
+    with pytest.raises(ValueError, match="a prompt of 9 tokens"):
+        launch.run_with_ray(cfg)
+    assert events == [("check", False), ("ray started",), ("actors",), ("shutdown",)]
