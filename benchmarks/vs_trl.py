@@ -4,6 +4,7 @@
     python benchmarks/vs_trl.py --job reasoning --seeds 0  # the long-reply example (examples/smollm_reasoning)
     python benchmarks/vs_trl.py --settings                 # print the TRL settings the job maps to; run nothing
     python benchmarks/vs_trl.py --seeds 0 --set trainer.total_steps=2   # a config override, for both frameworks
+    python benchmarks/vs_trl.py --job reasoning --frameworks asyncrl     # one framework's runs only
 
 TRL is not a dependency of the project: it is installed into an environment of its own (--trl-venv, default
 runs/trl-venv; made on first use: torch==2.13.0 first, then trl, and the transformers and reasoning-gym versions
@@ -31,11 +32,18 @@ summary.json startup_s; TRL's on_train_begin), s/step (mean over steps after the
 sampled reward, the trainer's peak resident memory. The last line is JSON: value = asyncrl's mean wall, baseline =
 TRL's (seconds), ratio = baseline / value (lower is better: the speed-up; target 2.0); "greedy"/"sampled" carry
 both frameworks' held-out rewards, seed by seed.
+
+Each judged run keeps its figures in its folder (`OUT/<framework>-<seed>/result.json`, with the commit and time
+it was measured at), and a later call with the same job, overrides, seed and evaluation reuses them instead of
+running again (`--rerun`: run again): a long job's seeds can be measured over several sittings, one framework
+at a time (`--frameworks`), and the table then holds every kept seed. A reused run is marked "kept" with its
+date in its line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -208,6 +216,25 @@ def cached_judge(path: Path, judge: Any, model: Path, rows: list[dict[str, Any]]
     return result
 
 
+def kept_run(folder: Path, key: dict[str, Any], run: Any, rerun: bool = False) -> dict[str, Any]:
+    """A judged run's figures: `folder`/result.json where it holds the same `key` (and not `rerun`), else `run()`'s
+    (a dict of figures), written there with the commit and time of the measurement."""
+    path = folder / "result.json"
+    if path.exists() and not rerun:
+        kept = json.loads(path.read_text())
+        if kept.get("key") == key:
+            return {**kept, "kept": True}
+    result = {**run(), "key": key, "measured_at": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit()}
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def run_asyncrl(config: Path, sets: list[str], seed: int, out: Path) -> dict[str, Any]:
     cmd = ["asyncrl", "launch", str(config), *[a for s in sets for a in ("--set", s)], "--set", f"run.seed={seed}",
            "--set", f'run.output_dir="{out}"', "--set", "trainer.eval_every=0", "--set", "logging.live=false",
@@ -241,6 +268,8 @@ def run_trl(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
@@ -254,6 +283,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for the job, both frameworks (e.g. trainer.total_steps=2)")
     parser.add_argument("--settings", action="store_true", help="print the TRL settings of the job; run nothing")
+    parser.add_argument("--frameworks", nargs="+", choices=["asyncrl", "trl"], default=["asyncrl", "trl"],
+                        help="which frameworks run (the table also shows the other's kept seeds)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run again where a seed's judged figures are kept (OUT/<framework>-<seed>/result.json)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -275,7 +308,7 @@ def main() -> None:
     if not Path(cfg.data.path).exists() or not Path(cfg.data.eval_path).exists():
         importlib.import_module(PREPARE[args.job]).main()
     threads = int(cfg.cluster.torch_threads) if cfg.cluster.torch_threads != "auto" else os.cpu_count() or 1
-    python = trl_python(args.trl_venv)
+    python = functools.cache(lambda: trl_python(args.trl_venv))  # made (or checked) where TRL runs
     reward = import_path(cfg.reward.fn)
     held_out = [json.loads(line) for line in Path(cfg.data.eval_path).open()][: cfg.trainer.eval_prompts]
     model = Path(cfg.model.path)
@@ -289,36 +322,57 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {"asyncrl": [], "trl": []}
     for seed in args.seeds:
         runs = (("asyncrl", lambda: run_asyncrl(JOBS[args.job], args.set, seed, args.out / f"asyncrl-{seed}")),
-                ("trl", lambda: run_trl(python, {"out": str(args.out / f"trl-{seed}"), "seed": seed,
-                                                  "threads": threads, "settings": settings,
-                                                  "model": str(model), "train": str(cfg.data.path),
-                                                  "reward": cfg.reward.fn})))
+                ("trl", lambda: run_trl(python(), {"out": str(args.out / f"trl-{seed}"), "seed": seed,
+                                                    "threads": threads, "settings": settings,
+                                                    "model": str(model), "train": str(cfg.data.path),
+                                                    "reward": cfg.reward.fn})))
         for name, run in runs if seed % 2 == 0 else reversed(runs):  # alternate which goes first
-            result = run()
-            result.update(judge(result.pop("model")))
+            key = {"job": args.job, "sets": args.set, "seed": seed, "eval": base["key"],
+                   "version": TRL_VERSION if name == "trl" else None}
+
+            def judged(run: Any = run) -> dict[str, Any]:
+                result = run()
+                return {**result, **judge(result.pop("model"))}
+
+            folder = args.out / f"{name}-{seed}"
+            if name not in args.frameworks:  # the other framework's kept seeds only
+                path = folder / "result.json"
+                kept = json.loads(path.read_text()) if path.exists() else None
+                if kept is None or kept.get("key") != key:
+                    continue
+                result = {**kept, "kept": True}
+            else:
+                result = kept_run(folder, key, judged, rerun=args.rerun)
             results[name].append(result)
+            when = f"  (kept: {result['measured_at']}, {result['commit']})" if result.get("kept") else ""
             print(f"seed {seed} {name:8s} wall {result['wall_s']:6.1f} s  start-up {result['startup_s']:5.1f} s  "
                   f"{result['step_s']:5.2f} s/step  held-out greedy {result['greedy']:.3f} sampled "
-                  f"{result['sampled']:.3f}  peak {result['peak_gb'] or 0:.2f} GB", flush=True)
+                  f"{result['sampled']:.3f}  peak {result['peak_gb'] or 0:.2f} GB{when}", flush=True)
 
-    print(f"\n{args.job} job, seeds {args.seeds}: mean ± sd over seeds")
-    print("| framework | wall s | start-up s | s/step | held-out greedy | held-out sampled | trainer peak GB |"
+    print(f"\n{args.job} job, seeds {args.seeds}: mean ± sd over the seeds each framework has")
+    print("| framework | seeds | wall s | start-up s | s/step | held-out greedy | held-out sampled | trainer peak GB |"
           " padded share |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         padded = [r["padded_share"] for r in rs if r["padded_share"] is not None]
-        print(f"| {name} | {_spread([r['wall_s'] for r in rs])} | {_spread([r['startup_s'] for r in rs])} | "
-              f"{_spread([r['step_s'] for r in rs])} | {_spread([r['greedy'] for r in rs])} | "
-              f"{_spread([r['sampled'] for r in rs])} | {_spread([r['peak_gb'] for r in rs])} | "
-              f"{_spread(padded) if padded else '-'} |")
-    print(f"| base model | | | | {base['greedy']:.3f} | {base['sampled']:.3f} | | |")
-    ours = statistics.mean(r["wall_s"] for r in results["asyncrl"])
-    theirs = statistics.mean(r["wall_s"] for r in results["trl"])
-    print(json.dumps({"benchmark": f"vs_trl_{args.job}", "value": round(ours, 1), "unit": "s",
-                      "baseline": round(theirs, 1), "ratio": round(theirs / ours, 3), "target": 2.0,
+        cells = [_spread([r[k] for r in rs if r[k] is not None]) for k in
+                 ("wall_s", "startup_s", "step_s", "greedy", "sampled", "peak_gb")]
+        print(f"| {name} | {', '.join(str(r['key']['seed']) for r in rs) or '-'} | {' | '.join(cells)} | "
+              f"{_spread(padded)} |")
+    print(f"| base model | | | | | {base['greedy']:.3f} | {base['sampled']:.3f} | | |")
+    walls = {n: statistics.mean(r["wall_s"] for r in rs) if rs else None for n, rs in results.items()}
+    ours, theirs = walls["asyncrl"], walls["trl"]
+    print(json.dumps({"benchmark": f"vs_trl_{args.job}", "value": _round(ours, 1), "unit": "s",
+                      "baseline": _round(theirs, 1), "ratio": _round(theirs / ours, 3) if ours and theirs else None,
+                      "target": 2.0,
                       "greedy": {n: [round(r["greedy"], 3) for r in rs] for n, rs in results.items()},
                       "sampled": {n: [round(r["sampled"], 3) for r in rs] for n, rs in results.items()},
-                      "seeds": args.seeds}))
+                      "seeds": {n: [r["key"]["seed"] for r in rs] for n, rs in results.items()}}))
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
 
 if __name__ == "__main__":
     main()

@@ -56,3 +56,24 @@ def test_a_job_trl_would_run_differently_is_refused_with_every_reason(monkeypatc
         bench.trl_settings(cfg)
     sets = [*folders, 'algorithm.loss_agg="seq-mean-token-sum-norm"']
     assert bench.trl_settings(load_config(bench.JOBS["readme"], sets))["loss_type"] == "dr_grpo"
+
+
+def test_a_judged_run_is_kept_in_its_folder_and_reused_only_for_the_same_job_seed_and_evaluation(monkeypatch,
+                                                                                                  tmp_path):
+    """A long job's seeds are measured over several sittings: each judged run's figures stay in its folder with
+    the commit and time of the measurement; the same key reuses them, another key or --rerun runs again."""
+    bench = load_benchmark(monkeypatch, ROOT / "benchmarks" / "vs_trl.py")
+    calls = []
+
+    def run():
+        calls.append(1)
+        return {"wall_s": 100.0 + len(calls), "greedy": 0.5}
+
+    key = {"job": "reasoning", "sets": ["trainer.eval_prompts=50"], "seed": 1, "eval": {"rows": 50}, "version": None}
+    first = bench.kept_run(tmp_path / "asyncrl-1", key, run)
+    assert first["wall_s"] == 101.0 and first["key"] == key and first["measured_at"] and "kept" not in first
+    again = bench.kept_run(tmp_path / "asyncrl-1", key, run)
+    assert len(calls) == 1 and again["kept"] and again["wall_s"] == 101.0
+    other = bench.kept_run(tmp_path / "asyncrl-1", {**key, "sets": []}, run)  # another job: run, and kept instead
+    assert len(calls) == 2 and other["wall_s"] == 102.0
+    assert bench.kept_run(tmp_path / "asyncrl-1", {**key, "sets": []}, run, rerun=True)["wall_s"] == 103.0
