@@ -216,14 +216,17 @@ def cached_judge(path: Path, judge: Any, model: Path, rows: list[dict[str, Any]]
     return result
 
 
-def kept_run(folder: Path, key: dict[str, Any], run: Any, rerun: bool = False) -> dict[str, Any]:
+def kept_run(folder: Path, key: dict[str, Any], run: Any = None, rerun: bool = False) -> dict[str, Any] | None:
     """A judged run's figures: `folder`/result.json where it holds the same `key` (and not `rerun`), else `run()`'s
-    (a dict of figures), written there with the commit and time of the measurement."""
+    (a dict of figures), written there with the commit and time of the measurement; None without a kept one and
+    without `run`."""
     path = folder / "result.json"
     if path.exists() and not rerun:
         kept = json.loads(path.read_text())
         if kept.get("key") == key:
             return {**kept, "kept": True}
+    if run is None:
+        return None
     result = {**run(), "key": key, "measured_at": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit()}
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str))
@@ -232,7 +235,7 @@ def kept_run(folder: Path, key: dict[str, Any], run: Any, rerun: bool = False) -
 
 def _commit() -> str | None:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def run_asyncrl(config: Path, sets: list[str], seed: int, out: Path) -> dict[str, Any]:
@@ -334,15 +337,11 @@ def main() -> None:
                 result = run()
                 return {**result, **judge(result.pop("model"))}
 
-            folder = args.out / f"{name}-{seed}"
-            if name not in args.frameworks:  # the other framework's kept seeds only
-                path = folder / "result.json"
-                kept = json.loads(path.read_text()) if path.exists() else None
-                if kept is None or kept.get("key") != key:
-                    continue
-                result = {**kept, "kept": True}
-            else:
-                result = kept_run(folder, key, judged, rerun=args.rerun)
+            runs_here = name in args.frameworks  # the other framework: its kept seeds only
+            result = kept_run(args.out / f"{name}-{seed}", key, judged if runs_here else None,
+                              rerun=args.rerun and runs_here)
+            if result is None:
+                continue
             results[name].append(result)
             when = f"  (kept: {result['measured_at']}, {result['commit']})" if result.get("kept") else ""
             print(f"seed {seed} {name:8s} wall {result['wall_s']:6.1f} s  start-up {result['startup_s']:5.1f} s  "

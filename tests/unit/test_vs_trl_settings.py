@@ -77,3 +77,6 @@ def test_a_judged_run_is_kept_in_its_folder_and_reused_only_for_the_same_job_see
     other = bench.kept_run(tmp_path / "asyncrl-1", {**key, "sets": []}, run)  # another job: run, and kept instead
     assert len(calls) == 2 and other["wall_s"] == 102.0
     assert bench.kept_run(tmp_path / "asyncrl-1", {**key, "sets": []}, run, rerun=True)["wall_s"] == 103.0
+    # the framework that does not run this time: its kept figures, or nothing
+    assert bench.kept_run(tmp_path / "asyncrl-1", {**key, "sets": []})["wall_s"] == 103.0
+    assert bench.kept_run(tmp_path / "trl-1", key) is None and len(calls) == 3
