@@ -326,8 +326,9 @@ def run_with_ray(cfg: Config, *, config_text: str | None = None, resume: bool = 
         while True:
             deployment = RayDeployment(cfg, trainer_spread=spread)
             try:
-                if not resumes and problems.result():
-                    raise ValueError("\n".join(problems.result()))
+                found = [] if resumes else problems.result()
+                if found:
+                    raise ValueError("\n".join(found))
                 deployment.wait_ready()
                 where = deployment.where()
                 if started and not resumes:  # each actor pins itself (RoleActor); Ray's own processes: here

@@ -206,7 +206,6 @@ def _check_used(seen: list[torch.Tensor], trajs: list[Trajectory]) -> None:
             assert torch.equal(used[i, : recorded.shape[0]].to(recorded.dtype), recorded[:, layer])
 
 
-
 def _assert_replayed(learner: Learner, group: Group) -> dict[str, float]:
     """Train `group`; the step's first forward routed each recorded position to exactly the recorded experts."""
     metrics: dict[str, float] = {}
