@@ -28,6 +28,7 @@ from asyncrl.deploy.build import (
     sync_dtype,
     trained_dtype,
 )
+from asyncrl.deploy.native_memory import bound_native_memory
 from engines.base import traits
 from engines.hf import ensure_model
 from transports import group as weight_group
@@ -79,6 +80,7 @@ class LocalDeployment:
         if cfg.run.trainer_dir:  # the trainer is this process: it writes run.output_dir itself
             raise ValueError(f"run.trainer_dir = {cfg.run.trainer_dir!r}: an in-process run (--local) writes "
                              f"run.output_dir itself — remove run.trainer_dir, or run it on Ray (drop --local)")
+        bound_native_memory()  # before any kernel (asyncrl/deploy/native_memory.py)
         set_torch_threads(local_threads(cfg, len(available_cpus())))
         self.cfg = cfg
         self.buffer_obj = build_buffer(cfg)
