@@ -184,7 +184,7 @@ class RoleActor(NodeFiles):
     def __init__(self, kind: str, cfg: Config, index: int = 0, buffer_handle: Any = None,
                  incarnation: int = 0, spread: list[int] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        bound_native_memory()  # before any kernel: caches and heap that do not grow with each new shape
+        bound_native_memory()  # before any kernel: kernel caches that do not grow with each new shape
         pinned = getattr(cfg.cluster.affinity, kind)  # the kinds are cluster.affinity's role names
         if pinned:  # its start-up (imports, model loads) may use every CPU of the run; its work, its own (below)
             pin_cpus(run_cpus(cfg.cluster.affinity), kind)

@@ -236,3 +236,20 @@ def test_quick_hub_benchmark_runs_all_three_paths_and_a_launch_and_ends_with_the
     assert last["ray_floor_share"] == pytest.approx(
         last["calls_per_step"] * last["ray_call_us"] / 10 / (step_ms := float(
             re.search(r"step \(median\)\s+([\d.]+) ms", out).group(1))), rel=0.02), step_ms
+
+
+TRAINER_MEMORY = SCRIPT.parent / "trainer_memory.py"
+
+
+def test_trainer_memory_benchmark_runs_both_sides_and_ends_with_the_json_line(capsys, monkeypatch):
+    """Each side in a fresh interpreter, one step line each; the JSON line's figures are the table's."""
+    returned = load_benchmark(monkeypatch, TRAINER_MEMORY).main(["--quick"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1]) == returned
+    assert returned["benchmark"] == "trainer_memory" and returned["unit"] == "GiB" and returned["steps"] == 2
+    rows = [line for line in out if re.match(r"\| \d+ \|", line)]
+    assert len(rows) == 2
+    bounded_peak = float(rows[1].split("|")[5])  # step 2's bounded peak: the largest from step 2 on
+    assert returned["value"] == pytest.approx(bounded_peak, abs=0.006)
+    assert returned["ratio"] == pytest.approx(returned["baseline"] / returned["value"], rel=0.01)
+    assert returned["target"] > 0 and returned["value"] > 0
