@@ -88,9 +88,10 @@ def side(name: str, job_name: str, steps: int, quick: bool) -> None:
     import torch
 
     torch.set_num_threads(2)
+    from train_step import MODELS, PAD, build_model
+
     from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
     from asyncrl.training.learner import Learner
-    from train_step import MODELS, PAD, build_model
 
     spec, job = MODELS["quick" if quick else "small"], JOBS[job_name]
     model = build_model(spec, seed=0)
