@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"mean step from step 2: default {pace['default']:.1f} s, bounded {pace['bounded']:.1f} s")
     result = {"benchmark": "trainer_memory", "value": round(worst["bounded"], 3), "unit": "GiB",
               "baseline": round(worst["default"], 3), "ratio": round(worst["default"] / worst["bounded"], 3),
-              "target": round(2 * state, 3), "job": args.job, "steps": args.steps,
+              "target": float(f"{2 * state:.4g}"), "job": args.job, "steps": args.steps,
               "step_s": {k: round(v, 2) for k, v in pace.items()},
               "rest_last": {name: round(side_rows[-1]["rest"], 3) for name, side_rows in rows.items()}}
     print(json.dumps(result))
