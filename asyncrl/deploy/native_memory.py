@@ -10,8 +10,8 @@ A run's train steps rarely see the same shapes twice: each step's replies have n
 (`LRU_CACHE_CAPACITY`, 1024 entries by default), and oneDNN keeps each shape's primitive
 (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, 1024): a step of new widths adds some hundred entries to each, ~80 MB a step,
 until they fill — the trainer's resting and peak memory crept up step after step while its live tensors stayed
-the same. Capped at `KERNEL_CACHE_CAPACITY` each (more than one step's own shapes, which are the only ones a later
-step might meet again) they stop growing, and the step time did not change (benchmarks/README.md,
+the same. Capped at `KERNEL_CACHE_CAPACITY` each (more than one step's own shapes; a later step meets few of them
+again) they stop growing, and the step was no slower — a little faster in each pair measured (benchmarks/README.md,
 trainer_memory.py).
 
 What is left of the growth is glibc's heap: blocks of ever-changing sizes leave free fragments between live ones.
