@@ -50,13 +50,6 @@ JOBS: dict[str, dict[str, Any]] = {
 SAMPLES, GROUP = 32, 8
 
 
-def status_gib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 2**20
-    raise KeyError(field)
-
-
 def reply_length(rnd: random.Random, reply: Any) -> int:
     if reply == "long-tail":
         return 256 if rnd.random() < 0.08 else min(256, max(8, int(rnd.lognormvariate(4.0, 0.5))))
@@ -91,6 +84,8 @@ def side(name: str, job_name: str, steps: int, quick: bool) -> None:
     from train_step import MODELS, PAD, build_model
 
     from asyncrl.config.schema import AlgorithmConfig, TrainerConfig
+    from asyncrl.telemetry.memory import host_peak_gb
+    from asyncrl.telemetry.metrics import rss_mb
     from asyncrl.training.learner import Learner
 
     spec, job = MODELS["quick" if quick else "small"], JOBS[job_name]
@@ -100,15 +95,14 @@ def side(name: str, job_name: str, steps: int, quick: bool) -> None:
                       trainer=TrainerConfig(lr=3e-5, grad_clip=1.0, mini_batches=1, mixed_precision="bf16",
                                             **job["trainer"]),
                       pad_token_id=PAD, gradient_checkpointing=job["checkpointing"])
-    clear_refs = Path("/proc/self/clear_refs")
     for step in range(steps):
         groups = step_groups(step, job, spec["vocab"], learner.version)
         gc.collect()
-        clear_refs.write_text("5")  # VmHWM from here
+        host_peak_gb()  # resets the peak: the next reading is this step's
         start = time.perf_counter()
         metrics = learner.update(groups)
-        print(json.dumps({"step": step + 1, "s": time.perf_counter() - start, "peak": status_gib("VmHWM"),
-                          "rest": status_gib("VmRSS"), "state_gib": params * 16 / 2**30,
+        print(json.dumps({"step": step + 1, "s": time.perf_counter() - start, "peak": host_peak_gb(),
+                          "rest": rss_mb() / 1024, "state_gib": params * 16 / 2**30,
                           "padded": metrics.get("trainer/padded_share", 0.0)}), flush=True)
 
 
