@@ -197,4 +197,6 @@ CHECKS: list[tuple[tuple[str, ...], Check | str, Callable[[Config], bool] | None
      lambda cfg: cfg.algorithm.routing_replay != "off"),
     (("trainer.router_aux_loss_coef", "model"), "asyncrl.deploy.placement:check_router_aux",
      lambda cfg: cfg.trainer.router_aux_loss_coef > 0),
+    (("trainer.share_prompts", "trainer.pack_sequences", "algorithm.routing_replay", "trainer.router_aux_loss_coef"),
+     "asyncrl.training.sharing:check_config", lambda cfg: cfg.trainer.share_prompts),
 ]

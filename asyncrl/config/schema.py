@@ -232,6 +232,13 @@ class TrainerConfig(Section):
            "padding (position ids per sample; HF's attention keeps them apart): pays with flash-attention's varlen "
            "kernels, not with a dense mask on a CPU (training/logprobs.py)"),
     ] = False
+    share_prompts: Annotated[
+        bool,
+        _d("the policy's forwards (gradient passes, proximal logprobs) compute each prompt once for all of a "
+           "micro-batch's samples of it: one row of the prompt then its replies, each reply attending to the prompt "
+           "and itself (a custom attention mask, sdpa or eager attention); the same numbers as the padded forward, "
+           "~group_size x fewer prompt tokens (training/sharing.py)"),
+    ] = False
     logprob_chunk_tokens: Annotated[
         int,
         _d("response tokens per chunk of the LM head fused with the log-softmax (0: the whole head at once): the "

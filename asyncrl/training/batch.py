@@ -48,13 +48,16 @@ class GradientStats:
     padded: int = 0              # of those, padding
 
     def record(self, batch: TokenBatch, logprobs: Tensor, entropy: Tensor, loss_stats: dict[str, Tensor],
-               version: int, *, diagnose: bool, measure_ratio: bool) -> None:
+               version: int, *, diagnose: bool, measure_ratio: bool,
+               computed: tuple[int, int] | None = None) -> None:
         """Add one micro-batch's forward (detached logprobs / entropy [B, L], its loss's stats) to the sums;
-        `version`: the learner's, for the on-policy logprob gap."""
+        `version`: the learner's, for the on-policy logprob gap; `computed`: (cells, real tokens) of the forward
+        where it ran another layout than the batch's (trainer.share_prompts)."""
         mask = batch.loss_mask
         n = int(mask.sum())
-        self.cells += batch.input_ids.numel()
-        self.padded += batch.input_ids.numel() - int(batch.attention_mask.sum())
+        cells, real = computed or (batch.input_ids.numel(), int(batch.attention_mask.sum()))
+        self.cells += cells
+        self.padded += cells - real
         self.tokens += n
         self.clipped += float(loss_stats.get("clip_frac", 0.0)) * n
         self.ratio_sum += float(loss_stats.get("ratio_mean", 0.0)) * n

@@ -78,12 +78,13 @@ from asyncrl.training.batch import (
     response_rows,
 )
 from asyncrl.training.critic import Critic, CriticStats, explained_variance
-from asyncrl.training.logprobs import packed_logprobs, token_logprobs
+from asyncrl.training.logprobs import packed_logprobs, shared_prompt_logprobs, token_logprobs
 from asyncrl.training.micro import MicroBatching, in_order, lengths
 from asyncrl.training.optim import adamw, all_finite, match_fused
 from asyncrl.training.parallel import SingleProcess
 from asyncrl.training.reference import ReferencePolicy
 from asyncrl.training.routing import RouterAuxLoss, RoutingReplay
+from asyncrl.training.sharing import SharedRows, attention_kind, share_prompts
 
 __all__ = ["GradientStats", "Learner", "StepData", "TokenBatch", "collate"]
 
@@ -148,6 +149,9 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
         self.batching = MicroBatching(trainer.micro_batch_size, trainer.max_tokens_per_micro_batch)
+        if trainer.share_prompts and attention_kind(self.model) is None:
+            raise ValueError("trainer.share_prompts needs the policy's attention to take a custom mask (sdpa or "
+                             "eager); this model's does not — set trainer.share_prompts = false")
         # Look the names up now: an unknown name fails at construction, listing the known ones.
         self._advantage_fn = get_advantage(a.advantage)
         self._needs = advantage_needs(a.advantage)
@@ -184,13 +188,18 @@ class Learner:
 
     def sequence_logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, temperature: float | Tensor,
-        *, entropy_grad: bool = False, model: torch.nn.Module | None = None,
+        *, entropy_grad: bool = False, model: torch.nn.Module | None = None, rows: SharedRows | None = None,
     ) -> tuple[Tensor, Tensor]:
         """[B, L] each, temperature float or [B] -> (logprobs [B, L], entropy [B, L]); see
-        training/logprobs.py (trainer.logprob_chunk_tokens)."""
+        training/logprobs.py (trainer.logprob_chunk_tokens, pack_sequences, share_prompts). `rows`: the batch's
+        shared layout where the caller built it (trainer.share_prompts)."""
+        model = self.model if model is None else model
+        kwargs = {"entropy_grad": entropy_grad, "autocast": self.autocast, "chunk": self.trainer.logprob_chunk_tokens}
+        if self.trainer.share_prompts:
+            return shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature, rows=rows,
+                                          **kwargs)
         fn = packed_logprobs if self.trainer.pack_sequences else token_logprobs
-        return fn(self.model if model is None else model, input_ids, attention_mask, response_mask, temperature,
-                  entropy_grad=entropy_grad, autocast=self.autocast, chunk=self.trainer.logprob_chunk_tokens)
+        return fn(model, input_ids, attention_mask, response_mask, temperature, **kwargs)
 
     @torch.no_grad()
     def teacher_forced_logprobs(
@@ -381,6 +390,8 @@ class Learner:
                     sl = torch.tensor(idx, dtype=torch.long)
                     batch = collate(part, advantages[sl], self.pad_token_id, self.device,
                                     extras={k: v[sl] for k, v in rows.items()})
+                    shared = share_prompts(batch.input_ids, batch.attention_mask, batch.response_mask) \
+                        if self.trainer.share_prompts else None
                     # the replayed routing stays in place through the backward (checkpointing recomputes there)
                     with self._routing(part, batch, count=diagnose) if first_pass is None else nullcontext(), \
                             self.router_aux.collecting() if self.router_aux is not None else nullcontext():
@@ -390,7 +401,7 @@ class Learner:
                             logprobs, entropy = self.sequence_logprobs(batch.input_ids, batch.attention_mask,
                                                                        batch.response_mask, batch.temperature,
                                                                        entropy_grad=a.entropy_coef > 0,
-                                                                       model=self.forward_model)
+                                                                       model=self.forward_model, rows=shared)
                         loss, loss_stats = self._micro_loss(batch, logprobs, entropy, global_tokens, global_seqs)
                         if self.router_aux is not None:  # packed: one row of real tokens, no mask
                             mask = None if self.trainer.pack_sequences else batch.attention_mask
@@ -398,7 +409,8 @@ class Learner:
                         loss.backward()
                     loss_total += loss.item()
                     stats.record(batch, logprobs.detach(), entropy.detach(), loss_stats, self.version,
-                                 diagnose=diagnose, measure_ratio=measure_ratio and "prox" not in batch.extras)
+                                 diagnose=diagnose, measure_ratio=measure_ratio and "prox" not in batch.extras,
+                                 computed=None if shared is None else (shared.cells, shared.tokens))
         stats.loss += loss_total
         return stats
 

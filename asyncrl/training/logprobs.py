@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algorithms import entropy_from_logits
 from asyncrl.training import precision
+from asyncrl.training.sharing import SharedRows, attention_kind, share_prompts
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, response_mask: Tensor,
@@ -70,7 +71,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if head is not None:
-        with _fused_head(head, read[:, 1:], targets, temps, chunk, entropy_grad), \
+        src = read[:, 1:].nonzero()                           # (row, column) of the states that predict a read token
+        with _fused_head(head, src[:, 0] * width + src[:, 1], targets, temps, chunk, entropy_grad), \
                 precision.autocast(input_ids.device, autocast):
             out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits   # [n, 2]
         tok_logp, entropy = out[:, 0], out[:, 1]
@@ -107,6 +109,39 @@ def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
     return zeros.masked_scatter(real, logprobs[0]), zeros.masked_scatter(real, entropy[0])
 
 
+def shared_prompt_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                           response_mask: Tensor, temperature: float | Tensor, *, entropy_grad: bool = False,
+                           autocast: torch.dtype | None = None, chunk: int = 0,
+                           rows: SharedRows | None = None) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` of a collated batch with each prompt computed once for all its samples (trainer.share_prompts,
+    training/sharing.py): the same numbers as the padded forward, at the batch's [B, L] positions. `rows`: the
+    batch's layout if the caller built it already. The model's attention must take a custom mask
+    (`sharing.attention_kind`); the head is fused as with chunk > 0, one piece without checkpointing at chunk 0."""
+    b, width = input_ids.shape
+    kind = attention_kind(model)
+    if kind is None:
+        raise ValueError("prompt sharing needs sdpa or eager attention (a custom 4D mask)")
+    rows = rows if rows is not None else share_prompts(input_ids, attention_mask, response_mask)
+    read = response_mask.bool().clone()
+    read[:, 0] = False
+    temp = _per_position(temperature, b, width, input_ids.device)
+    targets, temps = input_ids[read], temp[read]
+    kwargs = {"input_ids": rows.input_ids, "attention_mask": rows.mask(kind), "position_ids": rows.position_ids,
+              "use_cache": False}
+    head = _output_head(model)
+    if head is not None:
+        with _fused_head(head, rows.src, targets, temps, chunk, entropy_grad), \
+                precision.autocast(input_ids.device, autocast):
+            out = model(**kwargs).logits                      # [n, 2]
+        tok_logp, entropy = out[:, 0], out[:, 1]
+    else:                                                     # torch.compile: the whole head, then the read rows
+        with precision.autocast(input_ids.device, autocast):
+            logits = model(**kwargs).logits
+        tok_logp, entropy = _logprob_entropy(logits.flatten(0, 1)[rows.src], targets, temps, entropy_grad)
+    logprobs = tok_logp.new_zeros((b, width)).masked_scatter(read, tok_logp)
+    return logprobs, tok_logp.new_zeros((b, width)).masked_scatter(read, entropy.to(tok_logp))
+
+
 def _per_position(temperature: float | Tensor, b: int, width: int, device: torch.device) -> Tensor:
     """A temperature (float, [B] or [B, L]) -> [B, L], one per position."""
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
@@ -131,16 +166,18 @@ def _head_chunk(head_forward: Any, hidden: Tensor, targets: Tensor, temps: Tenso
 @contextlib.contextmanager
 def _fused_head(head: torch.nn.Module, src: Tensor, targets: Tensor, temps: Tensor, chunk: int,
                 entropy_grad: bool) -> Iterator[None]:
-    """For the span of one forward, `head(hidden [B, L, H])` -> [n, 2]: the (logprob, entropy) of the tokens read
-    at the positions after `src` ([B, L-1] bool: the hidden states that predict a read token), chunk by chunk."""
+    """For the span of one forward, `head(hidden [B, L, H])` -> [n, 2]: the (logprob, entropy) of the n read
+    tokens, `src` [n] indexing the flattened [B * L] hidden states that predict them, `chunk` rows at a time under
+    checkpointing (chunk 0: all rows at once, kept for the backward as the plain head's logits would be)."""
     plain = head.forward                                      # the bound method: no hooks run twice
 
     def fused(hidden: Tensor) -> Tensor:
-        h = hidden[:, :-1][src]                               # [n, H]
+        h = hidden.flatten(0, 1)[src]                         # [n, H]
+        step = chunk if chunk > 0 else max(h.shape[0], 1)
         parts = []
-        for i in range(0, h.shape[0], chunk):
-            args = (plain, h[i : i + chunk], targets[i : i + chunk], temps[i : i + chunk], entropy_grad)
-            parts.append(checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+        for i in range(0, h.shape[0], step):
+            args = (plain, h[i : i + step], targets[i : i + step], temps[i : i + step], entropy_grad)
+            parts.append(checkpoint(_head_chunk, *args, use_reentrant=False) if chunk > 0 and torch.is_grad_enabled()
                          else _head_chunk(*args))
         if not parts:
             return hidden.new_zeros((0, 2), dtype=torch.promote_types(hidden.dtype, torch.float32))
