@@ -35,6 +35,7 @@ target 0.91 (asyncrl's step within 1.1x of the bare one).
     python benchmarks/train_step.py --model small --mixed-precision bf16  # both sides under bf16 autocast
     python benchmarks/train_step.py --model small --logprob-chunk 256  # the head fused with the log-softmax
     python benchmarks/train_step.py --compare fused_adamw  # + a learner with torch's default AdamW, interleaved
+    python benchmarks/train_step.py --model small --share-prompts --compare share_prompts  # + the padded layout
     python benchmarks/train_step.py --decoupled --compare prox_from_gradient_pass
     python benchmarks/train_step.py --compile         # + the bare step on a torch.compile'd model, interleaved
     python benchmarks/train_step.py --quick           # smoke run (used by the test)
@@ -76,8 +77,9 @@ from asyncrl.training import learner as learner_module  # noqa: E402
 from asyncrl.training import precision, schedule  # noqa: E402
 from asyncrl.training.batch import GradientStats  # noqa: E402
 from asyncrl.training.learner import Learner  # noqa: E402
-from asyncrl.training.logprobs import token_logprobs  # noqa: E402
+from asyncrl.training.logprobs import shared_prompt_logprobs, token_logprobs  # noqa: E402
 from asyncrl.training.optim import adamw  # noqa: E402
+from asyncrl.training.sharing import share_prompts  # noqa: E402
 
 PAD = 0
 TARGET = 1 / 1.1
@@ -109,15 +111,17 @@ def build_model(spec: dict[str, Any], seed: int) -> torch.nn.Module:
 
 def build_groups(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
                  seed: int) -> list[Group]:
-    """Groups of trajectories with random prompts/responses and the model's own logprobs as behaviour logprobs
-    (an on-policy step, as with staleness 0), rewards 0/1."""
+    """Groups of trajectories, a random prompt per group (its samples' replies to it, as GRPO's) and random
+    responses, the model's own logprobs as behaviour logprobs (an on-policy step, as with staleness 0), rewards
+    0/1."""
     gen = torch.Generator().manual_seed(seed)
     vocab = spec["vocab"]
     trajs = []
     for i in range(samples):
-        p = int(torch.randint(spec["prompt"][0], spec["prompt"][1] + 1, (1,), generator=gen))
+        if i % group_size == 0:
+            p = int(torch.randint(spec["prompt"][0], spec["prompt"][1] + 1, (1,), generator=gen))
+            prompt = torch.randint(1, vocab, (p,), generator=gen).tolist()
         r = int(torch.randint(spec["response"][0], spec["response"][1] + 1, (1,), generator=gen))
-        prompt = torch.randint(1, vocab, (p,), generator=gen).tolist()
         response = torch.randint(1, vocab, (r,), generator=gen).tolist()
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + response])).logits[0, p - 1 : p + r - 1]
@@ -154,6 +158,8 @@ class BareStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, trainer)
         self.timer: Callable[[str], Any] = _no_timer
+        # trainer.share_prompts: the Learner's layout, built once like the padded tensors
+        self.shared = share_prompts(self.input_ids, self.attention, self.mask) if trainer.share_prompts else None
 
     def __call__(self) -> None:
         eps, t = self.algorithm.clip_eps, self.timer
@@ -161,9 +167,12 @@ class BareStep:
             r = self.rewards
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + self.algorithm.adv_eps)).view(-1, 1)
         with t("forward + logprobs"):
-            logp, _ = token_logprobs(self.model, self.input_ids, self.attention, self.mask, self.temperature,
-                                     autocast=precision.autocast_dtype(self.trainer.mixed_precision),
-                                     chunk=self.trainer.logprob_chunk_tokens)
+            kwargs = {"autocast": precision.autocast_dtype(self.trainer.mixed_precision),
+                      "chunk": self.trainer.logprob_chunk_tokens}
+            if self.shared is not None:
+                kwargs["rows"] = self.shared
+            fn = shared_prompt_logprobs if self.shared is not None else token_logprobs
+            logp, _ = fn(self.model, self.input_ids, self.attention, self.mask, self.temperature, **kwargs)
         with t("policy loss + agg"):
             ratio = (logp - self.old).exp()
             loss_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
@@ -334,10 +343,15 @@ def _proximal_forward(learner: Learner) -> None:
     learner._prox_from_first_pass = lambda n: False  # type: ignore[method-assign]
 
 
+def _padded_prompts(learner: Learner) -> None:
+    learner.trainer = msgspec.structs.replace(learner.trainer, share_prompts=False)
+
+
 # --compare: the speed-ups that can be turned off on a built Learner (the others replaced code outright; their
 # before/after figures are in benchmarks/README.md)
 LEVERS: dict[str, Callable[[Learner], None]] = {"fused_adamw": _default_adamw,
-                                                "prox_from_gradient_pass": _proximal_forward}
+                                                "prox_from_gradient_pass": _proximal_forward,
+                                                "share_prompts": _padded_prompts}
 
 
 def _order(i: int, sides: list[str] | None = None) -> list[str]:
@@ -377,6 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "autocast, fp32 master weights (the bare side too)")
     p.add_argument("--logprob-chunk", type=int, default=0,
                    help="trainer.logprob_chunk_tokens of both sides (0: the whole LM head at once)")
+    p.add_argument("--share-prompts", action="store_true",
+                   help="trainer.share_prompts on both sides: each group's prompt computed once (training/sharing.py)")
     p.add_argument("--compare", choices=sorted(LEVERS), default=None,
                    help="also time a second asyncrl learner with this speed-up turned off, interleaved with the others")
     p.add_argument("--compile", action="store_true",
@@ -406,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     algorithm = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", loss_agg="token-mean", clip_eps=0.2,
                                 decoupled=args.decoupled)
     trainer = TrainerConfig(lr=1e-4, grad_clip=1.0, mini_batches=1, micro_batch_size=samples,
-                            mixed_precision=args.mixed_precision, logprob_chunk_tokens=args.logprob_chunk)
+                            mixed_precision=args.mixed_precision, logprob_chunk_tokens=args.logprob_chunk,
+                            share_prompts=args.share_prompts)
     learner = Learner(copy.deepcopy(model), algorithm=algorithm, trainer=trainer, pad_token_id=PAD)
     bare = BareStep(model, groups, algorithm, trainer)
     collections = gc_counter()
@@ -415,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
     print(f"model {name}: {params:,} parameters, {samples} samples, {tokens / samples:.1f} tokens/sample, "
           f"{args.threads} thread(s), decoupled={args.decoupled}, mixed_precision={args.mixed_precision}, "
+          f"share_prompts={args.share_prompts}, "
           f"{repeats} timed calls per side")
 
     for _ in range(warmup):
