@@ -282,8 +282,13 @@ class Learner:
         """[N, width] = rows_of(trajectories, width, micro-batches), each rank forwarding its share
         (training/parallel.py) in as many micro-batches as every other rank (training/micro.py)."""
         lo, hi = self.dp.shard(0, len(trajs))
-        parts = self.batching.agreed(lengths(trajs), self.dp.shards(0, len(trajs)), self.dp.rank)
+        parts = self.batching.agreed(lengths(trajs), self.dp.shards(0, len(trajs)), self.dp.rank,
+                                     prompts=self._prompts(trajs))
         return self.dp.all_gather_rows(rows_of(trajs[lo:hi], width, parts))
+
+    def _prompts(self, trajs: list[Trajectory]) -> list[list[int]] | None:
+        """Each sample's prompt ids where the micro-batches are cut as shared rows (trainer.share_prompts)."""
+        return [t.prompt_ids for t in trajs] if self.trainer.share_prompts else None
 
     def _max_len(self) -> int:
         if not self.max_new_tokens:
@@ -377,7 +382,7 @@ class Learner:
             parts = [list(range(len(trajectories)))]
         elif parts is None:
             batching = MicroBatching(micro_batch_size) if micro_batch_size else self.batching
-            parts = batching.split(lengths(trajectories))
+            parts = batching.split(lengths(trajectories), prompts=self._prompts(trajectories))
         rows = rows or {}
         global_tokens, global_seqs = global_counts or _loss_counts(trajectories, rows)
         loss_total = 0.0
@@ -467,14 +472,14 @@ class Learner:
         first = self._first_pass(trajs) if self._prox_from_first_pass(trajs) else None
         data = self.prepare(trajs, prox=None if first is None else first[2])
         bounds = [(i * n) // n_mini for i in range(n_mini + 1)]
-        sizes = lengths(trajs)
+        sizes, prompts = lengths(trajs), self._prompts(trajs)
 
         stats, norms, cstats = GradientStats(), [], CriticStats()
         for epoch in range(self.trainer.epochs):
             for k in range(n_mini):
                 lo, hi = bounds[k], bounds[k + 1]
                 a, b = self.dp.shard(lo, hi)  # this rank's share of the mini-batch (all of it in one process)
-                parts = self.batching.agreed(sizes, self.dp.shards(lo, hi), self.dp.rank)
+                parts = self.batching.agreed(sizes, self.dp.shards(lo, hi), self.dp.rank, prompts=prompts)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.compute_gradients(trajs[a:b], data.advantages[a:b], diagnose=(epoch == 0 and k == 0),
                                        stats=stats, rows=data.slice(a, b), measure_ratio=epoch == 0,
@@ -514,7 +519,7 @@ class Learner:
         t = self.trainer
         return (self._need_prox and t.epochs == 1 and t.mini_batches == 1 and self.dp.world_size == 1
                 and not self.lora and not self._checkpointing and self.router_aux is None
-                and len(self.batching.split(lengths(trajs))) == 1)
+                and len(self.batching.split(lengths(trajs), prompts=self._prompts(trajs))) == 1)
 
     def _first_pass(self, trajs: list[Trajectory]) -> tuple[Tensor, Tensor, Tensor]:
         """-> (logprobs [N, L], entropy [N, L]) with grad, as `compute_gradients` computes them for its one

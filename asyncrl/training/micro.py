@@ -19,6 +19,10 @@ Two ways to cut, by `trainer.max_tokens_per_micro_batch`:
 The loss does not depend on the cut: every micro-batch's loss divides by the counts of the whole mini-batch
 (asyncrl/algorithms/losses.py), so Σ over micro-batches is the same sum whatever sample lands where.
 
+With trainer.share_prompts the budget cuts the shared layout's rows instead of samples (training/sharing.py: a
+prompt once, then replies to it): a prompt's samples fill rows of at most the budget, and rows x the widest row
+(the tokens the shared forward computes) stays within it, so the samples of a prompt share their forward.
+
 Trainer ranks (training/parallel.py) must run equally many forwards. Every rank holds the whole step, so each one
 computes the cut of every rank's share (`agreed`) and takes the largest count; a rank that needs fewer splits its
 costliest micro-batches in two until it has as many (a share of n samples never needs more than n).
@@ -63,17 +67,25 @@ class MicroBatching:
     max_samples: int
     max_tokens: int = 0
 
-    def split(self, lengths_: Sequence[int], count: int | None = None) -> list[list[int]]:
+    def split(self, lengths_: Sequence[int], count: int | None = None,
+              prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """Sample lengths -> micro-batches as lists of indices into `lengths_`; every index exactly once.
-        `count` (>= what the budget alone gives, <= len(lengths_)): cut into exactly that many."""
+        `count` (>= what the budget alone gives, <= len(lengths_)): cut into exactly that many. `prompts` (each
+        sample's prompt ids; trainer.share_prompts): under a token budget the units cut are the shared layout's
+        rows, a prompt and replies to it (`_shared_rows`), so a prompt's samples share a micro-batch."""
         n = len(lengths_)
         if not self.max_tokens:
             parts = [list(range(s, min(s + self.max_samples, n))) for s in range(0, n, self.max_samples)]
             if count is not None and count != len(parts):
                 raise ValueError(f"{n} samples make {len(parts)} micro-batches of {self.max_samples}, not {count}")
             return parts
-        order = sorted(range(n), key=lambda i: -lengths_[i])   # stable: equal lengths keep the step's order
-        parts = [order[a:b] for a, b in _cheapest_runs([lengths_[i] for i in order], self.max_tokens)]
+        if prompts is not None:
+            rows, widths = _shared_rows(lengths_, prompts, self.max_tokens)
+        else:
+            rows, widths = [[i] for i in range(n)], list(lengths_)
+        order = sorted(range(len(rows)), key=lambda r: -widths[r])   # stable: equal widths keep the step's order
+        parts = [[i for r in order[a:b] for i in rows[r]]
+                 for a, b in _cheapest_runs([widths[r] for r in order], self.max_tokens)]
         if count is not None:
             if not len(parts) <= count <= n:
                 raise ValueError(f"cannot cut {n} samples into {count} micro-batches (the budget gives {len(parts)})")
@@ -84,14 +96,43 @@ class MicroBatching:
                 parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
         return parts
 
-    def agreed(self, lengths_: Sequence[int], shards: Sequence[tuple[int, int]], rank: int) -> list[list[int]]:
+    def agreed(self, lengths_: Sequence[int], shards: Sequence[tuple[int, int]], rank: int,
+               prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """The micro-batches of shard `rank` (indices relative to its start), as many as the share that needs the
-        most: `lengths_` covers every shard (all ranks' samples, [lo, hi) ranges into it)."""
+        most: `lengths_` (and `prompts`, as in `split`) cover every shard (all ranks' samples, [lo, hi) ranges)."""
+        def share(a: int, b: int) -> Sequence[Sequence[int]] | None:
+            return None if prompts is None else prompts[a:b]
+
         lo, hi = shards[rank]
         if len(shards) == 1:
-            return self.split(lengths_[lo:hi])
-        count = max(len(self.split(lengths_[a:b])) for a, b in shards)
-        return self.split(lengths_[lo:hi], count)
+            return self.split(lengths_[lo:hi], prompts=share(lo, hi))
+        count = max(len(self.split(lengths_[a:b], prompts=share(a, b))) for a, b in shards)
+        return self.split(lengths_[lo:hi], count, prompts=share(lo, hi))
+
+
+def _shared_rows(lengths_: Sequence[int], prompts: Sequence[Sequence[int]],
+                 budget: int) -> tuple[list[list[int]], list[int]]:
+    """trainer.share_prompts: the samples as rows of the shared layout (training/sharing.py) -> (rows as lists of
+    sample indices, each row's tokens: its prompt once plus its replies). A prompt's samples, longest reply first,
+    fill rows of at most `budget` tokens (a reply too long for one with others gets a row of its own)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_prompt.setdefault(tuple(prompt), []).append(i)
+    rows, widths = [], []
+    for prompt, members in by_prompt.items():
+        row: list[int] = []
+        width = len(prompt)
+        for i in sorted(members, key=lambda i: -lengths_[i]):
+            reply = lengths_[i] - len(prompt)
+            if row and width + reply > budget:
+                rows.append(row)
+                widths.append(width)
+                row, width = [], len(prompt)
+            row.append(i)
+            width += reply
+        rows.append(row)
+        widths.append(width)
+    return rows, widths
 
 
 def _cheapest_runs(widths: Sequence[int], budget: int) -> list[tuple[int, int]]:

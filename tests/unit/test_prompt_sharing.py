@@ -49,6 +49,31 @@ def test_samples_of_one_prompt_share_a_row_and_each_reply_restarts_at_the_prompt
         share_prompts(torch.tensor([[3, 4]]), torch.tensor([[1, 1]]), torch.tensor([[True, True]]))
 
 
+def test_a_token_budget_cuts_rows_of_a_prompt_and_its_replies_not_samples() -> None:
+    """Under trainer.share_prompts the budget holds rows x the widest row, the tokens the shared forward computes:
+    a prompt's samples stay together, and a prompt whose replies outgrow the budget fills several rows."""
+    from asyncrl.training.micro import MicroBatching
+
+    a, b, c = [1] * 10, [2] * 6, [3] * 4                       # three prompts of 10, 6 and 4 tokens
+    prompts = [a, b, a, c, b, a, c, a]
+    replies = [30, 2, 25, 3, 5, 1, 2, 2]                       # prompt a's replies: 30 + 25 + 1 + 2 > the budget
+    lengths = [len(p) + r for p, r in zip(prompts, replies, strict=True)]
+    parts = MicroBatching(64, max_tokens=60).split(lengths, prompts=prompts)
+    assert sorted(i for part in parts for i in part) == list(range(8))
+    for part in parts:
+        rows: dict[tuple, int] = {}
+        for i in part:
+            rows[tuple(prompts[i])] = rows.get(tuple(prompts[i]), len(prompts[i])) + replies[i]
+        assert len(rows) * max(rows.values()) <= 60, (part, rows)
+    together = [sorted(part) for part in parts if 1 in part]
+    assert together and {1, 4} <= set(together[0]) and any({3, 6} <= set(p) for p in parts)  # b's, c's samples
+    assert sum(any(prompts[i] == a for i in part) for part in parts) == 2   # a's replies: 10 + 30 + 25 > 60
+    # trainer ranks: both shares cut into as many micro-batches
+    shards = [(0, 4), (4, 8)]
+    counts = {len(MicroBatching(64, 60).agreed(lengths, shards, r, prompts=prompts)) for r in (0, 1)}
+    assert len(counts) == 1
+
+
 def _grouped_samples(learner: Learner, groups: int = 4, per_group: int = 3) -> list:
     """`groups` prompts of 1..4 tokens, each with `per_group` replies of spread lengths (1..16 tokens), loss-mask
     holes, the prompt's temperature, behaviour logprobs near the policy's."""
@@ -97,6 +122,22 @@ def test_shared_prompts_give_the_padded_batchs_logprobs_entropy_and_gradients(at
         assert all(close(g, w, 1e-10) for g, w in zip(grads, want_grads, strict=True))
     rows = share_prompts(batch.input_ids, batch.attention_mask, batch.response_mask)
     assert rows.input_ids.shape[0] == 4 and rows.tokens < int(batch.attention_mask.sum())
+
+
+def test_a_model_whose_head_cannot_be_fused_reads_the_shared_rows_from_its_whole_head() -> None:
+    """torch.compile or final-logit soft-capping keep the plain head: the shared forward computes every row's logits
+    and reads the ones that predict a reply token (Qwen2 applies no soft-capping: the attribute only turns the
+    fused head off here)."""
+    from asyncrl.training.logprobs import _output_head
+
+    model = _tiny_model().double()
+    model.config.final_logit_softcapping = 30.0
+    assert _output_head(model) is None
+    samples = _grouped_samples(_learner(False))
+    batch = collate(samples, torch.zeros(len(samples)), PAD)
+    args = (model, batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature.double())
+    (want, want_ent), (got, got_ent) = token_logprobs(*args), shared_prompt_logprobs(*args)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12) and torch.allclose(got_ent, want_ent, rtol=0, atol=1e-12)
 
 
 def _learner(share: bool, budget: int = 0, **algorithm) -> Learner:
