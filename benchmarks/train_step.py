@@ -289,10 +289,24 @@ def breakdown(learner: Learner, bare: BareStep, groups: list[Group], repeats: in
 def width_variants(model: torch.nn.Module, spec: dict[str, Any], samples: int, group_size: int,
                    widths: int) -> list[list[Group]]:
     """`widths` batches: the first `widths - 1` with prompts up to 1, 2, ... tokens shorter than the spec's longest
-    and other seeds (other padded widths, as a run's steps differ in length), the main batch (seed 1) last."""
+    and other seeds (other padded widths, as a run's steps differ in length), the main batch (seed 1) last. A
+    variant whose padded width another batch has already is drawn again with the next seed (a few tries)."""
     lo, hi = spec["prompt"]
-    variants = [(dict(spec, prompt=(lo, max(lo, hi - j))), 1 + j) for j in range(widths - 1, 0, -1)]
-    return [build_groups(model, shape, samples, group_size, seed=seed) for shape, seed in [*variants, (spec, 1)]]
+    main = build_groups(model, spec, samples, group_size, seed=1)
+    seen, batches = {_padded_width(main)}, []
+    for j in range(widths - 1, 0, -1):
+        shape = dict(spec, prompt=(lo, max(lo, hi - j)))
+        for seed in range(1 + j, 1 + j + 20 * widths, widths):
+            groups = build_groups(model, shape, samples, group_size, seed=seed)
+            if _padded_width(groups) not in seen:
+                break
+        seen.add(_padded_width(groups))
+        batches.append(groups)
+    return [*batches, main]
+
+
+def _padded_width(groups: list[Group]) -> int:
+    return max(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
 
 
 def compiled_bare(model: torch.nn.Module, batches: list[list[Group]], algorithm: AlgorithmConfig,

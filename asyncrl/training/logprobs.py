@@ -30,6 +30,10 @@ back to the padded [B, L] layout, so the loss, its masks and its normalisation a
 pays depends on the attention kernel: with sdpa on a CPU the block-diagonal mask is dense, so attention costs
 S^2 for a row of S tokens where padding costs B x L^2, and sorting by length (trainer.max_tokens_per_micro_batch)
 is the cheaper way to drop padding there.
+
+Prompt sharing (trainer.share_prompts, `shared_prompt_logprobs`): the samples that share a prompt run as one row of
+the prompt and their replies (training/sharing.py has the layout and its mask), the fused head reading the hidden
+state that predicts each reply token by its index in that layout; the results go back to [B, L] as packing's do.
 """
 
 from __future__ import annotations

@@ -50,10 +50,11 @@ def _model(seed: int = 0, cls: type = Qwen2ForCausalLM, **kw: Any) -> torch.nn.M
 
 
 def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = None, compile: bool = False,
-             device: str = "cpu", max_tokens: int = 0, chunk: int = 0) -> Learner:
+             device: str = "cpu", max_tokens: int = 0, chunk: int = 0, share: bool = False) -> Learner:
     algorithm = AlgorithmConfig(**CASES[case])
     trainer = TrainerConfig(lr=1e-3, grad_clip=0.5, mini_batches=2, micro_batch_size=micro_batch_size,
-                            compile=compile, max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=chunk)
+                            compile=compile, max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=chunk,
+                            share_prompts=share)
     critic = reference = None
     if algorithm.advantage == "gae":
         critic = Critic(_model(2, Qwen2ForTokenClassification, num_labels=1), CriticConfig(lr=1e-3),
@@ -67,8 +68,8 @@ def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = N
 
 
 def _steps() -> list[list[Group]]:
-    """STEPS steps of 4 groups × 2 samples: ragged prompts and responses, loss-mask holes, mixed temperatures,
-    behaviour logprobs near the initial policy's."""
+    """STEPS steps of 4 groups × 2 samples (a group's two replies to one prompt): ragged prompts and responses,
+    loss-mask holes, mixed temperatures, behaviour logprobs near the initial policy's."""
     probe = _learner("seq-mean-token-mean", 8)
     gen = torch.Generator().manual_seed(1)
     steps = []
@@ -76,9 +77,9 @@ def _steps() -> list[list[Group]]:
         groups = []
         for g in range(4):
             trajs = []
+            prompt = torch.randint(1, VOCAB, (1 + (g + s) % 3,), generator=gen).tolist()
             for i in range(2):
-                p_len, r_len = 1 + (g + i) % 3, 2 + (5 * g + 3 * i + s) % 9
-                prompt = torch.randint(1, VOCAB, (p_len,), generator=gen).tolist()
+                r_len = 2 + (5 * g + 3 * i + s) % 9
                 response = torch.randint(1, VOCAB, (r_len,), generator=gen).tolist()
                 temp = [1.0, 0.8, 1.2][(g + i) % 3]
                 tf = torch.tensor(probe.teacher_forced_logprobs(prompt, response, temp))
@@ -119,6 +120,10 @@ def _rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: A
             # and the head fused with the log-softmax, 4 rows a chunk, through DDP's and FSDP2's wrappers
             weights, losses = _train(_learner(case, 1, dp, max_tokens=18, chunk=4), steps)
             result[f"{case} by tokens"] = ({k: v.numpy() for k, v in weights.items()}, losses)
+        # prompt sharing: each rank's share of a mini-batch is a group, its two replies in one row with their
+        # prompt (two rows where the budget of 18 splits them), through DDP's and FSDP2's wrappers
+        weights, losses = _train(_learner("token-mean", 2, dp, max_tokens=18, share=True), steps)
+        result["token-mean shared prompts"] = ({k: v.numpy() for k, v in weights.items()}, losses)
         if rank == 0:
             out.put(result)
     finally:
@@ -168,7 +173,7 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
     steps = _steps()
     result = _spawn(_rank_main, WORLD, mode, steps, limit_s=240)
     for name, (weights, losses) in result.items():
-        case = name.removesuffix(" by tokens")
+        case = name.removesuffix(" by tokens").removesuffix(" shared prompts")
         ref_learner = _learner(case, 4)  # one process, micro-batches of 4 (a whole mini-batch)
         initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
         if ref_learner.critic is not None:
