@@ -133,6 +133,19 @@ def test_steps_by_token_budget_train_the_weights_the_padded_steps_train(algorith
     assert moved > 1e-4 and worst < 1e-12, (moved, worst)
 
 
+def logprob_passes(model, batch, ways) -> list:
+    """For each (logprob function, its keywords) in `ways`: the batch's logprobs, entropy and the gradients of their
+    sum (entropy with grad), from zeroed gradients."""
+    results = []
+    for fn, kw in ways:
+        model.zero_grad(set_to_none=True)
+        lp, ent = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature.double(),
+                     entropy_grad=True, **kw)
+        (lp.sum() + ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    return results
+
+
 def test_packed_rows_give_the_padded_batchs_logprobs_entropy_and_gradients() -> None:
     """trainer.pack_sequences: the samples' real tokens in one row, position ids per sample — each token sees only
     its own sequence (HF's block-diagonal mask), so logprobs, entropy and gradients equal the padded forward's."""
@@ -142,14 +155,8 @@ def test_packed_rows_give_the_padded_batchs_logprobs_entropy_and_gradients() -> 
     model = _tiny_model().double()
     samples = _spread_samples(_learner(0))
     batch = collate(samples, torch.zeros(len(samples)), PAD)
-    results = []
-    for fn, kw in ((token_logprobs, {}), (packed_logprobs, {}), (packed_logprobs, {"chunk": 5})):
-        model.zero_grad(set_to_none=True)
-        lp, ent = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature.double(),
-                     entropy_grad=True, **kw)
-        (lp.sum() + ent.sum()).backward()
-        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
-    (want_lp, want_ent, want_grads), *others = results
+    (want_lp, want_ent, want_grads), *others = logprob_passes(
+        model, batch, ((token_logprobs, {}), (packed_logprobs, {}), (packed_logprobs, {"chunk": 5})))
     for lp, ent, grads in others:
         assert torch.allclose(lp, want_lp, rtol=0, atol=1e-12) and torch.allclose(ent, want_ent, rtol=0, atol=1e-12)
         assert all(torch.allclose(g, w, rtol=0, atol=1e-10) for g, w in zip(grads, want_grads, strict=True))

@@ -14,6 +14,7 @@ from asyncrl.training.learner import Learner
 from asyncrl.training.logprobs import shared_prompt_logprobs, token_logprobs
 from asyncrl.training.sharing import attention_kind, share_prompts
 from tests.unit.test_learner import PAD, VOCAB, _tiny_model, _traj
+from tests.unit.test_micro_batches import logprob_passes
 
 
 @pytest.fixture(autouse=True)
@@ -103,14 +104,8 @@ def test_shared_prompts_give_the_padded_batchs_logprobs_entropy_and_gradients(at
     samples = _grouped_samples(_learner(False))
     samples = [samples[i] for i in (0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8)]          # sample 11 left out: 3 alone
     batch = collate(samples, torch.zeros(len(samples)), PAD)
-    results = []
-    for fn, kw in ((token_logprobs, {}), (shared_prompt_logprobs, {}), (shared_prompt_logprobs, {"chunk": 5})):
-        model.zero_grad(set_to_none=True)
-        lp, ent = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask, batch.temperature.double(),
-                     entropy_grad=True, **kw)
-        (lp.sum() + ent.sum()).backward()
-        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
-    (want_lp, want_ent, want_grads), *others = results
+    (want_lp, want_ent, want_grads), *others = logprob_passes(
+        model, batch, ((token_logprobs, {}), (shared_prompt_logprobs, {}), (shared_prompt_logprobs, {"chunk": 5})))
     # eager attention's softmax runs in float32 (as the norm does, fixture), over keys in another order: there the
     # numbers agree to its rounding, where a wrong mask or position would be off by whole percents
     def close(got, want, atol):
