@@ -67,9 +67,9 @@ def _learner(case: str, micro_batch_size: int, parallel: DataParallel | None = N
                    reference=reference, parallel=parallel, device=device)
 
 
-def _steps() -> list[list[Group]]:
-    """STEPS steps of 4 groups × 2 samples (a group's two replies to one prompt): ragged prompts and responses,
-    loss-mask holes, mixed temperatures, behaviour logprobs near the initial policy's."""
+def _steps(shared: bool = False) -> list[list[Group]]:
+    """STEPS steps of 4 groups × 2 samples: ragged prompts and responses, loss-mask holes, mixed temperatures,
+    behaviour logprobs near the initial policy's; `shared`: a group's two samples reply to one prompt (as GRPO's)."""
     probe = _learner("seq-mean-token-mean", 8)
     gen = torch.Generator().manual_seed(1)
     steps = []
@@ -77,9 +77,10 @@ def _steps() -> list[list[Group]]:
         groups = []
         for g in range(4):
             trajs = []
-            prompt = torch.randint(1, VOCAB, (1 + (g + s) % 3,), generator=gen).tolist()
             for i in range(2):
-                r_len = 2 + (5 * g + 3 * i + s) % 9
+                p_len, r_len = 1 + (g + (0 if shared else i)) % 3, 2 + (5 * g + 3 * i + s) % 9
+                if i == 0 or not shared:
+                    prompt = torch.randint(1, VOCAB, (p_len,), generator=gen).tolist()
                 response = torch.randint(1, VOCAB, (r_len,), generator=gen).tolist()
                 temp = [1.0, 0.8, 1.2][(g + i) % 3]
                 tf = torch.tensor(probe.teacher_forced_logprobs(prompt, response, temp))
@@ -122,7 +123,7 @@ def _rank_main(rank: int, port: int, mode: str, steps: list[list[Group]], out: A
             result[f"{case} by tokens"] = ({k: v.numpy() for k, v in weights.items()}, losses)
         # prompt sharing: each rank's share of a mini-batch is a group, its two replies in one row with their
         # prompt (two rows where the budget of 18 splits them), through DDP's and FSDP2's wrappers
-        weights, losses = _train(_learner("token-mean", 2, dp, max_tokens=18, share=True), steps)
+        weights, losses = _train(_learner("token-mean", 2, dp, max_tokens=18, share=True), _steps(shared=True))
         result["token-mean shared prompts"] = ({k: v.numpy() for k, v in weights.items()}, losses)
         if rank == 0:
             out.put(result)
@@ -178,7 +179,7 @@ def test_two_ranks_train_the_weights_one_process_trains(mode: str) -> None:
         initial = {k: v.clone() for k, v in ref_learner.state_dict_for_sync().items()}
         if ref_learner.critic is not None:
             initial.update({f"critic.{k}": v.clone() for k, v in ref_learner.critic.model.state_dict().items()})
-        ref_weights, ref_losses = _train(ref_learner, steps)
+        ref_weights, ref_losses = _train(ref_learner, _steps(shared=True) if name.endswith("shared prompts") else steps)
         assert set(weights) == set(ref_weights)
         moved = min(float((ref_weights[k] - initial[k]).abs().max()) for k in ref_weights if "proj.weight" in k)
         assert moved > 1e-4, "the steps must change every layer's weights for the comparison to bite"
