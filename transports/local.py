@@ -38,6 +38,7 @@ class LocalWeightChannel:
         self._cond = threading.Condition()
         self._tensors: dict[str, Tensor] | None = None
         self._version = -1
+        self._sends = 0  # sends so far: a receiver takes one per send, as a collective member takes each broadcast
         self._closed = False
 
     @property
@@ -57,6 +58,7 @@ class LocalWeightChannel:
         with self._cond:
             self._tensors = copies
             self._version = version
+            self._sends += 1
             self._cond.notify_all()
         return sync_stats(nbytes, time.perf_counter() - start, 1)
 
@@ -66,14 +68,17 @@ class LocalWeightChannel:
             self._closed = True
             self._cond.notify_all()
 
-    def receive(self, after_version: int = -1, *,
-                armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        """The latest weights, waiting until their version is > `after_version`: up to `timeout_s`, or,
-        `armed`, until `close()`. Stats time the copy, not the wait."""
+    def receive(self, after_version: int = -1, *, armed: bool = False,
+                after_sends: int | None = None) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+        """The latest weights, waiting until their version is > `after_version` (or, given `after_sends`, until
+        more than that many sends were made): up to `timeout_s`, or, `armed`, until `close()`. Stats time the
+        copy, not the wait."""
+        def ready() -> bool:
+            newer = self._version > after_version or (after_sends is not None and self._sends > after_sends)
+            return self._closed or (self._tensors is not None and newer)
+
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or (self._tensors is not None
-                                                                and self._version > after_version),
-                                       timeout=None if armed else self.timeout_s):
+            if not self._cond.wait_for(ready, timeout=None if armed else self.timeout_s):
                 raise TimeoutError(f"local weight channel: no version > {after_version} was sent "
                                    f"within {self.timeout_s}s")
             if self._closed:
@@ -92,15 +97,22 @@ class LocalWeightChannel:
 
 
 class LocalReceiver:
-    """A `WeightReceiver` view of a LocalWeightChannel that remembers the last version it took."""
+    """A `WeightReceiver` view of a LocalWeightChannel that remembers the last version it took and counts the sends
+    it took part in. Receives are made after their send (`arms_early` False), one per send; the channel keeps only
+    the latest weights, so a receive made late, after the next send too, takes that next version already — and the
+    receive for that next send then returns at once (one send still untaken) instead of waiting for a newer one."""
 
     arms_early = False  # see WeightReceiver.arms_early
 
     def __init__(self, channel: LocalWeightChannel) -> None:
         self.channel = channel
         self.last_version = -1
+        with channel._cond:
+            self.taken = channel._sends  # sends counted from its joining on, as a new collective member's
 
     def receive(self, *, armed: bool = False) -> tuple[dict[str, Tensor], int, dict[str, float]]:
-        tensors, version, stats = self.channel.receive(after_version=self.last_version, armed=armed)
+        tensors, version, stats = self.channel.receive(after_version=self.last_version, armed=armed,
+                                                       after_sends=self.taken)
         self.last_version = version
+        self.taken += 1
         return tensors, version, stats

@@ -170,3 +170,24 @@ def test_the_drivers_form_opens_the_store_once_and_re_forms_the_group_on_it_and_
     assert trainer.joined == [(0, "weights"), (0, "weights-1")] and gens[1].joined == [(2, "weights"), (2, "weights-1")]
     for tensors, version, _ in staged:
         assert version == 3 and torch.equal(tensors["embed.weight"], _state(5)["embed.weight"])
+
+
+def test_a_local_receive_made_after_the_next_send_leaves_that_sends_receive_nothing_to_wait_for():
+    """A late receive (made after the trainer's next send too) takes the newer version at once; the receive for that
+    next send then returns it again instead of waiting out the timeout for a version after it (a run at max_staleness
+    2 under load failed so: "no version > 3 was sent within 60s")."""
+    import torch
+
+    from transports.local import LocalWeightChannel
+
+    channel = LocalWeightChannel(timeout_s=0.5)
+    receiver = channel.receiver()
+    channel.send({"w": torch.zeros(2)}, 1)
+    assert receiver.receive()[1] == 1
+    channel.send({"w": torch.ones(2)}, 2)
+    channel.send({"w": torch.full((2,), 3.0)}, 3)     # the receive for version 2 comes late, after this send
+    assert receiver.receive()[1] == 3
+    tensors, version, _ = receiver.receive()           # the receive for version 3's send: no wait
+    assert version == 3 and torch.equal(tensors["w"], torch.full((2,), 3.0))
+    with pytest.raises(TimeoutError, match="no version > 3"):
+        receiver.receive()                             # every send taken: the next receive waits for a send
