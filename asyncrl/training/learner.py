@@ -149,7 +149,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
         self.batching = MicroBatching(trainer.micro_batch_size, trainer.max_tokens_per_micro_batch)
-        if trainer.share_prompts and attention_kind(self.model) is None:
+        if trainer.share_prompts and attention_kind(getattr(self.model, "config", None)) is None:
             raise ValueError("trainer.share_prompts needs the policy's attention to take a custom mask (sdpa or "
                              "eager); this model's does not — set trainer.share_prompts = false")
         # Look the names up now: an unknown name fails at construction, listing the known ones.

@@ -122,7 +122,7 @@ def shared_prompt_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_
     batch's layout if the caller built it already. The model's attention must take a custom mask
     (`sharing.attention_kind`); the head is fused as with chunk > 0, one piece without checkpointing at chunk 0."""
     b, width = input_ids.shape
-    kind = attention_kind(model)
+    kind = attention_kind(getattr(_hf_model(model), "config", None))
     if kind is None:
         raise ValueError("prompt sharing needs sdpa or eager attention (a custom 4D mask)")
     rows = rows if rows is not None else share_prompts(input_ids, attention_mask, response_mask)
@@ -199,9 +199,7 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     and not for models that change the logits after the head (final logit soft-capping)."""
     if hasattr(model, "_orig_mod"):                           # trainer.compile: the graph holds the plain head
         return None
-    inner = getattr(model, "module", model)                   # DDP
-    if hasattr(inner, "get_base_model"):                      # peft
-        inner = inner.get_base_model()
+    inner = _hf_model(model)
     get = getattr(inner, "get_output_embeddings", None)
     config = getattr(inner, "config", None)
     if get is None or getattr(config, "final_logit_softcapping", None):
@@ -210,12 +208,15 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper)."""
+    """Whether the model's forward takes HF's `logits_to_keep` (through a DDP or peft wrapper: peft passes it on)."""
+    return _forward_takes(type(_hf_model(model)), "logits_to_keep")
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model behind trainer.compile's, DDP's and peft's wrappers."""
     inner = getattr(model, "_orig_mod", model)                # torch.compile (trainer.compile)
     inner = getattr(inner, "module", inner)                   # DDP
-    if hasattr(inner, "get_base_model"):                      # peft passes it on to the base model
-        inner = inner.get_base_model()
-    return _forward_takes(type(inner), "logits_to_keep")
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner   # peft
 
 
 @functools.cache

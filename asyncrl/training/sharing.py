@@ -37,14 +37,10 @@ from torch import Tensor
 _MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 
 
-def attention_kind(model: torch.nn.Module) -> str | None:
-    """How the model's attention takes a custom [B, 1, Q, K] mask ("bool" / "additive"), or None where it takes
-    none (flash-attention, flex, a model without a transformers config)."""
-    inner = getattr(model, "_orig_mod", model)                # torch.compile
-    inner = getattr(inner, "module", inner)                   # DDP
-    if hasattr(inner, "get_base_model"):                      # peft
-        inner = inner.get_base_model()
-    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+def attention_kind(config: Any) -> str | None:
+    """How attention under a transformers `config` takes a custom [B, 1, Q, K] mask ("bool" / "additive"), or None
+    where it takes none (flash-attention, flex, no transformers config)."""
+    impl = getattr(config, "_attn_implementation", None)
     return _MASK_KINDS.get(impl) if isinstance(impl, str) else None
 
 

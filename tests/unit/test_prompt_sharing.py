@@ -100,7 +100,7 @@ def test_shared_prompts_give_the_padded_batchs_logprobs_entropy_and_gradients(at
     its prompt and itself at the padded row's positions, so every number equals the padded forward's."""
     model = _tiny_model().double()
     model.config._attn_implementation = attention
-    assert attention_kind(model) == {"sdpa": "bool", "eager": "additive"}[attention]
+    assert attention_kind(model.config) == {"sdpa": "bool", "eager": "additive"}[attention]
     samples = _grouped_samples(_learner(False))
     samples = [samples[i] for i in (0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8)]          # sample 11 left out: 3 alone
     batch = collate(samples, torch.zeros(len(samples)), PAD)
