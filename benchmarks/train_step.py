@@ -168,7 +168,7 @@ class BareStep:
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + self.algorithm.adv_eps)).view(-1, 1)
         with t("forward + logprobs"):
             kwargs = {"autocast": precision.autocast_dtype(self.trainer.mixed_precision),
-                      "chunk": self.trainer.logprob_chunk_tokens}
+                      "chunk": self.trainer.logprob_chunk_tokens, "float_head": self.trainer.lm_head_fp32}
             if self.shared is not None:
                 kwargs["rows"] = self.shared
             fn = shared_prompt_logprobs if self.shared is not None else token_logprobs

@@ -245,6 +245,13 @@ class TrainerConfig(Section):
            "trainer's logprobs and entropy never hold more than this many rows of full-vocabulary logits, and the "
            "backward recomputes each chunk's (training/logprobs.py)", ge=0),
     ] = 0
+    lm_head_fp32: Annotated[
+        bool,
+        _d("under mixed_precision = 'bf16', the output layer's product (hidden states x LM head) in float32: "
+           "bfloat16 logits are rounded by up to 1/16 at magnitudes 16-32, ~0.03 nats off each token's logprob, "
+           "and that rounding biases the policy gradient (TRL's chunked logprob kernel keeps this product in "
+           "float32 for the same reason); costs the head's share of the step at float32 speed (training/logprobs.py)"),
+    ] = True
     router_aux_loss_coef: Annotated[
         float,
         _d("a mixture-of-experts policy's load-balancing loss, times this coefficient, added to the policy loss "

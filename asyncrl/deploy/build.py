@@ -146,7 +146,8 @@ def build_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Da
         reference = AdapterOffReference(model, pad_token_id=pad_id, micro_batch_size=cfg.trainer.micro_batch_size,
                                         device=device, mixed_precision=cfg.trainer.mixed_precision,
                                         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
-                                        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+                                        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                                        lm_head_fp32=cfg.trainer.lm_head_fp32)
     elif a.kl_mode != "off" and cfg.reference.where == "trainer":
         reference = build_reference(cfg, device)
     if a.safe_rlhf:

@@ -100,4 +100,5 @@ def build_reference(cfg: Config, device: str = "cpu") -> ReferencePolicy:
                                 mixed_precision=cfg.trainer.mixed_precision,
                                 max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
                                 logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                                lm_head_fp32=cfg.trainer.lm_head_fp32,
                                 routing_replay=cfg.algorithm.routing_replay)

@@ -194,7 +194,8 @@ class Learner:
         training/logprobs.py (trainer.logprob_chunk_tokens, pack_sequences, share_prompts). `rows`: the batch's
         shared layout where the caller built it (trainer.share_prompts)."""
         model = self.model if model is None else model
-        kwargs = {"entropy_grad": entropy_grad, "autocast": self.autocast, "chunk": self.trainer.logprob_chunk_tokens}
+        kwargs = {"entropy_grad": entropy_grad, "autocast": self.autocast, "chunk": self.trainer.logprob_chunk_tokens,
+                  "float_head": self.trainer.lm_head_fp32}
         if self.trainer.share_prompts:
             return shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature, rows=rows,
                                           **kwargs)

@@ -55,7 +55,8 @@ from asyncrl.training.sharing import SharedRows, attention_kind, share_prompts
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, response_mask: Tensor,
                    temperature: float | Tensor, *, entropy_grad: bool = False, autocast: torch.dtype | None = None,
-                   chunk: int = 0, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   chunk: int = 0, position_ids: Tensor | None = None,
+                   float_head: bool = False) -> tuple[Tensor, Tensor]:
     """input_ids, attention_mask, response_mask [B, L] (right-padded prompt+response; attention_mask None with
     `position_ids` for packed rows), temperature (float, [B] or [B, L]) -> (logprobs [B, L], entropy [B, L]); both
     0 outside response_mask.
@@ -63,20 +64,22 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     logprobs[b, t] = log_softmax(logits[b, t-1] / T)[input_ids[b, t]] in float32 (float64 for a float64 model),
     with grad if enabled; entropy of the same distribution, with grad only if `entropy_grad` (the entropy bonus
     trains through it; the diagnostic does not). `autocast` (trainer.mixed_precision): the model's forward runs
-    under torch.autocast in that dtype; the maths on its logits stays float32. `chunk`: module doc.
+    under torch.autocast in that dtype; the maths on its logits stays float32. `chunk`: module doc. `float_head`
+    (trainer.lm_head_fp32): under autocast, the output layer's product in float32 too (module doc).
     """
     b, width = input_ids.shape
     read = response_mask.bool().clone()
     read[:, 0] = False                                        # position 0 has nothing before it
     temp = _per_position(temperature, b, width, input_ids.device)
     targets, temps = input_ids[read], temp[read]              # one per read position, row-major
-    head = _output_head(model) if chunk > 0 else None
+    head = _output_head(model)
+    float_head = float_head and autocast is not None
     kwargs: dict[str, Any] = {"use_cache": False}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    if head is not None:
+    if head is not None and chunk > 0:
         src = read[:, 1:].nonzero()                           # (row, column) of the states that predict a read token
-        with _fused_head(head, src[:, 0] * width + src[:, 1], targets, temps, chunk, entropy_grad), \
+        with _fused_head(head, src[:, 0] * width + src[:, 1], targets, temps, chunk, entropy_grad, float_head), \
                 precision.autocast(input_ids.device, autocast):
             out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits   # [n, 2]
         tok_logp, entropy = out[:, 0], out[:, 1]
@@ -86,7 +89,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
         keep = width - (first - 1) if _takes_logits_to_keep(model) else width
         if keep < width:
             kwargs["logits_to_keep"] = keep
-        with precision.autocast(input_ids.device, autocast):
+        with _patched(head, _float32_forward(head) if head is not None and float_head else None), \
+                precision.autocast(input_ids.device, autocast):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
         start = width - logits.shape[1]                       # logits column c predicts token start + c + 1
         rows = logits[:, :-1][read[:, start + 1 :]]           # [n, V]: one row per read position
@@ -116,7 +120,7 @@ def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
 def shared_prompt_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
                            response_mask: Tensor, temperature: float | Tensor, *, entropy_grad: bool = False,
                            autocast: torch.dtype | None = None, chunk: int = 0,
-                           rows: SharedRows | None = None) -> tuple[Tensor, Tensor]:
+                           rows: SharedRows | None = None, float_head: bool = False) -> tuple[Tensor, Tensor]:
     """`token_logprobs` of a collated batch with each prompt computed once for all its samples (trainer.share_prompts,
     training/sharing.py): the same numbers as the padded forward, at the batch's [B, L] positions. `rows`: the
     batch's layout if the caller built it already. The model's attention must take a custom mask
@@ -134,7 +138,7 @@ def shared_prompt_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_
               "use_cache": False}
     head = _output_head(model)
     if head is not None:
-        with _fused_head(head, rows.src, targets, temps, chunk, entropy_grad), \
+        with _fused_head(head, rows.src, targets, temps, chunk, entropy_grad, float_head and autocast is not None), \
                 precision.autocast(input_ids.device, autocast):
             out = model(**kwargs).logits                      # [n, 2]
         tok_logp, entropy = out[:, 0], out[:, 1]
@@ -169,11 +173,12 @@ def _head_chunk(head_forward: Any, hidden: Tensor, targets: Tensor, temps: Tenso
 
 @contextlib.contextmanager
 def _fused_head(head: torch.nn.Module, src: Tensor, targets: Tensor, temps: Tensor, chunk: int,
-                entropy_grad: bool) -> Iterator[None]:
+                entropy_grad: bool, float_head: bool = False) -> Iterator[None]:
     """For the span of one forward, `head(hidden [B, L, H])` -> [n, 2]: the (logprob, entropy) of the n read
     tokens, `src` [n] indexing the flattened [B * L] hidden states that predict them, `chunk` rows at a time under
-    checkpointing (chunk 0: all rows at once, kept for the backward as the plain head's logits would be)."""
-    plain = head.forward                                      # the bound method: no hooks run twice
+    checkpointing (chunk 0: all rows at once, kept for the backward as the plain head's logits would be);
+    `float_head`: each chunk's product in float32 (`_float32_forward`)."""
+    plain = _float32_forward(head) if float_head else head.forward   # the bound method: no hooks run twice
 
     def fused(hidden: Tensor) -> Tensor:
         h = hidden.flatten(0, 1)[src]                         # [n, H]
@@ -187,11 +192,38 @@ def _fused_head(head: torch.nn.Module, src: Tensor, targets: Tensor, temps: Tens
             return hidden.new_zeros((0, 2), dtype=torch.promote_types(hidden.dtype, torch.float32))
         return torch.cat(parts)
 
-    head.forward = fused                                      # an instance attribute: the state dict is untouched
+    with _patched(head, fused):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(head: torch.nn.Module | None, forward: Any) -> Iterator[None]:
+    """`head.forward` replaced by `forward` for the span (None: left alone); an instance attribute, so the
+    module's hooks still run once and its state dict is untouched."""
+    if head is None or forward is None:
+        yield
+        return
+    head.forward = forward
     try:
         yield
     finally:
         del head.forward
+
+
+def _float32_forward(head: torch.nn.Module) -> Any:
+    """The output layer's forward with its product in float32 whatever the autocast around it: the hidden
+    states (float32 under autocast: the residual stream's dtype) times the weight (the float32 master, or a
+    bfloat16 model's weight upcast), logits in float32 — not rounded to bfloat16 (module doc)."""
+    plain = head.forward
+
+    def forward(hidden: Tensor) -> Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight = getattr(head, "weight", None)
+            if isinstance(head, torch.nn.Linear) and weight is not None and weight.dtype != torch.float32:
+                bias = None if head.bias is None else head.bias.float()
+                return torch.nn.functional.linear(hidden.float(), weight.float(), bias)
+            return plain(hidden.float())
+    return forward
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:

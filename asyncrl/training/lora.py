@@ -200,7 +200,8 @@ class AdapterOffReference(ReferencePolicy):
 
     def __init__(self, policy: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
                  device: str | torch.device = "cpu", mixed_precision: str = "no",
-                 max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0) -> None:
+                 max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0,
+                 lm_head_fp32: bool = True) -> None:
         # not ReferencePolicy.__init__: it freezes and moves its model, and this one is the policy
         from asyncrl.training import precision
         from asyncrl.training.micro import MicroBatching
@@ -212,6 +213,7 @@ class AdapterOffReference(ReferencePolicy):
         self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)
         self.tokens_scored = 0
         self.chunk = logprob_chunk_tokens
+        self.float_head = lm_head_fp32
         self.routing = None  # an MoE policy's routers carry the Learner's RoutingReplay: it hands it over (replay)
 
     def response_logprobs(self, trajectories: list[Any], parts: list[list[int]] | None = None) -> list[list[float]]:

@@ -28,7 +28,8 @@ class ReferencePolicy:
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, micro_batch_size: int = 64,
                  device: str | torch.device = "cpu", mixed_precision: str = "no",
-                 max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0) -> None:
+                 max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0,
+                 lm_head_fp32: bool = True) -> None:
         self.device = torch.device(device)
         self.autocast = precision.autocast_dtype(mixed_precision)  # the policy's autocast (training/precision.py)
         self.model = model.to(self.device).eval()
@@ -38,6 +39,7 @@ class ReferencePolicy:
         self.batching = MicroBatching(micro_batch_size, max_tokens_per_micro_batch)  # the policy's (micro.py)
         self.tokens_scored = 0
         self.chunk = logprob_chunk_tokens  # the policy's trainer.logprob_chunk_tokens (training/logprobs.py)
+        self.float_head = lm_head_fp32     # the policy's trainer.lm_head_fp32: KL compares like with like
         self.routing: RoutingReplay | None = None  # an MoE reference under routing replay (`replay_routing`)
 
     def replay_routing(self, mode: str) -> None:
@@ -49,7 +51,7 @@ class ReferencePolicy:
     def load(cls, path: str, *, dtype: str, pad_token_id: int, micro_batch_size: int = 64,
              mixed_precision: str = "no", device: str | torch.device = "cpu",
              max_tokens_per_micro_batch: int = 0, logprob_chunk_tokens: int = 0,
-             routing_replay: str = "off") -> "ReferencePolicy":
+             routing_replay: str = "off", lm_head_fp32: bool = True) -> "ReferencePolicy":
         """Under mixed precision the frozen model needs no float32 master copy: it is loaded in the autocast
         dtype, whatever `dtype` (model.dtype) says, and runs under the policy's autocast."""
         from engines.hf import load_model
@@ -58,7 +60,8 @@ class ReferencePolicy:
         log.info("reference policy: loading %s (%s)", path, dtype)
         ref = cls(load_model(path, dtype=dtype, device=device), pad_token_id=pad_token_id,
                   micro_batch_size=micro_batch_size, device=device, mixed_precision=mixed_precision,
-                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_chunk_tokens=logprob_chunk_tokens)
+                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_chunk_tokens=logprob_chunk_tokens,
+                  lm_head_fp32=lm_head_fp32)
         ref.replay_routing(routing_replay)
         return ref
 
@@ -74,7 +77,7 @@ class ReferencePolicy:
             with replayed(self.routing, part, batch):
                 logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
                                              batch.response_mask, batch.temperature, autocast=self.autocast,
-                                             chunk=self.chunk)
+                                             chunk=self.chunk, float_head=self.float_head)
             width = max(len(t.response_ids) for t in part)
             rows = gather_response(batch, part, logprobs, max(width, 1))
             for k, (i, t) in enumerate(zip(idx, part)):

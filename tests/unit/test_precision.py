@@ -92,6 +92,69 @@ def test_bf16_logprobs_stay_float32_and_close_to_the_float32_forward():
     assert not torch.equal(got[0, len(t.prompt_ids):], want)  # bf16 matmuls: close, not the same
 
 
+def _sharp_model() -> torch.nn.Module:
+    """`_model` with a real LM's logit scale (tens, where bf16 rounds a logit by up to 1/16), not a fresh one's."""
+    model = _model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def _float_head_logprobs(model: torch.nn.Module, ids: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+    """What trainer.lm_head_fp32 computes, by hand: the body under bf16 autocast, then hidden x head in float32."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp[resp[:, 1:]]
+
+
+@pytest.mark.parametrize("layout", [{}, {"logprob_chunk_tokens": 3}, {"pack_sequences": True},
+                                    {"share_prompts": True}])
+def test_under_bf16_the_lm_head_runs_in_float32_unless_turned_off(layout):
+    """trainer.lm_head_fp32 (default on): the body's matmuls in bf16, the head's product in float32 — in every
+    layout of the forward; off, the head's logits are bf16 and its logprobs are the rounded ones."""
+    t = _samples(4)[3]                                         # 4 response tokens
+    ids = torch.tensor([t.prompt_ids + t.response_ids])
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    resp[0, len(t.prompt_ids):] = True
+    want = _float_head_logprobs(_sharp_model(), ids, resp)
+    for on in (True, False):
+        learner = _learner(_sharp_model(), mixed_precision="bf16", lm_head_fp32=on, **layout)
+        assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+        seen, handle = _output_dtypes(learner.model.lm_head)  # the plain head's logits (fused: its [n, 2] rows)
+        with torch.no_grad():
+            got, _ = learner.sequence_logprobs(ids, torch.ones_like(ids), resp, 1.0)
+        handle.remove()
+        got = got[0, resp[0].clone().index_fill_(0, torch.tensor([0]), False)]
+        if not layout:
+            assert set(seen) == {torch.float32 if on else torch.bfloat16}
+        # packing's one row runs attention over other shapes: its bf16 body rounds elsewhere
+        close = torch.allclose(got, want, atol=1e-2 if layout.get("pack_sequences") else 1e-5)
+        assert close if on else not torch.allclose(got, want, atol=1e-3), (on, (got - want).abs().max())
+
+
+def test_a_bf16_reference_runs_its_head_in_float32_on_its_upcast_weight(tiny_model_dir):
+    """The frozen reference keeps bf16 weights under mixed precision; with lm_head_fp32 its head's product is
+    float32 all the same (the weight upcast for it), as the policy's is."""
+    trajs = _samples(3, vocab=TINY_VOCAB)
+    got = {}
+    for on in (True, False):
+        ref = ReferencePolicy.load(str(tiny_model_dir), dtype="float32", pad_token_id=PAD, mixed_precision="bf16",
+                                   lm_head_fp32=on)
+        seen, handle = _output_dtypes(ref.model.lm_head)
+        got[on] = ref.response_logprobs(trajs)
+        handle.remove()
+        assert ref.model.lm_head.weight.dtype == torch.bfloat16
+        assert set(seen) == ({torch.float32} if on else {torch.bfloat16})
+    for t, row in zip(trajs, got[True]):
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        resp = torch.zeros_like(ids, dtype=torch.bool)
+        resp[0, len(t.prompt_ids):] = True
+        want = _float_head_logprobs(ref.model, ids, resp)
+        assert torch.allclose(torch.tensor(row), want, atol=1e-5)
+
+
 def test_bf16_on_a_cpu_that_only_emulates_it_warns_once(monkeypatch, caplog):
     """bf16 pays on a CPU with AVX512-BF16 or AMX; elsewhere its products are emulated (slower than float32): one
     warning naming the settings, not an error (the run is still correct)."""
