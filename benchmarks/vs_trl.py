@@ -11,17 +11,19 @@ runs/trl-venv; made on first use: torch==2.13.0 first, then trl, and the transfo
 this environment has) and trains there, in its own process; asyncrl trains with `asyncrl launch`, as a user runs
 it. The two run one after the other, never side by side, on every core of the machine.
 
-The same job for both (`trl_settings`): the model folder, the train rows (TRL's conversational form, rendered by
-the model's chat template in both), the reward function (reward.fn, called with each row's fields), prompts per
-step x group size, one optimizer step per step (over gradient-accumulated micro-batches where asyncrl's config
-micro-batches: `micro_batch`), the learning rate and its constant schedule, AdamW's betas and
-weight decay, gradient clipping, steps, max new tokens, the sampling temperature, the clip epsilon, no KL term,
-the loss aggregation (token-mean is TRL's "dapo"), group-normalised advantages, bf16 autocast where asyncrl's
-config asks for it, torch threads. What differs is the frameworks: TRL generates with HF `generate` and trains
-strictly on-policy, step after step; asyncrl generates with its own engine, overlapped with training at the
-config's max_staleness. Neither evaluates during the run (asyncrl's trainer.eval_every is set to 0), and both
-write the final model only (asyncrl's export; its durable checkpoint after the last step, run.save_every_s, is
-off: TRL's save_strategy is "no").
+The same job for both (`trl_settings`): the model folder, the train rows (TRL's conversational form, rendered by the
+model's chat template in both) in the same order (`prompt_order`: asyncrl's for the seed, so step s trains on the
+same prompts in both and a seed compares the frameworks on the same data), the reward function (reward.fn, called
+with each row's fields), prompts per step x group size, one optimizer step per step (over gradient-accumulated
+micro-batches where asyncrl's config micro-batches: `micro_batch`), the learning rate and its constant schedule,
+AdamW's betas and weight decay, gradient clipping, steps, max new tokens, the sampling temperature, the clip
+epsilon, no KL term, the loss aggregation (token-mean is TRL's "dapo"), group-normalised advantages, bf16 autocast
+where asyncrl's config asks for it (the LM head's product in float32 in both: trainer.lm_head_fp32, TRL's logprob
+kernel), torch threads. What differs is the frameworks: TRL generates with HF `generate` and trains strictly
+on-policy, step after step; asyncrl generates with its own engine, overlapped with training at the config's
+max_staleness. Neither evaluates during the run (asyncrl's trainer.eval_every is set to 0), and both write the final
+model only (asyncrl's export; its durable checkpoint after the last step, run.save_every_s, is off: TRL's
+save_strategy is "no").
 
 The shared evaluator (`evaluate`): HF `generate` in this environment, in float32, on the job's held-out rows, all
 at once with left padding: greedy, and sampled at T = 1 with a fixed seed; each completion scored by the job's
@@ -29,8 +31,10 @@ reward. It judges the base model once and each final model (asyncrl's export, TR
 
 Figures per framework and seed: wall (the process, launch to exit), start-up (launch to the first step: asyncrl's
 summary.json startup_s; TRL's on_train_begin), s/step (mean over steps after the first), held-out greedy and
-sampled reward, the trainer's peak resident memory. The last line is JSON: value = asyncrl's mean wall, baseline =
-TRL's (seconds), ratio = baseline / value (lower is better: the speed-up; target 2.0); "greedy"/"sampled" carry
+sampled reward, the trainer's peak resident memory, and the policy's token entropy on its training samples at the
+first and the last step (asyncrl's trainer/entropy, TRL's logged entropy: how far each run narrowed). The last
+line is JSON: value = asyncrl's mean wall, baseline = TRL's (seconds), ratio = baseline / value (lower is better:
+the speed-up; target 2.0); "greedy"/"sampled" carry
 both frameworks' held-out rewards, seed by seed.
 
 Each judged run keeps its figures in its folder (`OUT/<framework>-<seed>/result.json`, with the commit and time
@@ -90,8 +94,28 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
         "beta": 0.0, "epsilon": a.clip_eps, "loss_type": LOSS_TYPES[a.loss_agg], "scale_rewards": "group",
         "bf16": t.mixed_precision == "bf16", "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "use_cpu": True, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
-        "dataloader_num_workers": 0,
+        "dataloader_num_workers": 0, "shuffle_dataset": False,  # the rows come in asyncrl's order (`prompt_order`)
     }
+
+
+def prompt_order(cfg: Any, seed: int) -> list[dict[str, Any]]:
+    """The train rows in the order asyncrl's generators prompt with them at run.seed = `seed` (its PromptStream,
+    seeded as asyncrl/deploy/build.py seeds it), enough for the run's steps twice over: TRL reads them in this
+    order (shuffle_dataset off), so both frameworks train step s on the same prompts. At max_staleness 0 asyncrl
+    consumes its groups in admission order, P per step; at k > 0 a step may take groups admitted a version or
+    more earlier, still in this order."""
+    import msgspec
+
+    from asyncrl.data.prompts import PromptEncoder, prompt_rows
+    from asyncrl.data.rows import PromptStream
+    from asyncrl.deploy.build import derive_seed
+    from engines.hf import load_tokenizer
+
+    # the rows as the generators screen them (data.overlong), unrendered: TRL renders them with the same template
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, seed=seed))
+    rows, _ = prompt_rows(cfg, "train", PromptEncoder(load_tokenizer(cfg.model.path), cfg.data))
+    stream = PromptStream(rows, seed=derive_seed(seed, "data"), shuffle=cfg.data.shuffle)
+    return [stream.row(i) for i in range(2 * cfg.trainer.total_steps * cfg.trainer.prompts_per_step)]
 
 
 def micro_batch(batch: int, micro_batch_size: int, token_budget: int, longest: int) -> int:
@@ -142,7 +166,7 @@ def trl_worker(spec: dict[str, Any]) -> None:
     torch.set_num_threads(spec["threads"])
     module, name = spec["reward"].split(":")
     reward = getattr(importlib.import_module(module), name)
-    dataset = load_dataset("json", data_files=spec["train"], split="train")
+    dataset = load_dataset("json", data_files=spec["train"], split="train")  # in asyncrl's prompt order
     fields = [c for c in dataset.column_names if c != "prompt"]
 
     def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
@@ -172,8 +196,10 @@ def trl_worker(spec: dict[str, Any]) -> None:
     trainer.train()
     trainer.save_model(str(Path(spec["out"]) / "final"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    entropy = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    Path(spec["out"], "times.json").write_text(json.dumps({**times, "train_rewards": rewards, "peak_gb": peak_gb}))
+    Path(spec["out"], "times.json").write_text(json.dumps({**times, "train_rewards": rewards, "train_entropy": entropy,
+                                                           "peak_gb": peak_gb}))
 
 
 def evaluate(model_dir: Path, tokenizer_dir: Path, rows: list[dict[str, Any]], reward: Any, max_new_tokens: int,
@@ -253,7 +279,9 @@ def run_asyncrl(config: Path, sets: list[str], seed: int, out: Path) -> dict[str
     return {"wall_s": wall, "startup_s": summary["startup_s"], "step_s": statistics.mean(steps[1:] or steps),
             "peak_gb": summary.get("memory/trainer_peak_gb"),
             "padded_share": statistics.mean(padded) if padded else None,
-            "train_rewards": [r["reward/mean"] for r in rows if "reward/mean" in r], "model": out / "checkpoint"}
+            "train_rewards": [r["reward/mean"] for r in rows if "reward/mean" in r],
+            "train_entropy": [r["trainer/entropy"] for r in rows if "trainer/entropy" in r],
+            "model": out / "checkpoint"}
 
 
 def run_trl(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
@@ -267,7 +295,7 @@ def run_trl(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
     steps = times["steps"]
     return {"wall_s": wall, "startup_s": times["train_begin"] - t0, "step_s": statistics.mean(steps[1:] or steps),
             "peak_gb": times["peak_gb"], "padded_share": None, "train_rewards": times["train_rewards"],
-            "model": out / "final"}
+            "train_entropy": times.get("train_entropy", []), "model": out / "final"}
 
 
 def _spread(values: list[float]) -> str:
@@ -324,14 +352,20 @@ def main() -> None:
           f"({len(held_out)} rows)", flush=True)
     results: dict[str, list[dict[str, Any]]] = {"asyncrl": [], "trl": []}
     for seed in args.seeds:
+        ordered = args.out / f"trl-{seed}" / "train.jsonl"   # the train rows in asyncrl's order for this seed
+
+        def trl_run(seed: int = seed, ordered: Path = ordered) -> dict[str, Any]:
+            ordered.parent.mkdir(parents=True, exist_ok=True)
+            ordered.write_text("".join(json.dumps(r) + "\n" for r in prompt_order(cfg, seed)))
+            return run_trl(python(), {"out": str(args.out / f"trl-{seed}"), "seed": seed, "threads": threads,
+                                      "settings": settings, "model": str(model), "train": str(ordered),
+                                      "reward": cfg.reward.fn})
+
         runs = (("asyncrl", lambda: run_asyncrl(JOBS[args.job], args.set, seed, args.out / f"asyncrl-{seed}")),
-                ("trl", lambda: run_trl(python(), {"out": str(args.out / f"trl-{seed}"), "seed": seed,
-                                                    "threads": threads, "settings": settings,
-                                                    "model": str(model), "train": str(cfg.data.path),
-                                                    "reward": cfg.reward.fn})))
+                ("trl", trl_run))
         for name, run in runs if seed % 2 == 0 else reversed(runs):  # alternate which goes first
             key = {"job": args.job, "sets": args.set, "seed": seed, "eval": base["key"],
-                   "version": TRL_VERSION if name == "trl" else None}
+                   "version": TRL_VERSION if name == "trl" else None, "prompts": "asyncrl's order"}
 
             def judged(run: Any = run) -> dict[str, Any]:
                 result = run()
@@ -346,7 +380,8 @@ def main() -> None:
             when = f"  (kept: {result['measured_at']}, {result['commit']})" if result.get("kept") else ""
             print(f"seed {seed} {name:8s} wall {result['wall_s']:6.1f} s  start-up {result['startup_s']:5.1f} s  "
                   f"{result['step_s']:5.2f} s/step  held-out greedy {result['greedy']:.3f} sampled "
-                  f"{result['sampled']:.3f}  peak {result['peak_gb'] or 0:.2f} GB{when}", flush=True)
+                  f"{result['sampled']:.3f}  peak {result['peak_gb'] or 0:.2f} GB  policy entropy "
+                  f"{_ends(result.get('train_entropy'))}{when}", flush=True)
 
     print(f"\n{args.job} job, seeds {args.seeds}: mean ± sd over the seeds each framework has")
     print("| framework | seeds | wall s | start-up s | s/step | held-out greedy | held-out sampled | trainer peak GB |"
@@ -367,6 +402,11 @@ def main() -> None:
                       "greedy": {n: [round(r["greedy"], 3) for r in rs] for n, rs in results.items()},
                       "sampled": {n: [round(r["sampled"], 3) for r in rs] for n, rs in results.items()},
                       "seeds": {n: [r["key"]["seed"] for r in rs] for n, rs in results.items()}}))
+
+
+def _ends(values: list[float] | None) -> str:
+    """A per-step series' first -> last value (the policy's entropy over the run), '-' where none was kept."""
+    return f"{values[0]:.2f} -> {values[-1]:.2f}" if values else "-"
 
 
 def _round(value: float | None, digits: int) -> float | None:
