@@ -105,11 +105,13 @@ class EngineTraits:
     records_routing: bool = False  # records an MoE model's routing per position (`record_routing`, for
                           # algorithm.routing_replay); vLLM's needs its V2 model runner (Triton: not on a CPU),
                           # refused with one error at its start where missing
+    fp32_head: bool = False  # takes `lm_head_fp32=True` (rollout.lm_head_fp32): the LM head's product in float32 on
+                          # bfloat16 / float16 weights; vLLM and SGLang compute their logits in their own dtype
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     "torch": EngineTraits(transport="bucketed", in_process=True, ipc=True, sleeps=True, subset_weights=True,
-                          wraps_module=True, records_routing=True),
+                          wraps_module=True, records_routing=True, fp32_head=True),
     "vllm": EngineTraits(transport="bucketed", in_process=False, ipc=False, sleeps=False, subset_weights=False,
                          wraps_module=False, records_routing=True),
     "sglang": EngineTraits(transport="per_tensor", in_process=False, ipc=False, sleeps=False, subset_weights=False,

@@ -67,6 +67,8 @@ class EngineOptions:
                                        # CUDA graph per batch bucket (engines.torch_model._StaticDecode)
     record_routing: bool = False       # an MoE model: each completion carries the experts every position was
                                        # routed to (Completion.routed_experts; engines/routing.py)
+    lm_head_fp32: bool = False         # on bf16 / fp16 weights, the LM head's product in float32 from a float32
+                                       # copy of the head (fast path; engines.torch_model.SlotDecoder)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -158,9 +160,12 @@ class TorchEngine:
             raise ValueError(f"TorchEngine cuda_graphs=True needs a CUDA device, got {device}")
         if reason is None:
             graphs = "cuda" if device.type == "cuda" and options.cuda_graphs is not False else "off"
-            backend = SlotDecoder(model, device, fuse=self._model_path is not None, graphs=graphs)
+            backend = SlotDecoder(model, device, fuse=self._model_path is not None, graphs=graphs,
+                                  fp32_head=options.lm_head_fp32)
         else:
-            log.warning("TorchEngine: HF fallback path (one forward per sequence and step): %s", reason)
+            log.warning("TorchEngine: HF fallback path (one forward per sequence and step): %s%s", reason,
+                        "; its LM head runs in the model's dtype (lm_head_fp32 is the fast path's)"
+                        if options.lm_head_fp32 and model.dtype != torch.float32 else "")
             backend = HFDecoder(model, device, record_routing=options.record_routing)
         self.fast = reason is None
         self.scheduler = Scheduler(

@@ -190,7 +190,8 @@ class SlotDecoder:
     """
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, fuse: bool = False, graphs: str = "off"
+        self, model: torch.nn.Module, device: torch.device, fuse: bool = False, graphs: str = "off",
+        fp32_head: bool = False,
     ) -> None:
         if graphs not in ("off", "cuda", "eager"):
             raise ValueError(f"graphs must be 'off', 'cuda' or 'eager', got {graphs!r}")
@@ -207,6 +208,11 @@ class SlotDecoder:
         self.scale = float(attn.scaling)
         self.dtype = base.embed_tokens.weight.dtype
         self.num_layers = len(base.layers)
+        # fp32_head on lower-precision weights: the logits from a float32 copy of the head, refreshed from the
+        # module's head after every swap (`refresh`), so they are not rounded to bf16 (by up to 1/16 at a real
+        # model's logit scale); the trainer computes the same product in float32 (trainer.lm_head_fp32)
+        self.fp32_head = fp32_head and self.dtype != torch.float32
+        self._head32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._empty_cache()
         # Decode attention: SDPA on accelerators; on CPU two matmuls beat SDPA's kernel at decode shapes.
         self.use_sdpa = device.type != "cpu"
@@ -280,14 +286,30 @@ class SlotDecoder:
                 self._signed_sin.copy_(signed_sin)
         else:
             self._cos, self._arange, self._signed_sin = cos[0], pos, signed_sin
+        if self.fp32_head:
+            self._refresh_head32()
         key = self._addresses()
         if key != self._static_key:  # a Parameter was replaced (not written into): captured steps are stale
             self._static.clear()
             self._static_key = key
 
+    def _refresh_head32(self) -> None:
+        """The float32 copy of the LM head (and bias) written in place from the module's, so its address stays."""
+        head = self.model.lm_head
+        with torch.no_grad():
+            if self._head32 is None or self._head32[0].shape != head.weight.shape:
+                bias = None if head.bias is None else head.bias.detach().float()
+                self._head32 = (head.weight.detach().float(), bias)
+                return
+            self._head32[0].copy_(head.weight)
+            if head.bias is not None and self._head32[1] is not None:
+                self._head32[1].copy_(head.bias)
+
     def _addresses(self) -> tuple:
         """Storage addresses of every tensor a decode step reads (weights, tables, cache)."""
         out: list[int] = [self.k.data_ptr(), self.v.data_ptr(), self._cos.data_ptr(), self._signed_sin.data_ptr()]
+        if self._head32 is not None:
+            out.append(self._head32[0].data_ptr())
         model = self.model.model
         for t in (model.embed_tokens.weight, model.norm.weight, self.model.lm_head.weight, self.model.lm_head.bias):
             out.append(0 if t is None else t.data_ptr())
@@ -498,7 +520,10 @@ class SlotDecoder:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         norm, head = self.model.model.norm, self.model.lm_head
-        return F.linear(_rms_norm(hidden, norm.weight, norm.variance_epsilon), head.weight, head.bias)
+        normed = _rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        if self._head32 is not None:  # fp32_head: float32 logits (the normed states are exact in float32)
+            return F.linear(normed.float(), *self._head32)
+        return F.linear(normed, head.weight, head.bias)
 
 
 class _StaticDecode:

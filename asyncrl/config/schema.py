@@ -169,6 +169,14 @@ class RolloutConfig(Section):
         _d("after an in-flight swap, recompute the KV cache of unfinished sequences (exact) or keep it (a mixture of "
            "versions, recorded on the trajectory)"),
     ] = "recompute"
+    lm_head_fp32: Annotated[
+        bool,
+        _d("on bfloat16 / float16 engine weights (rollout.dtype), the LM head's product in float32 from a float32 "
+           "copy of the head: bf16 logits are rounded by up to 1/16 at a real model's scale, so the sampled "
+           "distribution is not the trainer's; with trainer.lm_head_fp32 both compute it alike. The native engine's "
+           "(vLLM and SGLang compute logits in their own dtype); costs the head's float32 copy (113 MB for "
+           "SmolLM2-135M) and its product at float32 speed"),
+    ] = True
     stop_token_ids: Annotated[list[int], _d("token ids that end a response besides the model's eos, e.g. [2, 3]")] = []
     stop: Annotated[
         list[str],

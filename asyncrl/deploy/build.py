@@ -42,6 +42,12 @@ from engines.hf import load_model, load_tokenizer, torch_dtype
 log = logging.getLogger(__name__)
 
 
+def head_options(cfg: Config, engine: str | None = None) -> dict[str, Any]:
+    """The engine keyword for rollout.lm_head_fp32 where engine `engine` (default rollout.engine) takes it
+    (EngineTraits.fp32_head); nothing otherwise: vLLM and SGLang compute their logits in their own dtype."""
+    return {"lm_head_fp32": True} if cfg.rollout.lm_head_fp32 and traits(engine or cfg.rollout.engine).fp32_head else {}
+
+
 def derive_seed(base: int, *keys: object) -> int:
     """A stable 31-bit seed per (base, keys): each generator and role gets its own stream."""
     digest = hashlib.sha256(repr((base, *keys)).encode()).digest()
@@ -95,6 +101,7 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model
     tok, decode = tokenizer_fns(cfg.model.path)
     # algorithm.routing_replay: the engine records an MoE model's routing (the native engine: config checks)
     routing = {"record_routing": True} if cfg.algorithm.routing_replay != "off" else {}
+    routing.update(head_options(cfg))
     if shared_model is not None:
         from engines.hf import eos_token_ids
         from engines.torch_engine import TorchEngine
@@ -185,7 +192,8 @@ def build_trainer(cfg: Config, buffer: Any, parallel: DataParallel | None = None
         rows, _ = prompt_rows(cfg, "eval", encoder)
         engine = TorchEngine.from_model(model if eval_model is None else eval_model, eos_token_ids=eos_token_ids(model),
                                         max_prompt_len=cfg.data.max_prompt_len,
-                                        seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode)
+                                        seed=derive_seed(cfg.run.seed, "eval"), detokenize=decode,
+                                        **head_options(cfg, "torch"))
         if cfg.env is not None:  # held-out env episodes on the same engine and rows (they bring their rewards)
             from asyncrl.envs.setup import env_evaluator
 

@@ -224,6 +224,23 @@ def test_the_dtype_of_each_copy_follows_model_dtype_rollout_dtype_and_mixed_prec
         precision.autocast_dtype("fp8")
 
 
+def test_rollout_lm_head_fp32_reaches_the_native_engines_only(make_config, tiny_model_dir):
+    """rollout.lm_head_fp32 (default on) is a keyword of the engines that take it (EngineTraits.fp32_head): the
+    native engine's fast path on bf16 weights then keeps a float32 head; vLLM and SGLang are not given it."""
+    from asyncrl.deploy.build import head_options
+
+    cfg = make_config('rollout.dtype="bfloat16"')
+    assert head_options(cfg) == {"lm_head_fp32": True}
+    assert head_options(cfg, "vllm") == head_options(cfg, "sglang") == {}
+    assert head_options(make_config('rollout.dtype="bfloat16"', "rollout.lm_head_fp32=false")) == {}
+    for options, on in ((head_options(cfg), True), ({}, False)):
+        engine = TorchEngine(str(tiny_model_dir), dtype="bfloat16", **options)
+        try:
+            assert engine.scheduler.backend.fp32_head is on
+        finally:
+            asyncio.run(engine.close())
+
+
 def test_a_model_without_gradient_checkpointing_support_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match="model.gradient_checkpointing: .*set it to false"):
         precision.enable_gradient_checkpointing(torch.nn.Linear(2, 2))

@@ -304,3 +304,32 @@ def test_cuda_graphs_option_needs_cuda():
     model = make("qwen2")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         SlotDecoder(model, torch.device("cpu"), graphs="cuda")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fp32_head_on_bf16_weights_gives_the_logits_before_their_bf16_rounding_and_follows_weight_writes(arch):
+    """rollout.lm_head_fp32: on bf16 weights the fast path's logits come from a float32 copy of the head — the
+    values the bf16 head rounds (at a real model's logit scale, by up to 1/16) — and a weight write followed by
+    `refresh` (what every swap does) reaches that copy."""
+    model = make(arch)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits in the tens, as a trained LM's
+    model = model.to(torch.bfloat16)
+    wide, plain = (SlotDecoder(model, torch.device("cpu"), fp32_head=on) for on in (True, False))
+
+    def logits(backend):
+        backend.capacity(4, 32)
+        with torch.inference_mode():
+            return backend.prefill([PROMPTS[1], PROMPTS[3]], 0, [1, 1])
+
+    for _ in range(2):
+        got, rounded = logits(wide), logits(plain)
+        assert got.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+        assert got.abs().max() > 8  # the scale where bf16 rounding costs hundredths
+        torch.testing.assert_close(rounded.float(), got.bfloat16().float(), atol=0, rtol=2 ** -7)
+        assert not torch.equal(got, got.bfloat16().float())  # float32 values bf16 cannot hold
+        with torch.no_grad():  # a weight write, as an engine's load_weights does, then the swap's refresh
+            model.lm_head.weight.add_(0.25 * torch.randn(model.lm_head.weight.shape).bfloat16())
+        for backend in (wide, plain):
+            backend.refresh()
+    assert not SlotDecoder(make(arch), torch.device("cpu"), fp32_head=True).fp32_head  # float32 weights: nothing to do
