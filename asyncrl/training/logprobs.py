@@ -23,6 +23,11 @@ token), kept for the backward pass, plus the log-softmax and the entropy's proba
 Both give the same numbers (row-wise maths on the same rows); with trainer.compile the head is not patched (the
 compiled graph holds the plain head) and the second way runs.
 
+Under bf16 autocast with `float_head` (trainer.lm_head_fp32, on by default) the head's product runs in float32
+either way: the hidden states (the residual stream's float32 under autocast) times the float32 master weight (a
+bfloat16 model's — the frozen reference's — upcast), so the logits are not rounded to bfloat16, by up to 1/16 at a
+real model's logit scale. Not behind trainer.compile (the graph holds the plain head).
+
 Packing (trainer.pack_sequences, `packed_logprobs`): a micro-batch's samples run as one row of their real tokens,
 no padding; position ids restart at 0 for each sample and HF's attention keeps the samples apart (a
 block-diagonal causal mask under sdpa / eager, varlen kernels under flash-attention). The per-token results go
