@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,7 @@ from asyncrl.deploy.auto import (
     scorers_in_buffer,
     trainer_spread,
 )
+from asyncrl.deploy.native_memory import arena_env
 from asyncrl.deploy.placement import colocated_bundle, uses_gpus, weight_backend
 from asyncrl.deploy.plan import ActorPlan, plan_resources
 from asyncrl.telemetry.metrics import ACTOR_CALLS
@@ -53,6 +55,9 @@ def start_ray(cfg: Config) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, log_to_driver=True)
         return False
+    # the local cluster's processes (raylet, workers, the roles' actors) inherit this environment: glibc's arenas
+    # capped from each process's start (asyncrl/deploy/native_memory.py)
+    os.environ.update(arena_env())
     # cluster.affinity.controller: this process and the cluster's own (raylet, GCS, ...) are pinned once the actors
     # started (`pin_local_cluster`): Ray's start-up and the actors' use every core meanwhile
     ray.init(
@@ -90,17 +95,21 @@ def colocation_group(cfg: Config) -> Any:
     return group
 
 
-def actor_options(plan: ActorPlan, bundle: Any = None, network_interface: str = "") -> dict[str, Any]:
+def actor_options(plan: ActorPlan, bundle: Any = None, network_interface: str = "",
+                  remote: bool = False) -> dict[str, Any]:
     """Ray options of one actor of `plan.role`: its CPUs, GPUs and custom resources (cluster.*_cpus,
     cluster.*_gpus, cluster.resources.<role>; Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns), the
-    network interface of its collectives (cluster.network_interface), and for the trainer and generators the
-    colocation bundle."""
+    network interface of its collectives (cluster.network_interface), on a cluster of its own (`remote`) glibc's
+    arena cap (asyncrl/deploy/native_memory.py), and for the trainer and generators the colocation bundle."""
     options: dict[str, Any] = {"num_cpus": plan.cpus, "num_gpus": plan.gpus, "max_concurrency": 1000}
     if plan.resources:
         options["resources"] = dict(plan.resources)
-    if network_interface:
-        options["runtime_env"] = {"env_vars": {"GLOO_SOCKET_IFNAME": network_interface,
-                                               "NCCL_SOCKET_IFNAME": network_interface}}
+    env = {"GLOO_SOCKET_IFNAME": network_interface, "NCCL_SOCKET_IFNAME": network_interface} \
+        if network_interface else {}
+    if remote:  # a cluster of its own (cluster.address): its workers did not inherit the driver's environment
+        env.update(arena_env())
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     if bundle is not None and plan.role in ("trainer", "generator"):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -143,7 +152,8 @@ class RayDeployment:
         """The actor class of `role` with its resources, in the colocation bundle when the role shares it (a
         restarted generator goes back into it)."""
         return RemoteRoleActor.options(**actor_options(self._plans[role], self._bundle,
-                                                       self.cfg.cluster.network_interface))
+                                                       self.cfg.cluster.network_interface,
+                                                       remote=bool(self.cfg.cluster.address)))
 
     @property
     def actors(self) -> list[Any]:

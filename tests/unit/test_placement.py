@@ -128,3 +128,16 @@ def test_custom_resources_and_the_network_interface_reach_each_actors_ray_option
     assert "resources" not in trainer and "runtime_env" not in trainer and trainer["num_gpus"] == 0
     assert errors_of(write_config({"cluster.resources.trainer": {"gpu_node": 0}}))[0].startswith(
         "cluster.resources.trainer.gpu_node: expected a number > 0")
+
+
+def test_on_a_cluster_of_its_own_each_actor_caps_glibcs_arenas_unless_the_user_set_them(monkeypatch):
+    """A local cluster's processes inherit MALLOC_ARENA_MAX from the driver (start_ray); a cluster's workers at
+    cluster.address do not, so each actor carries it in its runtime_env (asyncrl/deploy/native_memory.py)."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    plan = {p.role: p for p in plan_resources(load_config(write_config({})))}["trainer"]
+    assert "runtime_env" not in actor_options(plan)
+    assert actor_options(plan, remote=True)["runtime_env"]["env_vars"] == {"MALLOC_ARENA_MAX": "2"}
+    assert actor_options(plan, None, "eth1", remote=True)["runtime_env"]["env_vars"] == {
+        "GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "MALLOC_ARENA_MAX": "2"}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert "runtime_env" not in actor_options(plan, remote=True)
