@@ -99,22 +99,23 @@ def build_generator(cfg: Config, generator_id: int, buffer: Any, *, shared_model
     without a copy (in process with cluster.placement = "colocated": asyncrl/deploy/local.py)."""
     seed = derive_seed(cfg.run.seed, "generator", generator_id)
     tok, decode = tokenizer_fns(cfg.model.path)
-    # algorithm.routing_replay: the engine records an MoE model's routing (the native engine: config checks)
-    routing = {"record_routing": True} if cfg.algorithm.routing_replay != "off" else {}
-    routing.update(head_options(cfg))
+    # algorithm.routing_replay: the engine records an MoE model's routing (the native engine: config checks);
+    # rollout.lm_head_fp32 where the engine takes it
+    options = {"record_routing": True} if cfg.algorithm.routing_replay != "off" else {}
+    options.update(head_options(cfg))
     if shared_model is not None:
         from engines.hf import eos_token_ids
         from engines.torch_engine import TorchEngine
 
         engine = TorchEngine.from_model(shared_model, eos_token_ids=eos_token_ids(shared_model),
                                         max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
-                                        kv_on_update=cfg.rollout.kv_on_update, **routing)
+                                        kv_on_update=cfg.rollout.kv_on_update, **options)
     else:
         # an in-process engine on the generator's device (cluster.generator_gpus); vLLM / SGLang place their workers
         where = {"device": role_device(cfg, "generator")} if traits(cfg.rollout.engine).in_process else {}
         engine = create_engine(cfg.rollout.engine, model_path=cfg.model.path, dtype=engine_dtype(cfg),
                                max_prompt_len=cfg.data.max_prompt_len, seed=seed, detokenize=decode,
-                               kv_on_update=cfg.rollout.kv_on_update, **where, **routing)
+                               kv_on_update=cfg.rollout.kv_on_update, **where, **options)
     # one prompt order for the run, indexed by group id (every generator, and a resumed run, agree on it:
     # the same rows, screened by data.overlong the same way)
     encoder = PromptEncoder(tok, cfg.data)
